@@ -1,0 +1,7 @@
+"""Placeholder: filled in by its owner."""
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    pass

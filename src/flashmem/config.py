@@ -1,0 +1,254 @@
+"""FlashMemoryConfig: every knob of the cache, loadable from YAML or keywords.
+
+Keys follow the vocabulary of DESIGN.md. The seed's YAML block
+(`flash_memory:` with `gpu_cache_limit`, `csa_chunk_size`, `hca_chunk_size`,
+`prefetch_window`, `keep_full_layers`) loads as written.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flashmem.errors import ConfigError
+
+FusionRule = Literal["attention_mass", "key_norm", "mean"]
+Scorer = Literal["quest", "mean_key"]
+SummaryBias = Literal["log_size", "none"]
+FusionRope = Literal["rerotate", "raw"]
+ColdStoreKind = Literal["memory", "disk", "layered"]
+ColdCodec = Literal["exact", "int8", "int4"]
+
+
+class FlashMemoryConfig(BaseModel):
+    """Configuration of one FlashMemory cache (all layers share it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    # --- resident, exact ---------------------------------------------------
+    sink_tokens: int = Field(4, ge=0, description="first tokens kept exact and always attended")
+    gpu_cache_limit: int = Field(
+        32768, ge=1, description="recent window W: last tokens kept exact on the device"
+    )
+    # --- sealed history -------------------------------------------------------
+    hca_chunk_size: int = Field(
+        128, ge=1, description="block size B: history unit; one HCA entry per block"
+    )
+    csa_chunk_size: int = Field(4, ge=1, description="tokens fused into one CSA entry")
+    csa_band_tokens: int = Field(
+        1024, ge=0, description="history behind the window kept resident as CSA entries"
+    )
+    fusion_rule: FusionRule = Field(
+        "attention_mass", description="how CSA/HCA fusion weights are computed from the data"
+    )
+    fusion_rope: FusionRope = Field(
+        "rerotate", description="un-rotate keys before pooling and re-rotate at the chunk centre"
+    )
+    summary_bias: SummaryBias = Field(
+        "log_size", description="logit bias of a fused entry: log(tokens it stands for) or none"
+    )
+    # --- index and selection ----------------------------------------------------
+    lsa_scorer: Scorer = Field("quest", description="block scorer of the index")
+    lsa_keep_ratio: float = Field(
+        0.135, gt=0.0, le=1.0, description="fraction of sealed blocks selected per step"
+    )
+    lsa_top_k: int | None = Field(
+        None, ge=0, description="selected blocks per step; overrides lsa_keep_ratio when set"
+    )
+    lsa_min_blocks: int = Field(
+        1, ge=0, description="at least this many blocks are selected when any are sealed"
+    )
+    # --- cold tier and prefetch ---------------------------------------------------
+    cold_store: ColdStoreKind = Field("memory", description="where exact K/V of sealed blocks live")
+    cold_dir: str | None = Field(None, description="folder of the disk cold tier")
+    cold_codec: ColdCodec = Field("exact", description="coding of K/V in the cold tier")
+    working_set_blocks: int = Field(
+        64, ge=0, description="LRU of recently selected blocks kept on the device, per layer"
+    )
+    prefetch_window: int = Field(
+        16384, ge=0, description="tokens around selected blocks that may be prefetched"
+    )
+    prefetch_threads: int = Field(2, ge=0, description="background loader threads (0: off)")
+    persist: bool = Field(False, description="keep the disk cold tier after the cache closes")
+    # --- layers and projections -------------------------------------------------
+    keep_full_layers: list[int] = Field(
+        default_factory=list, description="layers with a plain full cache; negatives from the end"
+    )
+    low_rank_dim: int | None = Field(None, ge=1, description="MLA-style latent dim of K/V")
+    # --- execution ------------------------------------------------------------------
+    prefill_chunk: int = Field(
+        2048, ge=1, description="prompt tokens per prefill chunk (bounds peak memory)"
+    )
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "FlashMemoryConfig":
+        if self.hca_chunk_size % self.csa_chunk_size:
+            raise ValueError(
+                f"hca_chunk_size: {self.hca_chunk_size} is not a multiple of csa_chunk_size "
+                f"({self.csa_chunk_size}); allowed: a multiple such as "
+                f"{self.csa_chunk_size * max(1, round(self.hca_chunk_size / self.csa_chunk_size))}"
+            )
+        if self.cold_store in ("disk", "layered") and not self.cold_dir:
+            raise ValueError(
+                f"cold_dir: required when cold_store is {self.cold_store!r}; "
+                "allowed: a writable folder path"
+            )
+        if len(set(self.keep_full_layers)) != len(self.keep_full_layers):
+            raise ValueError(
+                f"keep_full_layers: {self.keep_full_layers} repeats a layer; allowed: distinct layers"
+            )
+        return self
+
+    # ------------------------------------------------------------------ loading
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(_one_line(exc, data)) from None
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "config") -> "FlashMemoryConfig":
+        """Build from a mapping; accepts the seed's `flash_memory:` wrapper."""
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{source}: top level is {type(data).__name__}; allowed: a mapping "
+                "(optionally under 'flash_memory:')"
+            )
+        if "flash_memory" in data:
+            extra = sorted(str(k) for k in data if k != "flash_memory")
+            if extra:
+                raise ConfigError(
+                    f"{source}: unknown top-level key {extra[0]!r}; allowed: 'flash_memory'"
+                )
+            data = data["flash_memory"] if data["flash_memory"] is not None else {}
+            if not isinstance(data, dict):
+                raise ConfigError(
+                    f"{source}: flash_memory is {type(data).__name__}; allowed: a mapping of keys"
+                )
+        bad = [k for k in data if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(f"{source}: key {bad[0]!r} is not a name; allowed: {_allowed()}")
+        try:
+            return cls(**data)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "FlashMemoryConfig":
+        """Load a YAML file; errors name the file and the key."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file; allowed: a YAML config file") from None
+        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot be read ({type(exc).__name__})") from None
+        return cls.from_yaml_text(text, source=str(path))
+
+    @classmethod
+    def from_yaml_text(cls, text: str, source: str = "config") -> "FlashMemoryConfig":
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or "invalid YAML"
+            raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
+        return cls.from_dict(data, source=source)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump({"flash_memory": self.model_dump()}, sort_keys=False)
+
+    # ------------------------------------------------------------------ binding
+    def resolve_full_layers(self, num_layers: int) -> frozenset[int]:
+        """`keep_full_layers` as non-negative layer indices of a model with `num_layers`."""
+        out = set()
+        for idx in self.keep_full_layers:
+            if not -num_layers <= idx < num_layers:
+                raise ConfigError(
+                    f"keep_full_layers: layer {idx} is outside the model's {num_layers} layers; "
+                    f"allowed: {-num_layers}..{num_layers - 1}"
+                )
+            out.add(idx % num_layers)
+        return frozenset(out)
+
+    def check_for_model(self, num_layers: int) -> None:
+        """Validate the parts of the config that depend on the model."""
+        self.resolve_full_layers(num_layers)
+
+    @property
+    def csa_per_block(self) -> int:
+        return self.hca_chunk_size // self.csa_chunk_size
+
+    def blocks_to_select(self, num_sealed: int) -> int:
+        """How many sealed blocks the selection attends exactly this step."""
+        if num_sealed <= 0:
+            return 0
+        if self.lsa_top_k is not None:
+            k = self.lsa_top_k
+        else:
+            k = int(round(self.lsa_keep_ratio * num_sealed))
+        return max(0, min(num_sealed, max(k, self.lsa_min_blocks)))
+
+
+def _allowed() -> str:
+    return ", ".join(FlashMemoryConfig.model_fields)
+
+
+def _one_line(exc: ValidationError, data: dict[str, Any]) -> str:
+    """Turn pydantic's report into one line naming key, value and what is allowed."""
+    err = exc.errors()[0]
+    loc = err.get("loc") or ()
+    key = str(loc[0]) if loc else ""
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        near = difflib.get_close_matches(key, FlashMemoryConfig.model_fields, n=1, cutoff=0.5)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        return f"unknown key {key!r}; {hint}allowed: {_allowed()}"
+    if not key:  # a model_validator failure: its message already names the key
+        msg = str(err.get("msg", ""))
+        return msg.removeprefix("Value error, ")
+    value = data.get(key, err.get("input"))
+    field = FlashMemoryConfig.model_fields[key]
+    return f"{key}: {value!r} is not allowed; allowed: {_describe(field, kind, err)}"
+
+
+def _describe(field: Any, kind: str, err: dict[str, Any]) -> str:
+    ann = field.annotation
+    ctx = err.get("ctx") or {}
+    bounds = []
+    for m in field.metadata:
+        for name, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            v = getattr(m, name, None)
+            if v is not None:
+                bounds.append(f"{sym} {v}")
+    literal = getattr(ann, "__args__", None)
+    if kind == "literal_error" and "expected" in ctx:
+        return f"one of {ctx['expected']}"
+    text = {
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        str: "a string",
+    }.get(ann)
+    if text is None:
+        s = str(ann).replace("typing.", "")
+        if s.startswith("list[int]"):
+            text = "a list of integers (layer indices)"
+        elif "int" in s and "None" in s:
+            text = "an integer or null"
+        elif "str" in s and "None" in s:
+            text = "a string or null"
+        elif literal:
+            text = "one of " + ", ".join(repr(a) for a in literal)
+        else:
+            text = s
+    if bounds:
+        text += " " + " and ".join(bounds)
+    return text

@@ -1,0 +1,63 @@
+"""The cold-tier interface: exact (or coded) K/V of every sealed block.
+
+The cache talks to a store only through this class, so a new backend (host
+memory, disk, layered RAM-over-disk) is one file. Keys are (layer_idx,
+block_idx); a block's tensors are `[batch, kv_heads, block_tokens, head_dim]`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+BlockKey = tuple[int, int]  # (layer_idx, block_idx)
+
+
+@dataclass
+class StoreStats:
+    """Counters a store keeps; `cache.stats()` merges them per tier."""
+
+    puts: int = 0
+    gets: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class ColdStore(ABC):
+    """Holds sealed blocks off the device; `get` returns them on a chosen device."""
+
+    stats: StoreStats
+
+    @abstractmethod
+    def put(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep a copy of a sealed block. k, v: [batch, kv_heads, B, head_dim].
+
+        May return before the bytes are durable (a background write); the block is
+        readable by `get` as soon as `put` returns.
+        """
+
+    @abstractmethod
+    def get(self, key: BlockKey, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's (k, v), decoded to the dtype it was put with, on `device`."""
+
+    @abstractmethod
+    def __contains__(self, key: BlockKey) -> bool: ...
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes this store holds for its blocks (payload as coded, not Python overhead)."""
+
+    def flush(self) -> None:
+        """Block until every `put` so far is durable."""
+
+    def close(self) -> None:
+        """Release resources; remove files unless the store was asked to persist."""
+
+    def __enter__(self) -> "ColdStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
