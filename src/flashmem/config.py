@@ -66,8 +66,8 @@ class FlashMemoryConfig(BaseModel):
     cold_store: ColdStoreKind = Field("memory", description="where exact K/V of sealed blocks live")
     cold_dir: str | None = Field(None, description="folder of the disk cold tier")
     cold_codec: ColdCodec = Field("exact", description="coding of K/V in the cold tier")
-    working_set_blocks: int = Field(
-        64, ge=0, description="LRU of recently selected blocks kept on the device, per layer"
+    cold_ram_bytes: int = Field(
+        256 * 2**20, ge=0, description="layered store: RAM LRU of blocks in front of the disk"
     )
     prefetch_window: int = Field(
         16384, ge=0, description="tokens around selected blocks that may be prefetched"

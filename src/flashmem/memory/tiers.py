@@ -1,0 +1,94 @@
+"""How many token-equivalents each tier holds after T tokens, for one managed layer.
+
+This is the single definition of the FlashMemory layout's sizes, shared by the
+calculator (`flashmem estimate --config`) and the cache's own bookkeeping, so
+the two cannot drift apart. Counts are per sequence and per KV head; multiply
+by (K bytes + V bytes) per token-equivalent to get bytes. The index holds only
+keys: `index_key_vectors` key-sized vectors per sealed block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from flashmem.config import FlashMemoryConfig
+
+# Key-sized vectors the index keeps per sealed block and KV head.
+INDEX_KEY_VECTORS = {"quest": 2, "mean_key": 1}
+
+
+@dataclass(frozen=True)
+class TierCounts:
+    """Token-equivalents per tier (entries count as one token each)."""
+
+    sinks: int
+    window: int
+    open_block: int  # history tokens not yet sealed: exact, resident
+    csa_entries: int  # near band: sealed blocks behind the window, fused 4:1
+    hca_entries: int  # one per sealed block
+    working_set: int  # exact tokens of the blocks selected this step
+    index_key_vectors: int  # key-only vectors of the block index
+    sealed_blocks: int
+    cold_tokens: int  # exact tokens held in the cold tier
+
+    @property
+    def resident_kv(self) -> int:
+        """Token-equivalents that carry both K and V on the device."""
+        return (
+            self.sinks
+            + self.window
+            + self.open_block
+            + self.csa_entries
+            + self.hca_entries
+            + self.working_set
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def tier_counts(cfg: FlashMemoryConfig, tokens: int) -> TierCounts:
+    """Sizes of each tier after `tokens` tokens have been seen (steady state).
+
+    The window holds up to `gpu_cache_limit` tokens beyond the sinks; tokens
+    pushed out of it fill the open block, sealed every `hca_chunk_size` tokens.
+    The near band keeps CSA entries for the newest `csa_band_tokens // B`
+    sealed blocks. The working set is the `blocks_to_select` blocks attended
+    exactly this step.
+    """
+    B = cfg.hca_chunk_size
+    sinks = min(cfg.sink_tokens, tokens)
+    rest = tokens - sinks
+    window = min(cfg.gpu_cache_limit, rest)
+    history = rest - window
+    sealed = history // B
+    open_block = history - sealed * B
+    band_blocks = min(sealed, cfg.csa_band_tokens // B)
+    csa = band_blocks * cfg.csa_per_block
+    selected = cfg.blocks_to_select(sealed)
+    return TierCounts(
+        sinks=sinks,
+        window=window,
+        open_block=open_block,
+        csa_entries=csa,
+        hca_entries=sealed,
+        working_set=selected * B,
+        index_key_vectors=sealed * INDEX_KEY_VECTORS[cfg.lsa_scorer],
+        sealed_blocks=sealed,
+        cold_tokens=sealed * B,
+    )
+
+
+def codec_bytes_per_element(codec: str, dtype_bytes: int) -> float:
+    """Cold-tier bytes per K or V element under a codec.
+
+    int8/int4 are KIVI-style with groups of 32 elements, each group carrying an
+    fp16 scale and an fp16 zero point (4 bytes / 32 elements = 0.125 bytes).
+    """
+    if codec == "exact":
+        return float(dtype_bytes)
+    if codec == "int8":
+        return 1.0 + 4 / 32
+    if codec == "int4":
+        return 0.5 + 4 / 32
+    raise ValueError(f"unknown cold_codec {codec!r}")
