@@ -1,0 +1,242 @@
+"""KV-cache memory calculator: `flashmem.estimate(...)` and `flashmem estimate`.
+
+Full cache: the sum of each layer's own term (see `flashmem.memory.specs`),
+times the batch. With a `FlashMemoryConfig`, the FlashMemory split: every
+managed layer (full attention or MLA, not in `keep_full_layers`) is sized
+with `flashmem.memory.tiers.tier_counts`, the same arithmetic the cache uses;
+full layers keep a plain cache; sliding-window and DeepSeek-V4 compressed
+layers stay as the model has them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from flashmem.config import FlashMemoryConfig
+from flashmem.errors import ConfigError
+from flashmem.memory.specs import ModelSpec, from_dims, resolve_model
+from flashmem.memory.tiers import codec_bytes_per_element, tier_counts
+from flashmem.memory.units import DTYPE_BYTES, normalize_dtype, parse_tokens
+
+# Common accelerators, memory as nvidia-smi reports it (MiB): the KV cache alone
+# must fit (weights and activations not counted).
+ACCELERATORS: dict[str, int] = {
+    "24 GB (RTX 4090 / L4-class)": 24564 * 2**20,
+    "80 GB (A100 / H100)": 81559 * 2**20,
+    "141 GB (H200)": 143771 * 2**20,
+}
+
+TIER_KEYS = (
+    "sinks",
+    "window",
+    "open_block",
+    "csa_entries",
+    "hca_entries",
+    "index",
+    "working_set",
+    "full_layers",
+    "sliding_layers",
+    "native_compressed_layers",
+)
+
+
+@dataclass
+class FlashEstimate:
+    """Device-resident and cold-tier bytes under a FlashMemoryConfig (whole batch)."""
+
+    device_resident_bytes: int
+    cold_bytes: int
+    cold_codec: str
+    tiers: dict[str, int]
+    managed_layers: list[int]
+    full_layers: list[int]
+    tier_counts: dict[str, int]  # per managed layer, per sequence (token-equivalents)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device_resident_bytes": self.device_resident_bytes,
+            "cold_bytes": self.cold_bytes,
+            "cold_codec": self.cold_codec,
+            "tiers": dict(self.tiers),
+            "managed_layers": list(self.managed_layers),
+            "full_layers": list(self.full_layers),
+            "tier_counts_per_layer": dict(self.tier_counts),
+        }
+
+
+@dataclass
+class Estimate:
+    model: str
+    source: str
+    layers: int
+    layer_summary: str
+    dtype: str
+    element_bytes: int
+    tokens: int
+    batch: int
+    bytes_per_token: int | float  # growth per token at long context, one sequence
+    fixed_bytes: int  # bounded part (sliding windows), one sequence, at long context
+    full_cache_bytes: int  # whole batch, exact at `tokens`
+    per_kind_bytes: dict[str, int]
+    fits: dict[str, bool]
+    flashmem: FlashEstimate | None = None
+    hf_dynamic_cache_bytes: int | None = field(default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "model": self.model,
+            "source": self.source,
+            "layers": self.layers,
+            "layer_summary": self.layer_summary,
+            "dtype": self.dtype,
+            "element_bytes": self.element_bytes,
+            "tokens": self.tokens,
+            "batch": self.batch,
+            "bytes_per_token": self.bytes_per_token,
+            "fixed_bytes": self.fixed_bytes,
+            "full_cache_bytes": self.full_cache_bytes,
+            "full_cache_gb": self.full_cache_bytes / 1e9,
+            "full_cache_gib": self.full_cache_bytes / 2**30,
+            "per_kind_bytes": dict(self.per_kind_bytes),
+            "fits": dict(self.fits),
+        }
+        if self.flashmem is not None:
+            d["flashmem"] = self.flashmem.to_dict()
+        return d
+
+
+def _num(x: Fraction) -> int | float:
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def estimate(
+    model: Any = None,
+    *,
+    tokens: int | str,
+    batch: int = 1,
+    dtype: str | None = None,
+    layers: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    config: FlashMemoryConfig | str | Path | None = None,
+) -> Estimate:
+    """Estimate the KV cache of `model` after `tokens` tokens for `batch` sequences.
+
+    `model`: a built-in name (see `flashmem.memory.specs.BUILTIN_MODELS`), an HF
+    folder with config.json, a .gguf file, a transformers config object, or a
+    `ModelSpec`; or give `layers`, `kv_heads`, `head_dim` (and `dtype`) instead.
+    `tokens`: an int or a string like '131072', '128K', '1M' (K/M binary).
+    `config`: a FlashMemoryConfig (or YAML path) for the device/cold split.
+    """
+    spec = _spec(model, layers, kv_heads, head_dim, dtype)
+    n_tokens = parse_tokens(tokens)
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ConfigError(f"--batch: {batch!r} is not allowed; allowed: an integer >= 1")
+    dname = normalize_dtype(dtype if dtype is not None else spec.dtype)
+    eb = DTYPE_BYTES[dname]
+
+    per_kind: dict[str, int] = {}
+    per_token = Fraction(0)
+    fixed = 0
+    total = 0
+    for layer in spec.layers:
+        b = layer.cache_bytes(n_tokens, eb)
+        per_kind[layer.kind] = per_kind.get(layer.kind, 0) + b * batch
+        per_token += layer.bytes_per_token(eb)
+        fixed += layer.fixed_bytes(eb)
+        total += b
+    full = total * batch
+
+    cfg = _load_config(config)
+    flash = _flash_split(spec, cfg, n_tokens, batch, eb) if cfg is not None else None
+    device = flash.device_resident_bytes if flash is not None else full
+    return Estimate(
+        model=spec.name,
+        source=spec.source,
+        layers=spec.num_layers,
+        layer_summary=spec.summary(),
+        dtype=dname,
+        element_bytes=eb,
+        tokens=n_tokens,
+        batch=batch,
+        bytes_per_token=_num(per_token),
+        fixed_bytes=fixed,
+        full_cache_bytes=full,
+        per_kind_bytes=per_kind,
+        fits={name: device <= cap for name, cap in ACCELERATORS.items()},
+        flashmem=flash,
+    )
+
+
+def _spec(model: Any, layers: Any, kv_heads: Any, head_dim: Any, dtype: str | None) -> ModelSpec:
+    dims = {"--layers": layers, "--kv-heads": kv_heads, "--head-dim": head_dim}
+    given = [k for k, v in dims.items() if v is not None]
+    if model is not None:
+        if given:
+            raise ConfigError(
+                f"{given[0]}: not allowed together with --model; allowed: either --model "
+                "or --layers, --kv-heads and --head-dim"
+            )
+        return resolve_model(model)
+    missing = [k for k, v in dims.items() if v is None]
+    if missing:
+        raise ConfigError(
+            f"missing {', '.join(missing)}; allowed: --model NAME|FOLDER|FILE.gguf, or all of "
+            "--layers, --kv-heads, --head-dim (and --dtype)"
+        )
+    return from_dims(layers, kv_heads, head_dim, dtype=normalize_dtype(dtype or "bfloat16"))
+
+
+def _load_config(config: Any) -> FlashMemoryConfig | None:
+    if config is None or isinstance(config, FlashMemoryConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        return FlashMemoryConfig.from_yaml(config)
+    if isinstance(config, dict):
+        return FlashMemoryConfig.from_dict(config)
+    raise ConfigError(f"--config: {config!r} is not allowed; allowed: a YAML file path")
+
+
+def _flash_split(
+    spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: int, eb: int
+) -> FlashEstimate:
+    cfg.check_for_model(spec.num_layers)
+    full_idx = cfg.resolve_full_layers(spec.num_layers)
+    counts = tier_counts(cfg, tokens)
+    cold_eb = codec_bytes_per_element(cfg.cold_codec, eb)
+    tiers = {k: 0 for k in TIER_KEYS}
+    cold = 0.0
+    managed: list[int] = []
+    for i, layer in enumerate(spec.layers):
+        b = layer.cache_bytes(tokens, eb)
+        if not layer.managed:
+            key = "sliding_layers" if layer.kind == "sliding" else "native_compressed_layers"
+            tiers[key] += b
+            continue
+        if i in full_idx:
+            tiers["full_layers"] += b
+            continue
+        managed.append(i)
+        entry = layer.entry_elems() * eb  # one token-equivalent, K and V (or latent)
+        tiers["sinks"] += counts.sinks * entry
+        tiers["window"] += counts.window * entry
+        tiers["open_block"] += counts.open_block * entry
+        tiers["csa_entries"] += counts.csa_entries * entry
+        tiers["hca_entries"] += counts.hca_entries * entry
+        tiers["working_set"] += counts.working_set * entry
+        # the index holds key-sized vectors only: per KV head, head_dim elements
+        tiers["index"] += counts.index_key_vectors * layer.key_elems() * eb
+        cold += counts.cold_tokens * layer.entry_elems() * cold_eb
+    tiers = {k: v * batch for k, v in tiers.items()}
+    return FlashEstimate(
+        device_resident_bytes=sum(tiers.values()),
+        cold_bytes=int(round(cold * batch)),
+        cold_codec=cfg.cold_codec,
+        tiers=tiers,
+        managed_layers=managed,
+        full_layers=sorted(full_idx),
+        tier_counts=counts.as_dict(),
+    )
