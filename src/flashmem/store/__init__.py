@@ -1,0 +1,54 @@
+"""Cold tier: where exact (or int8/int4-coded) K/V of sealed blocks live.
+
+    store = open_store(cfg, dtype=torch.bfloat16, name="cache")   # memory | disk | layered
+    store.put((layer, block), k, v)          # k, v: [batch, kv_heads, B, head_dim]
+    k, v = store.get((layer, block), device)
+    pf = open_prefetcher(cfg, store)          # background loads for the next steps
+    pf.request(keys); k, v = pf.get(key, device); pf.stats()
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashmem.config import FlashMemoryConfig
+from flashmem.store.base import BlockKey, ColdStore, StoreStats
+from flashmem.store.codecs import get_codec
+from flashmem.store.disk import DiskStore
+from flashmem.store.layered import LayeredStore
+from flashmem.store.memory import MemoryStore
+from flashmem.store.prefetch import Prefetcher
+
+
+def open_store(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> ColdStore:
+    """The cold store `cfg` asks for (cold_store, cold_dir, cold_codec, cold_ram_bytes, persist).
+
+    Disk and layered stores create their own folder `<cold_dir>/<name>-<pid>-<uuid>`;
+    ColdStoreError (one line) when cold_dir cannot be used.
+    """
+    get_codec(cfg.cold_codec)
+    if cfg.cold_store == "memory":
+        return MemoryStore(codec=cfg.cold_codec)
+    assert cfg.cold_dir is not None  # the config validator requires it
+    disk = DiskStore(cfg.cold_dir, codec=cfg.cold_codec, dtype=dtype, name=name, persist=cfg.persist)
+    if cfg.cold_store == "disk":
+        return disk
+    return LayeredStore(disk, ram_bytes=cfg.cold_ram_bytes)
+
+
+def open_prefetcher(cfg: FlashMemoryConfig, store: ColdStore) -> Prefetcher:
+    """A Prefetcher with cfg.prefetch_threads loader threads (0: synchronous loads)."""
+    return Prefetcher(store, cfg.prefetch_threads)
+
+
+__all__ = [
+    "BlockKey",
+    "ColdStore",
+    "DiskStore",
+    "LayeredStore",
+    "MemoryStore",
+    "Prefetcher",
+    "StoreStats",
+    "open_prefetcher",
+    "open_store",
+]

@@ -25,6 +25,17 @@ class StoreStats:
     bytes_read: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
+    def as_dict(self) -> dict[str, float]:
+        """Flat counters: puts, gets, bytes_written, bytes_read and the extras."""
+        out: dict[str, float] = {
+            "puts": self.puts,
+            "gets": self.gets,
+            "bytes_written": self.bytes_written,
+            "bytes_read": self.bytes_read,
+        }
+        out.update(self.extra)
+        return out
+
 
 class ColdStore(ABC):
     """Holds sealed blocks off the device; `get` returns them on a chosen device."""
@@ -49,6 +60,10 @@ class ColdStore(ABC):
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes this store holds for its blocks (payload as coded, not Python overhead)."""
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Counters per tier ("memory", "ram", "disk"); a layered store reports each tier."""
+        return {getattr(self, "tier", type(self).__name__): self.stats.as_dict()}
 
     def flush(self) -> None:
         """Block until every `put` so far is durable."""

@@ -1,4 +1,10 @@
-"""Host-memory cold tier: blocks kept as CPU tensors (pinned when CUDA is present)."""
+"""Host-memory cold tier: blocks kept as CPU tensors (pinned when CUDA is present).
+
+With codec "exact" the block's tensors are kept as they are (a `get` to the
+same device returns them without a copy: treat them as read-only). With int8 or
+int4 the coded payload is kept (uint8 [nbytes]) and decoded on the target
+device on `get`.
+"""
 
 from __future__ import annotations
 
@@ -7,45 +13,77 @@ import threading
 import torch
 
 from flashmem.store.base import BlockKey, ColdStore, StoreStats
+from flashmem.store.codecs import get_codec
+from flashmem.store.codecs.base import Shape, check_pair
+from flashmem.store.transfer import to_device, to_host
 
 
 class MemoryStore(ColdStore):
-    def __init__(self) -> None:
-        self._blocks: dict[BlockKey, tuple[torch.Tensor, torch.Tensor]] = {}
+    tier = "memory"
+
+    def __init__(self, codec: str = "exact") -> None:
+        self.codec = get_codec(codec)
+        # exact: key -> (k, v); coded: key -> (payload uint8 [n], shape, dtype)
+        self._blocks: dict[BlockKey, tuple] = {}
+        self._bytes = 0
         self._lock = threading.Lock()
         self.stats = StoreStats()
 
     def put(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> None:
-        pin = torch.cuda.is_available() and k.is_cuda
-        kc = k.detach().to("cpu", copy=True)
-        vc = v.detach().to("cpu", copy=True)
-        if pin:  # pinned host memory lets the gather copy back asynchronously
-            kc, vc = kc.pin_memory(), vc.pin_memory()
+        shape = check_pair(k, v)
+        if self.codec.name == "exact":
+            entry: tuple = (to_host(k), to_host(v))
+            n = 2 * k.numel() * k.element_size()
+        else:
+            payload = to_host(self.codec.encode(k.detach(), v.detach()))
+            entry = (payload, shape, k.dtype)
+            n = payload.numel()
         with self._lock:
-            self._blocks[key] = (kc, vc)
+            old = self._blocks.get(key)
+            if old is not None:
+                self._bytes -= self._entry_bytes(old)
+            self._blocks[key] = entry
+            self._bytes += n
             self.stats.puts += 1
-            self.stats.bytes_written += _nbytes(kc) + _nbytes(vc)
+            self.stats.bytes_written += n
 
     def get(self, key: BlockKey, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
-            k, v = self._blocks[key]
+            entry = self._blocks[key]
             self.stats.gets += 1
-            self.stats.bytes_read += _nbytes(k) + _nbytes(v)
-        if device is not None and torch.device(device) != k.device:
-            return k.to(device, non_blocking=True), v.to(device, non_blocking=True)
-        return k, v
+            self.stats.bytes_read += self._entry_bytes(entry)
+        if self.codec.name == "exact":
+            k, v = entry
+            return to_device(k, device), to_device(v, device)
+        payload, shape, dtype = entry
+        return self.codec.decode(to_device(payload, device), shape, dtype)
+
+    def get_coded(self, key: BlockKey) -> tuple[torch.Tensor, Shape, torch.dtype]:
+        """The block as (payload uint8 [n], shape, dtype), encoding exact blocks on the fly."""
+        with self._lock:
+            entry = self._blocks[key]
+        if self.codec.name == "exact":
+            k, v = entry
+            return self.codec.encode(k, v), tuple(k.shape), k.dtype  # type: ignore[return-value]
+        return entry
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._blocks
 
-    def nbytes(self) -> int:
+    def keys(self) -> list[BlockKey]:
         with self._lock:
-            return sum(_nbytes(k) + _nbytes(v) for k, v in self._blocks.values())
+            return list(self._blocks)
+
+    def nbytes(self) -> int:
+        return self._bytes
 
     def close(self) -> None:
         with self._lock:
             self._blocks.clear()
+            self._bytes = 0
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    def _entry_bytes(self, entry: tuple) -> int:
+        if self.codec.name == "exact":
+            k, v = entry
+            return 2 * k.numel() * k.element_size()
+        return int(entry[0].numel())

@@ -1,0 +1,90 @@
+"""KIVI-style asymmetric group quantization shared by the int8 and int4 codecs.
+
+Groups of 32 elements, each with an fp16 scale and an fp16 zero point (the
+group minimum): x ~= q * scale + zero, q in [0, 2^bits - 1].
+Keys are grouped per channel (32 consecutive tokens of one head_dim channel),
+values per token (32 consecutive channels of one token), as in KIVI.
+
+One tensor's payload: q bytes | scale fp16 [groups] | zero fp16 [groups].
+A group axis that is not a multiple of 32 is padded by repeating its last
+element (the range does not widen); the padding is dropped on decode.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+GROUP = 32
+_FP16_MAX = 65504.0
+
+
+def padded(n: int) -> int:
+    return -(-n // GROUP) * GROUP
+
+
+def _pad_last(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    p = padded(n) - n
+    if p == 0:
+        return x
+    return torch.cat([x, x[..., -1:].expand(*x.shape[:-1], p)], dim=-1)
+
+
+def _grouped(x: torch.Tensor, per_channel: bool) -> torch.Tensor:
+    """[b, h, T, d] -> [b, h, rows, L] with the group axis last (L padded to 32s)."""
+    if per_channel:  # keys: group along tokens
+        x = x.transpose(-1, -2)
+    return _pad_last(x.float()).contiguous()
+
+
+def quantize(x: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
+    """x: [b, h, T, d] -> uint8 payload (q packed to `bits` | scale | zero)."""
+    levels = (1 << bits) - 1
+    g = _grouped(x, per_channel)
+    lead, L = g.shape[:-1], g.shape[-1]
+    g = g.reshape(*lead, L // GROUP, GROUP).clamp(-_FP16_MAX, _FP16_MAX)
+    mn, mx = g.amin(-1), g.amax(-1)  # [..., groups]
+    # fp16 zero rounded down and fp16 scale rounded up, so every x lies in
+    # [zero, zero + levels * scale] and |x - x^| <= scale / 2.
+    zero = mn.to(torch.float16)
+    zero = torch.where(zero.float() > mn, torch.nextafter(zero, torch.full_like(zero, -math.inf)), zero)
+    want = (mx - zero.float()) / levels
+    scale = want.to(torch.float16)
+    scale = torch.where(scale.float() < want, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+    s = scale.float()
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+    q = torch.round((g - zero.float()[..., None]) * inv[..., None]).clamp_(0, levels).to(torch.uint8)
+    q = q.reshape(-1)
+    if bits == 4:
+        q = q[0::2] | (q[1::2] << 4)  # two values per byte, low nibble first
+    return torch.cat([q, scale.reshape(-1).view(torch.uint8), zero.reshape(-1).view(torch.uint8)])
+
+
+def nbytes(shape: tuple[int, int, int, int], bits: int, per_channel: bool) -> int:
+    b, h, t, d = shape
+    rows, L = (d, t) if per_channel else (t, d)
+    n = b * h * rows * padded(L)
+    return n * bits // 8 + (n // GROUP) * 4
+
+
+def dequantize(
+    payload: torch.Tensor, shape: tuple[int, int, int, int], bits: int, per_channel: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """uint8 payload of one tensor -> [b, h, T, d] in `dtype` on payload's device."""
+    b, h, t, d = shape
+    rows, L = (d, t) if per_channel else (t, d)
+    Lp = padded(L)
+    n = b * h * rows * Lp
+    nq, ng = n * bits // 8, n // GROUP
+    q = payload[:nq]
+    scale = payload[nq : nq + 2 * ng].view(torch.float16).float()
+    zero = payload[nq + 2 * ng : nq + 4 * ng].view(torch.float16).float()
+    if bits == 4:
+        q = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(-1)
+    x = q.float().reshape(ng, GROUP) * scale[:, None] + zero[:, None]
+    x = x.reshape(b, h, rows, Lp)[..., :L]
+    if per_channel:
+        x = x.transpose(-1, -2)
+    return x.to(dtype).contiguous()
