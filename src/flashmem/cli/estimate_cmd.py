@@ -98,11 +98,16 @@ def _print(est) -> None:  # type: ignore[no-untyped-def]
         con.print(tt)
         con.print(f"managed layers: {len(est.flashmem.managed_layers)}; "
                   f"full layers: {est.flashmem.full_layers or 'none'}")
-    ft = Table(title="fits on (KV cache alone" + (", flashmem device bytes" if est.flashmem else "") + ")")
+    ft = Table(title="fits on (KV cache alone, weights not counted)")
     ft.add_column("accelerator")
-    ft.add_column("fits")
+    ft.add_column("full cache")
+    if est.flashmem is not None:
+        ft.add_column("flashmem device")
     for name, ok in est.fits.items():
-        ft.add_row(name, "yes" if ok else "no")
+        row = [name, "yes" if ok else "no"]
+        if est.flashmem is not None:
+            row.append("yes" if est.flashmem.fits[name] else "no")
+        ft.add_row(*row)
     con.print(ft)
 
 

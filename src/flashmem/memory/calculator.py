@@ -54,6 +54,7 @@ class FlashEstimate:
     managed_layers: list[int]
     full_layers: list[int]
     tier_counts: dict[str, int]  # per managed layer, per sequence (token-equivalents)
+    fits: dict[str, bool] = field(default_factory=dict)  # device-resident bytes vs accelerators
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,6 +65,7 @@ class FlashEstimate:
             "managed_layers": list(self.managed_layers),
             "full_layers": list(self.full_layers),
             "tier_counts_per_layer": dict(self.tier_counts),
+            "fits": dict(self.fits),
         }
 
 
@@ -152,7 +154,8 @@ def estimate(
 
     cfg = _load_config(config)
     flash = _flash_split(spec, cfg, n_tokens, batch, eb) if cfg is not None else None
-    device = flash.device_resident_bytes if flash is not None else full
+    if flash is not None:
+        flash.fits = _fits(flash.device_resident_bytes)
     return Estimate(
         model=spec.name,
         source=spec.source,
@@ -166,9 +169,13 @@ def estimate(
         fixed_bytes=fixed,
         full_cache_bytes=full,
         per_kind_bytes=per_kind,
-        fits={name: device <= cap for name, cap in ACCELERATORS.items()},
+        fits=_fits(full),
         flashmem=flash,
     )
+
+
+def _fits(nbytes: int) -> dict[str, bool]:
+    return {name: nbytes <= cap for name, cap in ACCELERATORS.items()}
 
 
 def _spec(model: Any, layers: Any, kv_heads: Any, head_dim: Any, dtype: str | None) -> ModelSpec:
