@@ -1,0 +1,43 @@
+"""`flashmem.attach(model, cfg)`: register the attention function, build the cache."""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from flashmem.cache import attention
+from flashmem.cache.flash_cache import FlashMemoryCache
+from flashmem.cache.rope import find_rotator
+from flashmem.config import FlashMemoryConfig
+
+
+def register() -> None:
+    """Make 'flashmem' a valid attn_implementation (idempotent).
+
+    Masks are SDPA's boolean masks: unmanaged layers use them as is, managed
+    layers read padding from them.
+    """
+    AttentionInterface.register(attention.NAME, attention.flashmem_attention)
+    AttentionMaskInterface.register(attention.NAME, sdpa_mask)
+
+
+def attach(model: PreTrainedModel, cfg: FlashMemoryConfig | None = None, **overrides) -> FlashMemoryCache:
+    """Switch `model` to flashmem attention and return a fresh cache for one batch.
+
+    Pass the cache to `model.generate(..., cache=cache)` or to manual forwards
+    (`model(input_ids, cache=cache, use_cache=True)`). Layers that the cache
+    does not manage run plain SDPA attention, so the model keeps working with
+    other caches too.
+    """
+    cfg = cfg if cfg is not None else FlashMemoryConfig()
+    if overrides:
+        cfg = FlashMemoryConfig(**{**cfg.model_dump(), **overrides})
+    text_cfg = model.config.get_text_config(decoder=True)
+    cfg.check_for_model(text_cfg.num_hidden_layers)
+    register()
+    if model.config._attn_implementation != attention.NAME:
+        model.set_attn_implementation(attention.NAME)
+    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+    kinds = set(getattr(text_cfg, "layer_types", None) or ["full_attention"])
+    rotators = {kind: find_rotator(model, kind, head_dim) for kind in kinds}
+    return FlashMemoryCache(model.config, cfg, rotators=rotators, dtype=model.dtype)

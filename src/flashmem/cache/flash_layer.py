@@ -1,0 +1,250 @@
+"""One managed attention layer's tiers: sinks, window, open block, sealed blocks.
+
+Token flow (DESIGN.md, "append"): the first `sink_tokens` tokens become sinks;
+later ones enter the window; tokens pushed out of the window fill the open
+block; a full open block is sealed: its CSA entries, HCA entry and index
+summary are computed, and its exact K/V go to the cold store. The newest
+`csa_band_tokens // B` sealed blocks keep their CSA entries resident.
+
+Positions are implicit and exact: sinks hold 0..S-1, sealed block j holds
+S + j*B .. S + (j+1)*B - 1, then the open block, then the window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from flashmem.cache.rope import RopeRotator
+from flashmem.compress.chunk_fusion import fuse_chunks
+from flashmem.compress.fusion import FusionContext, FusionRule
+from flashmem.config import FlashMemoryConfig
+from flashmem.errors import FlashMemError
+from flashmem.index.base import BlockScorer
+from flashmem.store.base import ColdStore
+
+# Recent query positions kept per layer for the attention-mass fusion rule.
+RECENT_QUERY_TOKENS = 8
+
+
+class FlashLayer(CacheLayerMixin):
+    """Cache layer whose attention runs through `flashmem.cache.attention`."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self,
+        layer_idx: int,
+        cfg: FlashMemoryConfig,
+        store: ColdStore,
+        scorer: BlockScorer,
+        rule: FusionRule,
+        rotator: RopeRotator | None,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.cfg = cfg
+        self.store = store
+        self.scorer = scorer
+        self.rule = rule
+        self.rotator = rotator if cfg.fusion_rope == "rerotate" else None
+        self.tokens_seen = 0
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scaling = 1.0
+        self.peak_resident_bytes = 0
+
+    # ------------------------------------------------------------ transformers API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        dev, dt = key_states.device, key_states.dtype
+        self.device, self.dtype = dev, dt
+        empty = lambda n: torch.zeros(b, h, n, d, dtype=dt, device=dev)  # noqa: E731
+        self.sink_k, self.sink_v = empty(0), empty(0)
+        self.win_k, self.win_v = empty(0), empty(0)
+        self.open_k, self.open_v = empty(0), empty(0)
+        self.hca_k, self.hca_v = empty(0), empty(0)
+        self.hca_cnt = torch.zeros(b, 0, dtype=torch.long, device=dev)
+        self.csa_blocks: deque[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = deque()
+        self.csa_k, self.csa_v = empty(0), empty(0)
+        self.csa_cnt = torch.zeros(b, 0, dtype=torch.long, device=dev)
+        self.csa_block_ids = torch.zeros(0, dtype=torch.long, device=dev)
+        self.summaries = torch.zeros(b, h, 0, self.scorer.vectors, d, dtype=dt, device=dev)
+        self.valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)  # every position seen
+        self.recent_q: torch.Tensor | None = None  # [b, h, n, d]
+        self.ws_idx: torch.Tensor | None = None  # last selection [b, h, k]
+        self.ws_k = self.ws_v = None  # [b, h, k*B, d]
+        self.ws_valid = None  # [b, h, k*B]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Stash the new K/V; attention appends them after it has read the tiers.
+
+        Returns views tagged with this layer so the registered attention function
+        can find the layer (it is not handed the cache). key_states: [b, h, q, d].
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending is not None:
+            raise FlashMemError(
+                f"layer {self.layer_idx}: the model did not run flashmem attention; "
+                "use flashmem.attach(model, cfg) (it sets attn_implementation='tiered_kv')"
+            )
+        self.pending = (key_states, value_states)
+        self.tokens_seen += key_states.shape[-2]
+        k, v = key_states.view_as(key_states), value_states.view_as(value_states)
+        k._flashmem_layer = self  # type: ignore[attr-defined]
+        return k, v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The mask covers every absolute position so padding of any tier can be read from it.
+        return self.tokens_seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.tokens_seen = 0
+        self.pending = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise FlashMemError("flashmem cache cannot be cropped (assisted decoding is not supported)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise FlashMemError("flashmem cache does not support beam search; use greedy or sampling")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise FlashMemError("flashmem cache does not support num_return_sequences > 1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise FlashMemError("flashmem cache does not support batch selection")
+
+    # ------------------------------------------------------------------- tiers
+    @property
+    def num_sealed(self) -> int:
+        return self.hca_k.shape[-2]
+
+    @property
+    def block_start(self) -> int:
+        return self.sink_k.shape[-2]
+
+    def block_valid_tokens(self) -> torch.Tensor:
+        """[b, n, B] validity of every sealed block's tokens."""
+        B, n, s = self.cfg.hca_chunk_size, self.num_sealed, self.block_start
+        return self.valid[:, s : s + n * B].reshape(self.valid.shape[0], n, B)
+
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, queries: torch.Tensor, group: int
+    ) -> None:
+        """Add new tokens after attention. k, v: [b, h, q, d]; valid: [b, q];
+        queries: [b, h, q*group, d], token-major (a GQA group's queries per KV head)."""
+        cfg = self.cfg
+        self.valid = torch.cat([self.valid, valid], dim=-1)
+        self.recent_q = _keep_last(self.recent_q, queries, RECENT_QUERY_TOKENS * group)
+        take = min(cfg.sink_tokens - self.sink_k.shape[-2], k.shape[-2])
+        if take > 0:
+            self.sink_k = torch.cat([self.sink_k, k[:, :, :take]], dim=-2)
+            self.sink_v = torch.cat([self.sink_v, v[:, :, :take]], dim=-2)
+            k, v = k[:, :, take:], v[:, :, take:]
+        if k.shape[-2] == 0:
+            return
+        win_k = torch.cat([self.win_k, k], dim=-2)
+        win_v = torch.cat([self.win_v, v], dim=-2)
+        over = win_k.shape[-2] - cfg.gpu_cache_limit
+        if over > 0:
+            self.open_k = torch.cat([self.open_k, win_k[:, :, :over]], dim=-2)
+            self.open_v = torch.cat([self.open_v, win_v[:, :, :over]], dim=-2)
+            win_k, win_v = win_k[:, :, over:], win_v[:, :, over:]
+        self.win_k, self.win_v = win_k, win_v
+        B = cfg.hca_chunk_size
+        nb = self.open_k.shape[-2] // B
+        if nb > 0:
+            self._seal(self.open_k[:, :, : nb * B], self.open_v[:, :, : nb * B])
+            self.open_k = self.open_k[:, :, nb * B :]
+            self.open_v = self.open_v[:, :, nb * B :]
+
+    def _seal(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Seal nb full blocks. k, v: [b, h, nb*B, d], the oldest unsealed history."""
+        cfg = self.cfg
+        B, c = cfg.hca_chunk_size, cfg.csa_chunk_size
+        b, h, T, d = k.shape
+        nb = T // B
+        first = self.num_sealed
+        start = self.block_start + first * B
+        pos = torch.arange(start, start + T, device=k.device)
+        valid = self.valid[:, start : start + T]
+        ctx = FusionContext(self.recent_q, self.scaling)
+        logimp = self.rule.log_importance(k, ctx)  # [b, h, T]
+        hca = fuse_chunks(k, v, logimp, valid, pos, B, self.rotator)
+        csa = fuse_chunks(k, v, logimp, valid, pos, c, self.rotator)
+        self.hca_k = torch.cat([self.hca_k, hca.keys], dim=-2)
+        self.hca_v = torch.cat([self.hca_v, hca.values], dim=-2)
+        self.hca_cnt = torch.cat([self.hca_cnt, hca.counts], dim=-1)
+        per = cfg.csa_per_block
+        band_blocks = cfg.csa_band_tokens // B
+        summ = []
+        for j in range(nb):
+            kj, vj = k[:, :, j * B : (j + 1) * B], v[:, :, j * B : (j + 1) * B]
+            vj_valid = valid[:, j * B : (j + 1) * B]
+            summ.append(self.scorer.summarize(kj, vj_valid))
+            self.store.put((self.layer_idx, first + j), kj, vj)
+            if band_blocks > 0:
+                sl = slice(j * per, (j + 1) * per)
+                self.csa_blocks.append(
+                    (first + j, csa.keys[:, :, sl], csa.values[:, :, sl], csa.counts[:, sl])
+                )
+        self.summaries = torch.cat([self.summaries, torch.stack(summ, dim=2)], dim=2)
+        while len(self.csa_blocks) > band_blocks:
+            self.csa_blocks.popleft()  # aged out of the near band: only the HCA entry stays
+        self._rebuild_band()
+
+    def _rebuild_band(self) -> None:
+        blocks = list(self.csa_blocks)
+        dev = self.hca_k.device
+        if not blocks:
+            self.csa_k = self.csa_v = self.hca_k[:, :, :0]
+            self.csa_cnt = self.hca_cnt[:, :0]
+            self.csa_block_ids = torch.zeros(0, dtype=torch.long, device=dev)
+            return
+        self.csa_k = torch.cat([blk[1] for blk in blocks], dim=-2)
+        self.csa_v = torch.cat([blk[2] for blk in blocks], dim=-2)
+        self.csa_cnt = torch.cat([blk[3] for blk in blocks], dim=-1)
+        per = self.cfg.csa_per_block
+        ids = torch.tensor([blk[0] for blk in blocks], dtype=torch.long, device=dev)
+        self.csa_block_ids = ids.repeat_interleave(per)
+
+    def fetch_block(self, block_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact K/V of a sealed block, on this layer's device. [b, h, B, d] each."""
+        return self.store.get((self.layer_idx, block_idx), self.device)
+
+    # ---------------------------------------------------------------- memory
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of every device-resident tensor of this layer, per tier."""
+        nb = _nbytes
+        return {
+            "sinks": nb(self.sink_k) + nb(self.sink_v),
+            "window": nb(self.win_k) + nb(self.win_v),
+            "open_block": nb(self.open_k) + nb(self.open_v),
+            "csa_entries": nb(self.csa_k) + nb(self.csa_v),
+            "hca_entries": nb(self.hca_k) + nb(self.hca_v),
+            "index": nb(self.summaries),
+            "working_set": nb(self.ws_k) + nb(self.ws_v),
+            "query_buffer": nb(self.recent_q),
+        }
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _keep_last(old: torch.Tensor | None, new: torch.Tensor, n: int) -> torch.Tensor:
+    """Last n rows (dim -2) of old ++ new: the most recent query positions."""
+    both = new if old is None else torch.cat([old, new], dim=-2)
+    return both[:, :, -n:].clone() if both.shape[-2] > n else both
