@@ -160,6 +160,10 @@ class FlashMemoryConfig(BaseModel):
             where = f" at line {mark.line + 1}" if mark is not None else ""
             problem = getattr(exc, "problem", None) or "invalid YAML"
             raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
+        except Exception as exc:  # PyYAML's constructors raise e.g. IndexError on '!!int'
+            raise ConfigError(
+                f"{source}: not valid YAML: {type(exc).__name__} while reading a tagged value"
+            ) from None
         return cls.from_dict(data, source=source)
 
     def to_yaml(self) -> str:
