@@ -1,0 +1,137 @@
+"""`flashmem estimate` and `flashmem config check` through the CLI entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashmem.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = str(ROOT / "configs" / "seed.yaml")
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, needle: str) -> None:
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
+
+
+def test_issue_check_exact_json(capsys):
+    code, out, _ = run(capsys, "estimate", "--layers", "61", "--kv-heads", "64", "--head-dim", "128",
+                       "--dtype", "float16", "--tokens", "1000000", "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert d["bytes_per_token"] == 1998848
+    assert d["full_cache_bytes"] == 1998848000000
+    assert d["tokens"] == 1000000 and d["batch"] == 1
+
+
+@pytest.mark.parametrize(
+    "model,bpt",
+    [("deepseek-v3", 70272), ("deepseek-v3.2", 85888), ("smollm2", 23040), ("llama-3.1-8b", 131072)],
+)
+def test_builtins_json(capsys, model, bpt):
+    code, out, _ = run(capsys, "estimate", "--model", model, "--tokens", "128K", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["bytes_per_token"] == bpt
+    assert d["tokens"] == 131072 and d["full_cache_bytes"] == bpt * 131072
+
+
+def test_human_output_shows_gb_and_gib_and_fits(capsys):
+    code, out, _ = run(capsys, "estimate", "-m", "llama-3.1-8b", "-t", "1M")
+    assert code == 0
+    assert "137.439 GB (128.000 GiB)" in out
+    assert "141 GB" in out and "80 GB" in out and "24 GB" in out
+
+
+def test_config_split_json(capsys, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("flash_memory:\n  gpu_cache_limit: 1024\n  lsa_top_k: 8\n  keep_full_layers: [-1]\n")
+    code, out, _ = run(capsys, "estimate", "-m", "smollm2", "-t", "32K", "-b", "2", "-c", str(cfg), "--json")
+    assert code == 0
+    d = json.loads(out)
+    f = d["flashmem"]
+    assert d["batch"] == 2
+    assert f["device_resident_bytes"] == sum(f["tiers"].values())
+    assert f["device_resident_bytes"] < d["full_cache_bytes"] / 5
+    assert f["cold_bytes"] > 0 and f["full_layers"] == [29]
+    for key in ("sinks", "window", "open_block", "csa_entries", "hca_entries", "index", "working_set"):
+        assert key in f["tiers"]
+
+
+def test_config_split_table(capsys):
+    code, out, _ = run(capsys, "estimate", "-m", "deepseek-v3", "-t", "128K", "-c", SEED)
+    assert code == 0 and "working_set" in out and "flashmem device" in out
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["-m", "lama-3.1-8b", "-t", "1M"], "did you mean 'llama-3.1-8b'"),
+        (["-m", "smollm2", "-t", "12x"], "--tokens"),
+        (["--layers", "3", "-t", "10"], "missing --kv-heads, --head-dim"),
+        (["-m", "smollm2", "--layers", "3", "-t", "10"], "--model"),
+        (["-m", "smollm2", "-t", "10", "--dtype", "fp13"], "--dtype"),
+        (["-m", "smollm2", "-t", "10", "-c", SEED], "keep_full_layers: layer 58 is outside"),
+        (["-m", "smollm2", "-t", "10", "-c", "/nonexistent.yaml"], "no such file"),
+        (["-m", "smollm2", "-t", "10", "-b", "0"], "--batch"),
+    ],
+)
+def test_estimate_errors_are_one_line(capsys, args, needle):
+    code, _, err = run(capsys, "estimate", *args)
+    assert_one_line_error(code, err, needle)
+
+
+def test_config_check_ok(capsys):
+    code, out, _ = run(capsys, "config", "check", SEED)
+    assert code == 0 and out.startswith("ok: ") and "keep_full_layers [58, 59]" in out
+    code, out, _ = run(capsys, "config", "check", SEED, "--model", "deepseek-v3")
+    assert code == 0 and "61 layers" in out
+
+
+@pytest.mark.parametrize(
+    "text,model,needle",
+    [
+        ("flash_memory:\n  gpu_cache_limt: 5\n", None, "did you mean 'gpu_cache_limit'"),
+        ("flash_memory:\n  hca_chunk_size: 130\n", None, "not a multiple"),
+        ("flash_memory:\n  keep_full_layers: [-31]\n", "smollm2", "layer -31 is outside"),
+        ("flash_memory: [\n", None, "not valid YAML"),
+        ("flash_memory:\n  gpu_cache_limit: 1\n", "nosuchmodel", "unknown model"),
+    ],
+)
+def test_config_check_errors(capsys, tmp_path, text, model, needle):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    args = ["config", "check", str(p)] + (["--model", model] if model else [])
+    code, _, err = run(capsys, *args)
+    assert_one_line_error(code, err, needle)
+
+
+def test_entry_point_subprocess():
+    """The installed way: a real process, exit 2, one stderr line, no traceback."""
+    cmd = [sys.executable, "-c", "from flashmem.cli.main import main; main()"]
+    ok = subprocess.run(cmd + ["estimate", "-m", "deepseek-v3", "-t", "1M", "--json"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["full_cache_bytes"] == 70272 * 2**20
+    bad = subprocess.run(cmd + ["estimate", "-m", "gpt5", "-t", "1M"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "unknown model 'gpt5'" in bad.stderr
