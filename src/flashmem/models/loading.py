@@ -195,6 +195,9 @@ def _build_cache(src: _Source, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the final folder follows the umask
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         del model
