@@ -127,6 +127,7 @@ def test_sigkill_mid_write_then_reopen(tmp_path, codec):
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
     with DiskStore.reopen(path, persist=False, verify=True) as r:
         keys = r.keys()
         assert {(0, i) for i in range(durable)} <= set(keys)  # every flushed block survived

@@ -14,7 +14,7 @@ import torch
 
 from flashmem.store.base import BlockKey, ColdStore, StoreStats
 from flashmem.store.codecs import get_codec
-from flashmem.store.codecs.base import Shape, check_pair
+from flashmem.store.codecs.base import check_pair
 from flashmem.store.transfer import to_device, to_host
 
 
@@ -57,15 +57,6 @@ class MemoryStore(ColdStore):
             return to_device(k, device), to_device(v, device)
         payload, shape, dtype = entry
         return self.codec.decode(to_device(payload, device), shape, dtype)
-
-    def get_coded(self, key: BlockKey) -> tuple[torch.Tensor, Shape, torch.dtype]:
-        """The block as (payload uint8 [n], shape, dtype), encoding exact blocks on the fly."""
-        with self._lock:
-            entry = self._blocks[key]
-        if self.codec.name == "exact":
-            k, v = entry
-            return self.codec.encode(k, v), tuple(k.shape), k.dtype  # type: ignore[return-value]
-        return entry
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._blocks
