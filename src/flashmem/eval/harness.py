@@ -1,0 +1,329 @@
+"""Benchmark harness core: models, caches per method, resumable result store, metrics.
+
+Every result is one row (a dict) for one cell; rows are appended to
+``<json_out>.partial.jsonl`` as soon as they are measured, so an interrupted run
+keeps what it did and a rerun skips cells already there (same ``cell`` key).
+At the end the rows are written to ``json_out`` as one JSON document.
+
+Budget = device-resident KV bytes / full-cache KV bytes at the same number of
+tokens, over the managed (global) layers; for models with sliding-window layers
+(Gemma3) the whole-cache ratio is reported beside it (``ratio_whole``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from flashmem.baselines import Method
+from flashmem.baselines.evicting import (
+    capture_last_queries,
+    full_kv_bytes,
+    kv_bytes,
+    new_cache,
+)
+from flashmem.errors import FlashMemError
+
+BUDGETS_DEFAULT = (1 / 4, 1 / 8, 1 / 16, 1 / 32)
+
+
+# ----------------------------------------------------------------------------- models
+@dataclass
+class Loaded:
+    name: str
+    model: Any
+    tokenizer: Any
+    hf_folder: str | None = None  # saved HF folder (for the kvpress venv)
+
+
+def load(name: str) -> Loaded:
+    """`tiny` (random Llama + tiny tokenizer) or any name flashmem.load_model accepts."""
+    if name == "tiny" or name.startswith("tiny:"):
+        from flashmem.eval.tiny import tiny_llama, tiny_tokenizer
+
+        layers = int(name.split(":", 1)[1]) if ":" in name else 2
+        return Loaded(name, tiny_llama(layers=layers), tiny_tokenizer())
+    import flashmem
+
+    model, tok = flashmem.load_model(name)
+    folder = None
+    try:
+        from flashmem.models.loading import resolve
+
+        src = resolve(name)
+        folder = str(src.cache_dir()) if src.kind != "folder" else str(src.path)
+    except Exception:  # pragma: no cover - loader internals may move
+        folder = None
+    model.eval()
+    return Loaded(name, model, tok, folder)
+
+
+def dtype_bytes(model: Any) -> int:
+    return next(model.parameters()).element_size()
+
+
+# ----------------------------------------------------------------------------- runs
+@dataclass
+class Prefilled:
+    cache: Any
+    captured: dict[int, dict[str, Any]]
+    last_logits: torch.Tensor  # [vocab], predicts the token after the prompt
+    seconds: float
+    tokens: int
+
+
+def restore_attn(model: Any, impl: str) -> None:
+    if model.config._attn_implementation != impl:
+        model.set_attn_implementation(impl)
+
+
+@torch.no_grad()
+def prefill_full(model: Any, ids: torch.Tensor, obs_window: int = 64) -> Prefilled:
+    """Full-attention prefill into a DynamicCache, recording the last queries per layer."""
+    cache = new_cache(model)
+    t0 = time.perf_counter()
+    with capture_last_queries(model, obs_window) as captured:
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    dt = time.perf_counter() - t0
+    return Prefilled(cache, dict(captured), out.logits[0, -1].float(), dt, int(ids.shape[1]))
+
+
+def eviction_cache(method: Method, pre: Prefilled, budget: float) -> Any:
+    from flashmem.baselines.snapkv import snapkv_compress, snapkv_keep
+    from flashmem.baselines.streaming import streaming_compress, streaming_sizes
+
+    if method.kind == "full":
+        from flashmem.baselines.evicting import to_evicting
+
+        return to_evicting(pre.cache)  # shares tensors; the source stays reusable
+    if method.variant == "streaming":
+        sinks, window = streaming_sizes(budget, pre.tokens)
+        return streaming_compress(pre.cache, sinks, window)
+    if method.variant == "snapkv":
+        return snapkv_compress(pre.cache, pre.captured, snapkv_keep(budget, pre.tokens))
+    raise FlashMemError(f"method {method.name!r} is not an eviction method")
+
+
+@torch.no_grad()
+def prefill_flashmem(model: Any, ids: torch.Tensor, cfg: Any) -> tuple[Any, torch.Tensor, float]:
+    from flashmem.baselines.flashmem_adapter import attach
+
+    cache = attach(model, cfg)
+    chunk = max(1, int(getattr(cfg, "prefill_chunk", 2048)))
+    t0 = time.perf_counter()
+    logits = None
+    for s in range(0, ids.shape[1], chunk):
+        out = model(input_ids=ids[:, s : s + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+    return cache, logits, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def teacher_forced(model: Any, cache: Any, first_logits: torch.Tensor, cont: torch.Tensor,
+                   chunk: int = 64) -> torch.Tensor:
+    """Log-probs [N, vocab] predicting each continuation token (teacher forcing).
+
+    Row 0 comes from the prompt's last logits; the continuation is fed in chunks
+    of `chunk` tokens (the last token is not fed: nothing is predicted from it).
+    """
+    rows = [first_logits.float().log_softmax(-1).unsqueeze(0)]
+    feed = cont[:, :-1]
+    for s in range(0, feed.shape[1], chunk):
+        out = model(input_ids=feed[:, s : s + chunk], cache=cache, use_cache=True)
+        rows.append(out.logits[0].float().log_softmax(-1))
+    return torch.cat(rows, dim=0)[: cont.shape[1]]
+
+
+def fidelity_metrics(ref_lp: torch.Tensor, lp: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+    """KL(full || method) per token, top-1 agreement, perplexities and their difference."""
+    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0)
+    agree = (ref_lp.argmax(-1) == lp.argmax(-1)).float()
+    t = target.reshape(-1)
+    nll_ref = -ref_lp.gather(-1, t[:, None]).squeeze(-1)
+    nll = -lp.gather(-1, t[:, None]).squeeze(-1)
+    ppl_ref = math.exp(float(nll_ref.mean()))
+    ppl = math.exp(float(nll.mean()))
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1_agree": float(agree.mean()),
+        "ppl_full": ppl_ref,
+        "ppl": ppl,
+        "ppl_diff": ppl - ppl_ref,
+    }
+
+
+@torch.no_grad()
+def greedy(model: Any, cache: Any, first_ids: torch.Tensor, max_new: int, stop_ids: Iterable[int] = ()) -> list[int]:
+    """Feed `first_ids` (e.g. the question), then decode greedily `max_new` tokens."""
+    stop = set(stop_ids)
+    out = model(input_ids=first_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    nxt = int(out.logits[0, -1].argmax())
+    gen = [nxt]
+    for _ in range(max_new - 1):
+        if nxt in stop:
+            break
+        out = model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True, logits_to_keep=1)
+        nxt = int(out.logits[0, -1].argmax())
+        gen.append(nxt)
+    return gen
+
+
+def cache_ratios(model: Any, cache: Any, tokens: int) -> dict[str, Any]:
+    """Measured resident bytes of `cache` and their ratio to a full cache at `tokens`."""
+    full = full_kv_bytes(model, tokens, dtype_bytes(model))
+    if hasattr(cache, "memory_report"):
+        rep = cache.memory_report()
+        managed = int(rep.get("managed_resident_bytes", 0)) + int(rep.get("full_layer_bytes", 0))
+        sliding = int(rep.get("sliding_layer_bytes", 0))
+        total = int(rep.get("device_resident_bytes", managed + sliding))
+        extra = {"cold_bytes": rep.get("cold_bytes"), "tokens_seen": rep.get("tokens_seen")}
+    else:
+        b = kv_bytes(cache)
+        managed, sliding, total = b["managed_bytes"], b["sliding_bytes"], b["total_bytes"]
+        extra = {}
+    return {
+        "resident_managed_bytes": managed,
+        "resident_sliding_bytes": sliding,
+        "resident_bytes": total,
+        "full_managed_bytes": full["managed_bytes"],
+        "full_bytes": full["total_bytes"],
+        "ratio": managed / full["managed_bytes"] if full["managed_bytes"] else float("nan"),
+        "ratio_whole": total / full["total_bytes"] if full["total_bytes"] else float("nan"),
+        "bytes_per_token": total / max(1, tokens),
+        **extra,
+    }
+
+
+class RssSampler:
+    """Peak resident set size of this process while the block runs (sampled)."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        import psutil
+
+        self._proc = psutil.Process(os.getpid())
+        self.interval = interval
+        self.before = self.peak = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "RssSampler":
+        self.before = self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+# ----------------------------------------------------------------------------- store
+class ResultStore:
+    """Rows keyed by `cell`, appended to a .partial.jsonl as they come; resumable."""
+
+    def __init__(self, json_out: str | Path, meta: dict[str, Any] | None = None) -> None:
+        self.json_out = Path(json_out)
+        self.partial = self.json_out.with_name(self.json_out.name + ".partial.jsonl")
+        self.meta = meta or {}
+        self.rows: dict[str, dict[str, Any]] = {}
+        if self.json_out.is_file():
+            try:
+                doc = json.loads(self.json_out.read_text())
+                for r in doc.get("rows", []):
+                    if "cell" in r and not r.get("error"):
+                        self.rows[r["cell"]] = r
+            except (json.JSONDecodeError, AttributeError):
+                pass
+        if self.partial.is_file():
+            for line in self.partial.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by an interrupted write
+                if "cell" in r and not r.get("error"):
+                    self.rows[r["cell"]] = r
+
+    def done(self, cell: str) -> bool:
+        return cell in self.rows
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.partial.parent.mkdir(parents=True, exist_ok=True)
+        with self.partial.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row, default=_jsonable) + "\n")
+        if not row.get("error"):
+            self.rows[row["cell"]] = row
+
+    def write(self) -> dict[str, Any]:
+        doc = {"meta": {**self.meta, **environment()}, "rows": list(self.rows.values())}
+        self.json_out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.json_out.with_name(self.json_out.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=_jsonable))
+        tmp.replace(self.json_out)
+        return doc
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+
+
+def cell_id(**parts: Any) -> str:
+    return "|".join(f"{k}={_fmt(v)}" for k, v in parts.items())
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+@dataclass
+class Progress:
+    """tqdm progress bar over cells (disabled when not a terminal unless forced)."""
+
+    total: int
+    desc: str
+    bar: Any = field(default=None)
+
+    def __post_init__(self) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.total, desc=self.desc, unit="cell", dynamic_ncols=True)
+
+    def step(self, note: str = "") -> None:
+        if note:
+            self.bar.set_postfix_str(note[:60])
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

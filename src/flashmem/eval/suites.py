@@ -1,0 +1,419 @@
+"""The four benchmark suites: fidelity, retrieval, memory, speed.
+
+Each suite walks its cells (method x budget x length x ...), skips cells the
+store already has, measures the rest and appends one row per cell. Eviction
+baselines (full, streaming, snapkv) share one full-attention prefill per prompt
+(they compress after it, as kvpress does); flashmem runs its own chunked
+prefill; kvpress cells are batched into one subprocess in kvpress's venv.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from flashmem.baselines import Method, parse_method
+from flashmem.errors import FlashMemError
+from flashmem.eval import harness as H
+from flashmem.eval.texts import haystack, insert_needles
+
+SUITES = ("fidelity", "retrieval", "memory", "speed")
+DEFAULT_MODEL = {"fidelity": "smollm2", "retrieval": "gemma3-270m", "memory": "smollm2", "speed": "tiny"}
+DEFAULT_LENGTHS = {
+    "fidelity": (4096, 8192),
+    "retrieval": (2048, 4096, 8192, 16384),
+    "memory": (2048, 4096, 8192),
+    "speed": (4096, 16384, 65536),
+}
+
+
+@dataclass
+class BenchArgs:
+    suite: str
+    model: str
+    methods: list[str]
+    budgets: list[float]
+    lengths: list[int]
+    json_out: Path
+    seeds: list[int] = field(default_factory=lambda: [0])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    tasks: list[str] = field(default_factory=lambda: ["passkey", "multikey"])
+    n_cont: int = 256
+    chunk: int = 64
+    max_new: int = 12
+    decode_tokens: int = 32
+    threads: int = 2
+    progress: bool = True
+
+
+def cells_for(methods: list[Method], budgets: list[float]) -> list[tuple[Method, float]]:
+    out = []
+    for m in methods:
+        for b in budgets if m.budgeted else [1.0]:
+            out.append((m, b))
+    return out
+
+
+def run_suite(args: BenchArgs, loaded: H.Loaded | None = None,
+              store: H.ResultStore | None = None) -> H.ResultStore:
+    if args.suite not in SUITES:
+        raise FlashMemError(f"suite: {args.suite!r} is not known; allowed: {', '.join(SUITES)}")
+    methods = [parse_method(m) for m in args.methods]
+    torch.set_num_threads(max(1, args.threads))
+    store = store or H.ResultStore(args.json_out, meta={"suite": args.suite, "model": args.model})
+    store.meta.update({"suite": args.suite, "model": args.model, "methods": args.methods,
+                       "budgets": args.budgets, "lengths": args.lengths})
+    loaded = loaded or H.load(args.model)
+    fn: Callable[..., None] = {
+        "fidelity": _fidelity,
+        "retrieval": _retrieval,
+        "memory": _memory,
+        "speed": _speed,
+    }[args.suite]
+    fn(args, loaded, methods, store)
+    store.write()
+    return store
+
+
+# ----------------------------------------------------------------------------- helpers
+def _base_row(args: BenchArgs, m: Method, b: float, **kw: Any) -> dict[str, Any]:
+    return {"suite": args.suite, "model": args.model, "method": m.name, "budget": b, **kw}
+
+
+def _cell(args: BenchArgs, m: Method, b: float, **kw: Any) -> str:
+    return H.cell_id(suite=args.suite, model=args.model, method=m.name, budget=b, **kw)
+
+
+def _local_cache(loaded: H.Loaded, m: Method, b: float, ids: torch.Tensor,
+                 shared: dict[str, Any]) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+    """(cache after the prompt, logits predicting the next token, timing/config info)."""
+    model = loaded.model
+    if m.kind in ("full", "eviction"):
+        if "pre" not in shared:
+            shared["pre"] = H.prefill_full(model, ids)
+        pre: H.Prefilled = shared["pre"]
+        t0 = time.perf_counter()
+        cache = H.eviction_cache(m, pre, b)
+        return cache, pre.last_logits, {"prefill_s": pre.seconds, "compress_s": time.perf_counter() - t0}
+    if m.kind == "flashmem":
+        from flashmem.baselines.flashmem_adapter import budget_config, predicted_ratio
+
+        impl = shared.setdefault("impl", model.config._attn_implementation)
+        cfg = budget_config(b, int(ids.shape[1]), m.variant)
+        try:
+            cache, logits, dt = H.prefill_flashmem(model, ids, cfg)
+        except Exception:
+            H.restore_attn(model, impl)
+            raise
+        info = {"prefill_s": dt, "config": cfg.model_dump(), "predicted_ratio": predicted_ratio(cfg, int(ids.shape[1]))}
+        shared["restore"] = impl
+        return cache, logits, info
+    raise FlashMemError(f"method {m.name!r} does not run in this process")
+
+
+def _done_local(shared: dict[str, Any], loaded: H.Loaded) -> None:
+    if "restore" in shared:
+        H.restore_attn(loaded.model, shared.pop("restore"))
+    cache = shared.pop("cache", None)
+    if cache is not None and hasattr(cache, "close"):
+        cache.close()
+
+
+def _progress(args: BenchArgs, total: int) -> Any:
+    if not args.progress:
+        class _No:
+            def step(self, note: str = "") -> None: ...
+            def close(self) -> None: ...
+        return _No()
+    return H.Progress(total, f"{args.suite}:{args.model}")
+
+
+def _err_row(row: dict[str, Any], exc: BaseException) -> dict[str, Any]:
+    row["error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def _global_layers(model: Any) -> list[int]:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return [i for i, t in enumerate(types) if t != "sliding_attention"]
+
+
+def _run_kvpress(args: BenchArgs, loaded: H.Loaded, jobs: list[dict[str, Any]],
+                 rows_by_cell: dict[str, dict[str, Any]], store: H.ResultStore,
+                 finish: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]], prog: Any) -> None:
+    from flashmem.baselines.kvpress import run_jobs
+
+    if not jobs:
+        return
+    work = args.json_out.with_name(args.json_out.name + ".kvpress")
+    work.mkdir(parents=True, exist_ok=True)
+
+    def on_row(r: dict[str, Any]) -> None:
+        base = rows_by_cell[r["cell"]]
+        row = {**base, **{k: v for k, v in r.items() if k != "traceback"}}
+        if not r.get("error"):
+            row = finish(row, r)
+        store.add(row)
+        prog.step(row["method"])
+
+    try:
+        run_jobs(loaded.hf_folder or "", jobs, work, threads=args.threads, on_row=on_row)
+    except FlashMemError as exc:
+        for j in jobs:
+            if not store.done(j["cell"]):
+                store.add(_err_row(dict(rows_by_cell[j["cell"]]), exc))
+
+
+# ----------------------------------------------------------------------------- fidelity
+def fidelity_ids(tok: Any, length: int, n_cont: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    text = haystack(tok, length + n_cont + 64, seed=seed)
+    ids = tok(text, add_special_tokens=True)["input_ids"][: length + n_cont]
+    if len(ids) < length + n_cont:
+        raise FlashMemError(f"fidelity: text too short for {length}+{n_cont} tokens")
+    t = torch.tensor([ids])
+    return t[:, :length], t[:, length:]
+
+
+def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.ResultStore) -> None:
+    model, tok = loaded.model, loaded.tokenizer
+    cells = cells_for(methods, args.budgets)
+    total = len(cells) * len(args.lengths) * len(args.seeds)
+    prog = _progress(args, total)
+    jobs: list[dict[str, Any]] = []
+    bases: dict[str, dict[str, Any]] = {}
+    for L in args.lengths:
+        for seed in args.seeds:
+            todo = [(m, b) for m, b in cells if not store.done(_cell(args, m, b, length=L, seed=seed, n_cont=args.n_cont))]
+            prog.bar.update(len(cells) - len(todo)) if hasattr(prog, "bar") else None
+            if not todo:
+                continue
+            prompt, cont = fidelity_ids(tok, L, args.n_cont, seed)
+            shared: dict[str, Any] = {}
+            ref = None
+            for m, b in todo:
+                cell = _cell(args, m, b, length=L, seed=seed, n_cont=args.n_cont)
+                row = _base_row(args, m, b, length=L, seed=seed, n_cont=args.n_cont, cell=cell)
+                if m.kind == "kvpress":
+                    from flashmem.baselines.kvpress import press_ratio
+
+                    row["compression_ratio"] = press_ratio(b)
+                    bases[cell] = row
+                    jobs.append({"cell": cell, "kind": "fidelity", "press": m.variant,
+                                 "compression_ratio": press_ratio(b), "context": prompt[0].tolist(),
+                                 "cont": cont[0].tolist(), "chunk": args.chunk,
+                                 "global_layers": _global_layers(model)})
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    if ref is None:
+                        full_cache, full_logits, _ = _local_cache(loaded, parse_method("full"), 1.0, prompt, shared)
+                        ref = H.teacher_forced(model, full_cache, full_logits, cont, args.chunk)
+                    cache, logits, info = _local_cache(loaded, m, b, prompt, shared)
+                    row.update(H.cache_ratios(model, cache, L))
+                    lp = H.teacher_forced(model, cache, logits, cont, args.chunk)
+                    end = H.cache_ratios(model, cache, L + args.n_cont - 1)
+                    row["ratio_end"] = end["ratio"]
+                    row.update(H.fidelity_metrics(ref, lp, cont[0]))
+                    row.update(info)
+                except Exception as exc:  # recorded; the sweep goes on
+                    _err_row(row, exc)
+                finally:
+                    _done_local(shared, loaded) if m.kind == "flashmem" else None
+                row["seconds"] = time.perf_counter() - t0
+                store.add(row)
+                prog.step(f"{m.name} b={b:.3g} L={L}")
+    _run_kvpress(args, loaded, jobs, bases, store, lambda row, r: row, prog)
+    prog.close()
+
+
+# ----------------------------------------------------------------------------- retrieval
+KEY_WORDS = ("apple", "river", "candle", "falcon", "garden", "harbor", "lantern", "meadow",
+             "orchid", "pepper", "quartz", "saddle", "thunder", "violet", "walnut", "yonder")
+
+PREAMBLE = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+            "Find it and memorize it. I will quiz you about it.\n\n")
+
+
+@dataclass
+class Probe:
+    context: str
+    question: str
+    answer: str
+
+
+def make_probe(tok: Any, task: str, length: int, depth: float, seed: int, n_keys: int = 4) -> Probe:
+    """A passkey or multi-key needle prompt of about `length` tokens (context + question)."""
+    rng = random.Random(f"{task}|{length}|{depth}|{seed}")
+    if task == "passkey":
+        key = str(rng.randint(10000, 99999))
+        needles = [(f"The pass key is {key}. Remember it. {key} is the pass key.", depth)]
+        question = "\n\nWhat is the pass key? The pass key is"
+        answer = key
+    elif task == "multikey":
+        words = rng.sample(KEY_WORDS, n_keys)
+        values = [str(rng.randint(1000000, 9999999)) for _ in words]
+        others = [d for d in (0.1, 0.3, 0.55, 0.8, 0.95) if abs(d - depth) > 0.08]
+        rng.shuffle(others)
+        needles = [(f"One of the special magic numbers for {words[0]} is: {values[0]}.", depth)]
+        for w, v, d in zip(words[1:], values[1:], others):
+            needles.append((f"One of the special magic numbers for {w} is: {v}.", d))
+        question = (f"\n\nWhat is the special magic number for {words[0]} mentioned in the provided text? "
+                    f"The special magic number for {words[0]} mentioned in the provided text is")
+        answer = values[0]
+    else:
+        raise FlashMemError(f"task: {task!r} is not known; allowed: passkey, multikey")
+    overhead = len(tok(PREAMBLE + question, add_special_tokens=True)["input_ids"])
+    overhead += sum(len(tok(" " + n, add_special_tokens=False)["input_ids"]) for n, _ in needles)
+    hay = haystack(tok, max(16, length - overhead - 4), seed=rng.randrange(10**6))
+    return Probe(PREAMBLE + insert_needles(hay, needles), question, answer)
+
+
+def score_answer(text: str, answer: str) -> bool:
+    nums = re.findall(r"\d+", text)
+    return bool(nums) and nums[0] == answer
+
+
+def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.ResultStore) -> None:
+    model, tok = loaded.model, loaded.tokenizer
+    cells = cells_for(methods, args.budgets)
+    prompts = [(task, L, d, s) for task in args.tasks for L in args.lengths for d in args.depths for s in args.seeds]
+    prog = _progress(args, len(cells) * len(prompts))
+    jobs: list[dict[str, Any]] = []
+    bases: dict[str, dict[str, Any]] = {}
+    answers: dict[str, str] = {}
+    stop = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
+    for task, L, d, s in prompts:
+        todo = [(m, b) for m, b in cells if not store.done(_cell(args, m, b, task=task, length=L, depth=d, seed=s))]
+        if hasattr(prog, "bar"):
+            prog.bar.update(len(cells) - len(todo))
+        if not todo:
+            continue
+        probe = make_probe(tok, task, L, d, s)
+        ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
+        q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
+        shared: dict[str, Any] = {}
+        for m, b in todo:
+            cell = _cell(args, m, b, task=task, length=L, depth=d, seed=s)
+            row = _base_row(args, m, b, task=task, length=L, depth=d, seed=s, cell=cell,
+                            context_tokens=int(ctx.shape[1]), answer=probe.answer)
+            if m.kind == "kvpress":
+                from flashmem.baselines.kvpress import press_ratio
+
+                row["compression_ratio"] = press_ratio(b)
+                bases[cell] = row
+                answers[cell] = probe.answer
+                jobs.append({"cell": cell, "kind": "retrieval", "press": m.variant,
+                             "compression_ratio": press_ratio(b), "context": ctx[0].tolist(),
+                             "question": q[0].tolist(), "max_new": args.max_new, "stop": stop,
+                             "global_layers": _global_layers(model)})
+                continue
+            t0 = time.perf_counter()
+            try:
+                cache, _, info = _local_cache(loaded, m, b, ctx, shared)
+                row.update(H.cache_ratios(model, cache, int(ctx.shape[1])))
+                gen = H.greedy(model, cache, q, args.max_new, stop)
+                text = tok.decode(gen, skip_special_tokens=True)
+                row.update(output=text, correct=score_answer(text, probe.answer))
+                row.update({k: v for k, v in info.items() if k != "config"})
+            except Exception as exc:
+                _err_row(row, exc)
+            finally:
+                _done_local(shared, loaded) if m.kind == "flashmem" else None
+            row["seconds"] = time.perf_counter() - t0
+            store.add(row)
+            prog.step(f"{m.name} b={b:.3g} {task} L={L} d={d}")
+
+    def finish(row: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
+        text = tok.decode(r.get("generated", []), skip_special_tokens=True)
+        row.pop("generated", None)
+        row.update(output=text, correct=score_answer(text, answers[row["cell"]]))
+        return row
+
+    _run_kvpress(args, loaded, jobs, bases, store, finish, prog)
+    prog.close()
+
+
+# ----------------------------------------------------------------------------- memory
+def _memory(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.ResultStore) -> None:
+    model, tok = loaded.model, loaded.tokenizer
+    cells = [(m, b) for m, b in cells_for(methods, args.budgets) if m.kind != "kvpress"]
+    prog = _progress(args, len(cells) * len(args.lengths))
+    for L in args.lengths:
+        prompt, _ = fidelity_ids(tok, L, 8, 0)
+        for m, b in cells:
+            cell = _cell(args, m, b, length=L)
+            if store.done(cell):
+                prog.step()
+                continue
+            row = _base_row(args, m, b, length=L, cell=cell)
+            shared: dict[str, Any] = {}
+            try:
+                with H.RssSampler() as rss:
+                    cache, logits, info = _local_cache(loaded, m, b, prompt, shared)
+                    H.greedy(model, cache, torch.tensor([[int(logits.argmax())]]), 8)
+                row.update(H.cache_ratios(model, cache, L + 8))
+                row.update(rss_before=rss.before, rss_peak=rss.peak, rss_peak_delta=rss.peak - rss.before)
+                row.update({k: v for k, v in info.items() if k != "config"})
+            except Exception as exc:
+                _err_row(row, exc)
+            finally:
+                _done_local(shared, loaded) if m.kind == "flashmem" else None
+            shared.clear()
+            store.add(row)
+            prog.step(f"{m.name} b={b:.3g} L={L}")
+    prog.close()
+
+
+# ----------------------------------------------------------------------------- speed
+def _speed(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.ResultStore) -> None:
+    model, tok = loaded.model, loaded.tokenizer
+    cells = [(m, b) for m, b in cells_for(methods, args.budgets) if m.kind != "kvpress"]
+    if not any(m.kind == "full" for m, _ in cells):
+        cells.insert(0, (parse_method("full"), 1.0))  # the reference runs in the same process
+    prog = _progress(args, len(cells) * len(args.lengths))
+    vocab = model.config.get_text_config().vocab_size
+    for L in args.lengths:
+        g = torch.Generator().manual_seed(L)
+        if L <= 32768 and loaded.name not in ("tiny",) and not loaded.name.startswith("tiny:"):
+            prompt, _ = fidelity_ids(tok, L, 8, 0)
+        else:
+            prompt = torch.randint(3, vocab, (1, L), generator=g)
+        ref: dict[str, Any] | None = None
+        for m, b in cells:
+            cell = _cell(args, m, b, length=L, decode=args.decode_tokens)
+            if store.done(cell):
+                if m.kind == "full":
+                    ref = store.rows[cell]
+                prog.step()
+                continue
+            row = _base_row(args, m, b, length=L, decode=args.decode_tokens, cell=cell)
+            shared: dict[str, Any] = {}
+            try:
+                t0 = time.perf_counter()
+                cache, logits, info = _local_cache(loaded, m, b, prompt, shared)
+                t_pre = time.perf_counter() - t0
+                first = torch.tensor([[int(logits.argmax())]])
+                t1 = time.perf_counter()
+                H.greedy(model, cache, first, args.decode_tokens)
+                t_dec = time.perf_counter() - t1
+                row.update(prefill_s=t_pre, prefill_tok_s=L / t_pre, decode_ms_per_token=1000 * t_dec / args.decode_tokens)
+                row.update(H.cache_ratios(model, cache, L + args.decode_tokens))
+                if m.kind == "full":
+                    ref = row
+                if ref is not None:
+                    row["prefill_speed_vs_full"] = row["prefill_tok_s"] / ref["prefill_tok_s"]
+                    row["decode_time_vs_full"] = row["decode_ms_per_token"] / ref["decode_ms_per_token"]
+            except Exception as exc:
+                _err_row(row, exc)
+            finally:
+                _done_local(shared, loaded) if m.kind == "flashmem" else None
+            store.add(row)
+            prog.step(f"{m.name} b={b:.3g} L={L}")
+    prog.close()
