@@ -183,3 +183,38 @@ def test_deepseek_v4_sliding_csa_hca():
         # projected tokens, CSA overlap slices): bounded, does not grow with T.
         scratch = cache_bytes(cache) - counted - duplicate_v
         assert 0 <= scratch <= 4 * (4 * 2 * (32 + 16) * 2) + 16 * 32 * 2 * 4 * 2
+
+
+def test_flashmem_cache_memory_report_agrees_with_estimate(llama):
+    """The cache's measured memory_report and the calculator share tiers.py: the
+    per-tier bytes agree exactly; the total within 5% (the cache also keeps a
+    small buffer of recent queries that the calculator does not count)."""
+    try:
+        import flashmem
+        from flashmem.config import FlashMemoryConfig
+
+        attach = flashmem.attach
+    except Exception as exc:  # the cache is another module's work
+        pytest.skip(f"flashmem.attach not importable: {exc}")
+    cfg, model = llama
+    fc = FlashMemoryConfig(
+        sink_tokens=4, gpu_cache_limit=64, hca_chunk_size=16, csa_chunk_size=4, csa_band_tokens=32,
+        lsa_top_k=2, prefill_chunk=64, keep_full_layers=[-1], prefetch_threads=0,
+    )
+    cache = attach(model, fc)
+    try:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, 300)), cache=cache, use_cache=True)
+            for _ in range(3):
+                model(torch.randint(0, 128, (1, 1)), cache=cache, use_cache=True)
+        rep = cache.memory_report()
+    finally:
+        cache.close()
+        model.set_attn_implementation("sdpa")
+    est = estimate(cfg, tokens=303, config=fc, dtype="float32").flashmem
+    for tier in ("sinks", "window", "open_block", "csa_entries", "hca_entries", "index", "working_set"):
+        assert rep["tiers"][tier] == est.tiers[tier], tier
+    assert rep["full_layer_bytes"] == est.tiers["full_layers"]
+    assert rep["cold_bytes"] == est.cold_bytes
+    assert abs(rep["device_resident_bytes"] / est.device_resident_bytes - 1) < 0.05

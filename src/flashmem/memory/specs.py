@@ -417,7 +417,10 @@ def from_hf_config(cfg: Any, name: str = "config") -> ModelSpec:
         cfg = cfg.get_text_config(decoder=True)
     elif isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"]
-    dtype = str(_get(cfg, "dtype", None) or _get(cfg, "torch_dtype", None) or "bfloat16")
+    dtype = _get(cfg, "dtype", None)
+    if dtype is None and isinstance(cfg, dict):  # older config.json files
+        dtype = cfg.get("torch_dtype")
+    dtype = str(dtype or "bfloat16")
     dtype = dtype.replace("torch.", "")
     n = _get(cfg, "num_hidden_layers") or _get(cfg, "n_layer") or _get(cfg, "num_layers")
     if not isinstance(n, int) or n < 1:
