@@ -1,0 +1,150 @@
+import pytest
+import torch
+
+from flashmem.baselines import parse_method
+from flashmem.baselines.evicting import EvictingLayer, kv_bytes, new_cache
+from flashmem.baselines.flashmem_adapter import budget_config, predicted_ratio
+from flashmem.baselines.kvpress import press_ratio, runner_command, RUNNER, create_commands
+from flashmem.baselines.snapkv import snapkv_compress, snapkv_keep
+from flashmem.baselines.streaming import StreamingCache, streaming_compress, streaming_sizes
+from flashmem.errors import FlashMemError
+from flashmem.eval import harness as H
+from flashmem.eval.tiny import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(layers=2)
+
+
+def _ids(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (1, n), generator=g)
+
+
+@torch.no_grad()
+def _cont_logits(model, cache, cont):
+    return model(input_ids=cont, cache=cache, use_cache=True).logits
+
+
+@torch.no_grad()
+def test_streaming_window_covering_prompt_equals_full(model):
+    ids, cont = _ids(100), _ids(20, 1)
+    pre = H.prefill_full(model, ids)
+    full = _cont_logits(model, H.eviction_cache(parse_method("full"), pre, 1.0), cont)
+    s = _cont_logits(model, streaming_compress(pre.cache, 4, 200), cont)
+    torch.testing.assert_close(s, full)
+    # and the rolling cache built from the start gives the same as DynamicCache
+    c = StreamingCache(model, sinks=4, window=500)
+    out = model(input_ids=torch.cat([ids, cont], 1), cache=c, use_cache=True).logits
+    ref = model(input_ids=torch.cat([ids, cont], 1)).logits
+    torch.testing.assert_close(out, ref)
+
+
+@torch.no_grad()
+def test_eviction_matches_masked_full_attention(model):
+    """A streaming cache == full attention with the evicted positions masked out."""
+    n, m, sinks, window = 64, 8, 4, 20
+    ids, cont = _ids(n), _ids(m, 1)
+    pre = H.prefill_full(model, ids)
+    cache = streaming_compress(pre.cache, sinks, 10_000)  # keep all, then roll by hand
+    for layer in cache.layers:
+        layer.roll(sinks, window)
+        layer.window = None  # no further rolling during the continuation
+    got = _cont_logits(model, cache, cont)
+    # reference: one forward over prompt+cont with a 4D mask hiding the evicted keys
+    total = n + m
+    allowed = torch.ones(total, total, dtype=torch.bool).tril()
+    evicted = torch.zeros(total, dtype=torch.bool)
+    evicted[sinks : n - window] = True
+    allowed[n:, evicted] = False
+    mask = torch.zeros(1, 1, total, total)
+    mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    ref = model(input_ids=torch.cat([ids, cont], 1), attention_mask=mask).logits[:, n:]
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_snapkv_keeps_exactly_budget(model):
+    ids = _ids(256)
+    pre = H.prefill_full(model, ids)
+    for b in (1 / 4, 1 / 8, 1 / 16, 1 / 32):
+        keep = snapkv_keep(b, 256)
+        cache = snapkv_compress(pre.cache, pre.captured, keep)
+        for layer in cache.layers:
+            assert layer.keys.shape[-2] == keep == round(b * 256)
+            assert layer.get_seq_length() == 256
+        r = H.cache_ratios(model, cache, 256)
+        assert r["ratio"] == pytest.approx(b)
+        # the observation window (last 64 prompt tokens) is always kept
+        torch.testing.assert_close(cache.layers[0].keys[..., -min(64, keep):, :],
+                                   pre.cache.layers[0].keys[..., -min(64, keep):, :])
+    # the source cache is untouched and positions continue at 256
+    assert pre.cache.layers[0].keys.shape[-2] == 256
+    out = model(input_ids=_ids(3, 2), cache=cache, use_cache=True)
+    assert out.logits.shape[1] == 3 and cache.get_seq_length() == 259
+
+
+@torch.no_grad()
+def test_snapkv_full_budget_equals_full(model):
+    ids, cont = _ids(128), _ids(16, 1)
+    pre = H.prefill_full(model, ids)
+    full = _cont_logits(model, H.eviction_cache(parse_method("full"), pre, 1.0), cont)
+    snap = _cont_logits(model, snapkv_compress(pre.cache, pre.captured, 128), cont)
+    torch.testing.assert_close(snap, full)
+
+
+@torch.no_grad()
+def test_snapkv_prefers_attended_positions(model):
+    # With queries equal to a key direction, the matching position must be kept.
+    from flashmem.baselines.snapkv import snapkv_scores
+
+    keys = torch.randn(1, 1, 100, 8) * 0.01
+    keys[0, 0, 10] = torch.ones(8) * 5
+    q = torch.ones(1, 2, 4, 8)
+    s = snapkv_scores(q, keys, 1.0, kernel=1)
+    assert int(s.argmax()) == 10
+
+
+def test_streaming_sizes_and_bytes(model):
+    assert streaming_sizes(0.25, 1000) == (4, 246)
+    cache = new_cache(model)
+    assert kv_bytes(cache)["total_bytes"] == 0
+
+
+def test_parse_method():
+    assert parse_method("full").kind == "full"
+    assert parse_method("kvpress:TOVAPress").variant == "TOVAPress"
+    assert parse_method("flashmem").variant == "default"
+    assert parse_method("flashmem:raw").kind == "flashmem"
+    for bad in ("kvpress:Nope", "flashmem:nope", "h2o"):
+        with pytest.raises(FlashMemError, match="allowed"):
+            parse_method(bad)
+
+
+def test_kvpress_command_and_ratio(tmp_path):
+    assert press_ratio(0.25) == 0.75
+    cmd = runner_command(tmp_path / "venv/bin/python", tmp_path / "jobs.json")
+    assert cmd == [str(tmp_path / "venv/bin/python"), str(RUNNER), str(tmp_path / "jobs.json")]
+    assert RUNNER.is_file()
+    create = create_commands(tmp_path / "v")
+    assert create[0][1:] == ["-m", "venv", str(tmp_path / "v")]
+    assert create[1][-3:] == ["kvpress==0.5.5", "transformers<5.3", "torch==2.13.0"]
+    # the runner must not import flashmem (it runs in another environment)
+    assert "import flashmem" not in RUNNER.read_text() and "from flashmem" not in RUNNER.read_text()
+
+
+@pytest.mark.parametrize("tokens", [8192, 16384])
+@pytest.mark.parametrize("budget", [1 / 4, 1 / 8, 1 / 16, 1 / 32])
+def test_flashmem_budget_config(tokens, budget):
+    cfg = budget_config(budget, tokens)
+    assert predicted_ratio(cfg, tokens) == pytest.approx(budget, rel=0.05)
+    assert cfg.gpu_cache_limit < tokens
+
+
+def test_evicting_layer_mask_sizes():
+    layer = EvictingLayer(sinks=2, window=3)
+    k = torch.randn(1, 1, 10, 4)
+    fk, _ = layer.update(k, k)
+    assert fk.shape[-2] == 10 and layer.stored() == 5 and layer.get_seq_length() == 10
+    assert layer.get_mask_sizes(1) == (6, 5)
