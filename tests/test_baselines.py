@@ -4,7 +4,7 @@ import torch
 from flashmem.baselines import parse_method
 from flashmem.baselines.evicting import EvictingLayer, kv_bytes, new_cache
 from flashmem.baselines.flashmem_adapter import budget_config, predicted_ratio
-from flashmem.baselines.kvpress import press_ratio, runner_command, RUNNER, create_commands
+from flashmem.baselines.kvpress_env import press_ratio, runner_command, RUNNER, create_commands
 from flashmem.baselines.snapkv import snapkv_compress, snapkv_keep
 from flashmem.baselines.streaming import StreamingCache, streaming_compress, streaming_sizes
 from flashmem.errors import FlashMemError
@@ -148,3 +148,21 @@ def test_evicting_layer_mask_sizes():
     fk, _ = layer.update(k, k)
     assert fk.shape[-2] == 10 and layer.stored() == 5 and layer.get_seq_length() == 10
     assert layer.get_mask_sizes(1) == (6, 5)
+
+
+def test_kvpress_runner_in_venv_when_present(tmp_path):
+    """Runs only where the kvpress venv was already created (never created in CI)."""
+    from flashmem.baselines.kvpress_env import run_jobs, venv_python
+    from flashmem.eval.tiny import tiny_tokenizer
+
+    if not venv_python().is_file():
+        pytest.skip("kvpress venv not created here")
+    m = tiny_llama(layers=2)
+    m.save_pretrained(tmp_path / "hf")
+    tiny_tokenizer().save_pretrained(tmp_path / "hf")
+    ids = _ids(300)[0].tolist()
+    jobs = [{"cell": f"{r}", "kind": "fidelity", "press": "SnapKVPress", "compression_ratio": r,
+             "context": ids[:256], "cont": ids[256:], "chunk": 16} for r in (0.0, 0.75)]
+    rows = {r["cell"]: r for r in run_jobs(str(tmp_path / "hf"), jobs, tmp_path / "w", threads=1)}
+    assert rows["0.0"]["kl_mean"] == pytest.approx(0, abs=1e-7) and rows["0.0"]["ratio"] == 1.0
+    assert rows["0.75"]["ratio"] == 0.25 and rows["0.75"]["kl_mean"] > 0

@@ -91,7 +91,7 @@ def test_retrieval_probe_and_suite(tmp_path, loaded, monkeypatch):
                     "ratio": 1 - j["compression_ratio"]})
         return []
 
-    import flashmem.baselines.kvpress as kp
+    import flashmem.baselines.kvpress_env as kp
 
     monkeypatch.setattr(kp, "run_jobs", fake_run_jobs)
     args = _args(tmp_path, "retrieval", methods=["full", "snapkv", "kvpress:SnapKVPress"], budgets=[0.25],

@@ -5,7 +5,7 @@ Method names used by the benchmark harness:
 * ``full``: plain `DynamicCache` (the quality ceiling, the speed/memory baseline);
 * ``streaming``: StreamingLLM, sinks + recent window (:mod:`.streaming`);
 * ``snapkv``: SnapKV post-prefill eviction (:mod:`.snapkv`);
-* ``kvpress:<Press>``: NVIDIA kvpress 0.5.5 presses, run in their own venv (:mod:`.kvpress`);
+* ``kvpress:<Press>``: NVIDIA kvpress 0.5.5 presses, run in their own venv (:mod:`.kvpress_env`; the runner file must not sit beside a module named kvpress);
 * ``flashmem`` / ``flashmem:<variant>``: the FlashMemory cache (:mod:`.flashmem_adapter`).
 """
 

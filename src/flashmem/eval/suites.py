@@ -148,7 +148,7 @@ def _global_layers(model: Any) -> list[int]:
 def _run_kvpress(args: BenchArgs, loaded: H.Loaded, jobs: list[dict[str, Any]],
                  rows_by_cell: dict[str, dict[str, Any]], store: H.ResultStore,
                  finish: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]], prog: Any) -> None:
-    from flashmem.baselines.kvpress import run_jobs
+    from flashmem.baselines.kvpress_env import run_jobs
 
     if not jobs:
         return
@@ -201,7 +201,7 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
                 cell = _cell(args, m, b, length=L, seed=seed, n_cont=args.n_cont)
                 row = _base_row(args, m, b, length=L, seed=seed, n_cont=args.n_cont, cell=cell)
                 if m.kind == "kvpress":
-                    from flashmem.baselines.kvpress import press_ratio
+                    from flashmem.baselines.kvpress_env import press_ratio
 
                     row["compression_ratio"] = press_ratio(b)
                     bases[cell] = row
@@ -304,7 +304,7 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
             row = _base_row(args, m, b, task=task, length=L, depth=d, seed=s, cell=cell,
                             context_tokens=int(ctx.shape[1]), answer=probe.answer)
             if m.kind == "kvpress":
-                from flashmem.baselines.kvpress import press_ratio
+                from flashmem.baselines.kvpress_env import press_ratio
 
                 row["compression_ratio"] = press_ratio(b)
                 bases[cell] = row
