@@ -26,7 +26,7 @@ from flashmem.store.disk_core import DiskCore, Pending
 from flashmem.store.disk_io import store_error
 from flashmem.store.format import FORMAT_VERSION
 from flashmem.store.recovery import recover
-from flashmem.store.transfer import to_device, to_host
+from flashmem.store.transfer import ensure_host, to_device
 
 
 class DiskStore(ColdStore):
@@ -111,7 +111,7 @@ class DiskStore(ColdStore):
         """Queue the block for writing; raises a pending background-write error once
         (after keeping this block in memory: nothing is lost)."""
         shape = check_pair(k, v)
-        payload = to_host(self.codec.encode(k.detach(), v.detach()))  # uint8 [n] host
+        payload = ensure_host(self.codec.encode(k.detach(), v.detach()))  # uint8 [n] host
         self.put_coded(key, payload, shape, k.dtype)
 
     def put_coded(self, key: BlockKey, payload: torch.Tensor, shape: Shape, dtype: torch.dtype) -> None:

@@ -15,7 +15,7 @@ import torch
 from flashmem.store.base import BlockKey, ColdStore, StoreStats
 from flashmem.store.codecs.base import Shape, check_pair
 from flashmem.store.disk import DiskStore, decode_on
-from flashmem.store.transfer import to_host
+from flashmem.store.transfer import ensure_host
 
 
 class LayeredStore(ColdStore):
@@ -37,7 +37,7 @@ class LayeredStore(ColdStore):
 
     def put(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> None:
         shape = check_pair(k, v)
-        payload = to_host(self.codec.encode(k.detach(), v.detach()))  # uint8 [n] host
+        payload = ensure_host(self.codec.encode(k.detach(), v.detach()))  # uint8 [n] host
         key = (int(key[0]), int(key[1]))
         with self._lock:
             self.stats.puts += 1

@@ -15,7 +15,7 @@ import torch
 from flashmem.store.base import BlockKey, ColdStore, StoreStats
 from flashmem.store.codecs import get_codec
 from flashmem.store.codecs.base import check_pair
-from flashmem.store.transfer import to_device, to_host
+from flashmem.store.transfer import ensure_host, to_device, to_host
 
 
 class MemoryStore(ColdStore):
@@ -35,7 +35,7 @@ class MemoryStore(ColdStore):
             entry: tuple = (to_host(k), to_host(v))
             n = 2 * k.numel() * k.element_size()
         else:
-            payload = to_host(self.codec.encode(k.detach(), v.detach()))
+            payload = ensure_host(self.codec.encode(k.detach(), v.detach()))
             entry = (payload, shape, k.dtype)
             n = payload.numel()
         with self._lock:

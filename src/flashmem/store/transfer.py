@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 
@@ -21,11 +22,42 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinning())
 
 
+def cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor made by numpy (one memcpy on the calling
+    thread: torch's copy_ goes through the intra-op thread pool, which costs
+    milliseconds per block when the cores are busy)."""
+    t = t.detach()
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return t.contiguous().clone()
+    raw = np.array(t.view(torch.uint8).numpy(), copy=True, order="C")
+    return torch.from_numpy(raw).view(t.dtype)
+
+
+def cpu_cat_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate the bytes of CPU tensors: uint8 [sum of nbytes] (numpy, one copy)."""
+    arrays = []
+    for t in parts:
+        t = t.detach()
+        if t.dim() and t.stride(-1) != 1:
+            t = t.contiguous()
+        arrays.append(t.view(torch.uint8).numpy().reshape(-1) if t.dim() else t.reshape(1).view(torch.uint8).numpy())
+    return torch.from_numpy(np.concatenate(arrays))
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t` (pinned when CUDA is present); never aliases `t`."""
+    if t.device.type == "cpu" and not pinning():
+        return cpu_copy(t)
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinning())
     out.copy_(t.detach())
     return out
+
+
+def ensure_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when it is already a usable host tensor (fresh, e.g. a codec's output), else a host copy."""
+    if t.device.type == "cpu" and (t.is_pinned() or not pinning()):
+        return t
+    return to_host(t)
 
 
 def to_device(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:

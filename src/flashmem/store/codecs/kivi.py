@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 GROUP = 32
@@ -40,9 +41,20 @@ def _grouped(x: torch.Tensor, per_channel: bool) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
-    """x: [b, h, T, d] -> uint8 payload (q packed to `bits` | scale | zero)."""
+    """x: [b, h, T, d] -> uint8 payload (q packed to `bits` | scale | zero), on x's device.
+
+    CPU tensors go through numpy (single-threaded: torch's intra-op pool costs
+    ~10x on small blocks when the cores are busy); other devices use torch.
+    Both compute the same float32 formulas.
+    """
+    if x.device.type == "cpu":
+        return torch.from_numpy(_quantize_np(_grouped(x, per_channel).numpy(), bits))
+    return _quantize_torch(_grouped(x, per_channel), bits)
+
+
+def _quantize_torch(g: torch.Tensor, bits: int) -> torch.Tensor:
+    """g: float32 [..., L] (L % 32 == 0) -> uint8 payload on g's device."""
     levels = (1 << bits) - 1
-    g = _grouped(x, per_channel)
     lead, L = g.shape[:-1], g.shape[-1]
     g = g.reshape(*lead, L // GROUP, GROUP).clamp(-_FP16_MAX, _FP16_MAX)
     mn, mx = g.amin(-1), g.amax(-1)  # [..., groups]
@@ -60,6 +72,25 @@ def quantize(x: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
     if bits == 4:
         q = q[0::2] | (q[1::2] << 4)  # two values per byte, low nibble first
     return torch.cat([q, scale.reshape(-1).view(torch.uint8), zero.reshape(-1).view(torch.uint8)])
+
+
+def _quantize_np(g: np.ndarray, bits: int) -> np.ndarray:
+    """g: float32 [..., L] (L % 32 == 0) -> uint8 payload; the numpy twin of `quantize`."""
+    levels = (1 << bits) - 1
+    g = np.clip(g.reshape(*g.shape[:-1], g.shape[-1] // GROUP, GROUP), -_FP16_MAX, _FP16_MAX)
+    mn, mx = g.min(-1), g.max(-1)
+    zero = mn.astype(np.float16)
+    zero = np.where(zero.astype(np.float32) > mn, np.nextafter(zero, np.float16(-np.inf)), zero)
+    z = zero.astype(np.float32)
+    want = (mx - z) / np.float32(levels)
+    scale = want.astype(np.float16)
+    scale = np.where(scale.astype(np.float32) < want, np.nextafter(scale, np.float16(np.inf)), scale)
+    s = scale.astype(np.float32)
+    inv = np.where(s > 0, np.float32(1.0) / np.where(s > 0, s, np.float32(1.0)), np.float32(0.0))
+    q = np.clip(np.rint((g - z[..., None]) * inv[..., None]), 0, levels).astype(np.uint8).reshape(-1)
+    if bits == 4:
+        q = q[0::2] | (q[1::2] << 4)
+    return np.concatenate([q, scale.reshape(-1).view(np.uint8), zero.reshape(-1).view(np.uint8)])
 
 
 def nbytes(shape: tuple[int, int, int, int], bits: int, per_channel: bool) -> int:
