@@ -131,3 +131,16 @@ def test_numpy_and_torch_quantizers_agree(bits):
         a = kivi._quantize_np(g.numpy(), bits)
         b = kivi._quantize_torch(g, bits).numpy()
         assert (a == b).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_numpy_and_torch_dequantizers_agree(bits):
+    from flashmem.store.codecs import kivi
+
+    x, _ = _block((2, 3, 64, 96), seed=4)
+    p = kivi.quantize(x, bits, per_channel=False)
+    n = x.numel()
+    nq, ng = n * bits // 8, n // kivi.GROUP
+    a = kivi._dequantize_np(p.numpy(), nq, ng, bits)
+    b = kivi._dequantize_torch(p, nq, ng, bits).numpy()
+    assert (a == b).all()

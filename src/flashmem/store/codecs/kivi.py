@@ -109,13 +109,31 @@ def dequantize(
     Lp = padded(L)
     n = b * h * rows * Lp
     nq, ng = n * bits // 8, n // GROUP
-    q = payload[:nq]
-    scale = payload[nq : nq + 2 * ng].view(torch.float16).float()
-    zero = payload[nq + 2 * ng : nq + 4 * ng].view(torch.float16).float()
-    if bits == 4:
-        q = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(-1)
-    x = q.float().reshape(ng, GROUP) * scale[:, None] + zero[:, None]
-    x = x.reshape(b, h, rows, Lp)[..., :L]
+    if payload.device.type == "cpu":  # numpy: single-threaded, see `quantize`
+        x = torch.from_numpy(_dequantize_np(payload.numpy(), nq, ng, bits))
+    else:
+        x = _dequantize_torch(payload, nq, ng, bits)
+    x = x.reshape(b, h, rows, Lp)[..., :L]  # float32 [groups, 32] -> grouped layout
     if per_channel:
         x = x.transpose(-1, -2)
     return x.to(dtype).contiguous()
+
+
+def _dequantize_torch(p: torch.Tensor, nq: int, ng: int, bits: int) -> torch.Tensor:
+    """uint8 payload -> float32 [groups, 32] on p's device."""
+    q = p[:nq]
+    scale = p[nq : nq + 2 * ng].view(torch.float16).float()
+    zero = p[nq + 2 * ng : nq + 4 * ng].view(torch.float16).float()
+    if bits == 4:
+        q = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(-1)
+    return q.float().reshape(ng, GROUP) * scale[:, None] + zero[:, None]
+
+
+def _dequantize_np(p: np.ndarray, nq: int, ng: int, bits: int) -> np.ndarray:
+    """uint8 payload -> float32 [groups, 32]; the numpy twin of `dequantize`'s arithmetic."""
+    q = p[:nq]
+    scale = p[nq : nq + 2 * ng].view(np.float16).astype(np.float32)
+    zero = p[nq + 2 * ng : nq + 4 * ng].view(np.float16).astype(np.float32)
+    if bits == 4:
+        q = np.stack([q & 0xF, q >> 4], axis=-1).reshape(-1)
+    return q.astype(np.float32).reshape(ng, GROUP) * scale[:, None] + zero[:, None]
