@@ -374,3 +374,15 @@ def test_gemma3_loads_text_only_with_bos(gemma, real_cache):
     gg = real_cache / "gguf" / "gemma-3-270m-q4_k_m.gguf"
     assert gg.is_file() and registry.sha256_file(gg) == BUILTINS["gemma3-270m"].sha256
     assert registry.stated_gemma3_sha256() == BUILTINS["gemma3-270m"].sha256
+
+
+def test_bad_dtype_or_device_is_a_user_error(fake_gguf, cache_dir):
+    path, conv = fake_gguf
+    with pytest.raises(FlashMemError, match="dtype"):
+        load_model(path, dtype="float32")
+    with pytest.raises(FlashMemError, match="device"):
+        load_model(path, device="nonsense:7")
+    if not torch.cuda.is_available():
+        with pytest.raises(FlashMemError, match="CUDA is not available"):
+            load_model(path, device="cuda")
+    assert conv.calls == 0

@@ -238,11 +238,29 @@ def _load_folder(folder: Path, dtype: Any, device: Any) -> tuple[Any, Any]:
 
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+    return model, tok
+
+
+def _finish(model: Any, device: Any) -> Any:
     model = model.to(device)
     model.eval()
     if getattr(model.config, "_attn_implementation", None) not in ("eager", "sdpa"):
         model.set_attn_implementation("sdpa")
-    return model, tok
+    return model
+
+
+def _check_dtype_device(dtype: Any, device: Any) -> Any:
+    import torch
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise FlashMemError(f"dtype must be a floating torch dtype (e.g. torch.float32), got {dtype!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise FlashMemError(f"invalid device {device!r}: {str(e).splitlines()[0] if str(e) else e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise FlashMemError(f"device {device!r} requested but CUDA is not available here; use device='cpu'")
+    return dev
 
 
 def load_model(
@@ -260,29 +278,34 @@ def load_model(
 
     if dtype is None:
         dtype = torch.float32
+    device = _check_dtype_device(dtype, device)
     src = resolve(name_or_path)
     if src.kind == "folder":
         assert src.path is not None
         has_weights = any(src.path.glob("*.safetensors")) or any(src.path.glob("*.bin"))
         if not has_weights:
             raise FlashMemError(f"{src.path} has a config.json but no weights (*.safetensors or *.bin)")
-        return _load_folder(src.path, dtype, device)
+        model, tok = _load_folder(src.path, dtype, device)
+        return _finish(model, device), tok
 
     target = src.cache_dir()
     if cache_is_complete(target):
         try:
-            return _load_folder(target, dtype, device)
+            model, tok = _load_folder(target, dtype, device)
         except FlashMemError:
             raise
         except Exception as e:  # damaged in a way the marker cannot see: rebuild once
             log.warning("cached model %s failed to load (%s); rebuilding", target, e)
             _discard(target)
+        else:
+            return _finish(model, device), tok
     elif target.exists():
         log.warning("cached model %s is incomplete; rebuilding", target)
     _build_cache(src, target)
     if not cache_is_complete(target):  # pragma: no cover - defensive
         raise FlashMemError(f"could not write a complete model cache in {target}")
-    return _load_folder(target, dtype, device)
+    model, tok = _load_folder(target, dtype, device)
+    return _finish(model, device), tok
 
 
 # ------------------------------------------------------------------------------ info
