@@ -257,6 +257,9 @@ class DiskCore:
             self.closed = True
             self.pending.clear()
             self.pending_bytes = 0
+            self.index.clear()
+            self.sizes.clear()
+            self.total_bytes = 0
             fds = list(self.read_fds.values()) + [self.log_fd]
             self.read_fds.clear()
         for fd in fds:
