@@ -162,3 +162,53 @@ def test_open_store_factory(tmp_path, kind, cls):
         assert k.dtype == torch.bfloat16 and k.shape == SHAPE
         if kind != "memory":
             assert os.path.basename(s.path).startswith("layer_cache_0-")
+
+
+def test_sweep_stale_removes_only_dead_unpersisted_folders(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from flashmem.store.stale import sweep_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    live = DiskStore(str(tmp_path))  # this process: kept
+    kept = DiskStore(str(tmp_path), persist=True)
+    stale = DiskStore(str(tmp_path), persist=True)
+    for s, persist in ((kept, True), (stale, False)):
+        meta = os.path.join(s.path, "meta.json")
+        with open(meta) as f:
+            m = json.load(f)
+        m.update(pid=dead_pid, persist=persist)
+        with open(meta, "w") as f:
+            json.dump(m, f)
+    stale_path, kept_path = stale.path, kept.path
+    assert sweep_stale(str(tmp_path)) == [stale_path]
+    assert os.path.isdir(live.path) and os.path.isdir(kept_path) and not os.path.exists(stale_path)
+    for s in (live, kept, stale):
+        s._core.persist = False
+        s.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("codec", ["exact", "int8", "int4"])
+def test_cuda_round_trip(tmp_path, codec):
+    """On CUDA: put from the device, get back on the device (pinned host buffers, async copies)."""
+    from flashmem.store import Prefetcher
+
+    k, v = (t.cuda() for t in block(0, 0, torch.bfloat16))
+    for s in (MemoryStore(codec=codec), DiskStore(str(tmp_path), codec=codec, dtype=torch.bfloat16),
+              LayeredStore(DiskStore(str(tmp_path), codec=codec, dtype=torch.bfloat16), ram_bytes=1 << 20)):
+        with s:
+            s.put((0, 0), k, v)
+            s.flush()
+            k2, v2 = s.get((0, 0), "cuda")
+            assert k2.is_cuda and k2.dtype == torch.bfloat16
+            ref = s.get((0, 0), "cpu")
+            assert torch.equal(k2.cpu(), ref[0]) and torch.equal(v2.cpu(), ref[1])
+            if codec == "exact":
+                assert torch.equal(k2, k) and torch.equal(v2, v)
+            with Prefetcher(s, 1) as pf:
+                pf.request([(0, 0)])
+                assert torch.equal(pf.get((0, 0), "cuda")[0].cpu(), ref[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import uuid
 import weakref
 
@@ -185,6 +186,7 @@ def _write_meta(folder: str, codec: str, dtype: torch.dtype, persist: bool) -> N
         "dtype": str(dtype).removeprefix("torch."),
         "persist": persist,
         "pid": os.getpid(),
+        "host": socket.gethostname(),
     }
     tmp = os.path.join(folder, "meta.json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:

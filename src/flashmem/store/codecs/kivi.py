@@ -12,7 +12,6 @@ element (the range does not widen); the padding is dropped on decode.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -52,6 +51,15 @@ def quantize(x: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
     return _quantize_torch(_grouped(x, per_channel), bits)
 
 
+def _next_up_f16(x: torch.Tensor) -> torch.Tensor:
+    """The next fp16 value towards +inf, by bit arithmetic (torch.nextafter lacks
+    fp16 kernels on some devices). x: finite fp16."""
+    b = x.view(torch.int16)
+    up = torch.where(b >= 0, b + 1, b - 1)  # magnitude up for >= +0, down for negatives
+    up = torch.where(b == -32768, torch.ones_like(b), up)  # -0 -> smallest positive subnormal
+    return up.view(torch.float16)
+
+
 def _quantize_torch(g: torch.Tensor, bits: int) -> torch.Tensor:
     """g: float32 [..., L] (L % 32 == 0) -> uint8 payload on g's device."""
     levels = (1 << bits) - 1
@@ -61,10 +69,10 @@ def _quantize_torch(g: torch.Tensor, bits: int) -> torch.Tensor:
     # fp16 zero rounded down and fp16 scale rounded up, so every x lies in
     # [zero, zero + levels * scale] and |x - x^| <= scale / 2.
     zero = mn.to(torch.float16)
-    zero = torch.where(zero.float() > mn, torch.nextafter(zero, torch.full_like(zero, -math.inf)), zero)
+    zero = torch.where(zero.float() > mn, -_next_up_f16(-zero), zero)
     want = (mx - zero.float()) / levels
     scale = want.to(torch.float16)
-    scale = torch.where(scale.float() < want, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+    scale = torch.where(scale.float() < want, _next_up_f16(scale), scale)
     s = scale.float()
     inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
     q = torch.round((g - zero.float()[..., None]) * inv[..., None]).clamp_(0, levels).to(torch.uint8)
