@@ -86,12 +86,18 @@ def main() -> None:
         random.Random(0).shuffle(keys)
 
         drop_store(s)
+        io0 = s.stats.extra.get("read_s", 0.0)
         t0 = time.perf_counter()
         for key in keys:
             s.get(key, "cpu")
         dt = time.perf_counter() - t0
+        io = s.stats.extra.get("read_s", 0.0) - io0
         bw = n * rec / dt
-        print(f"store random get, sync:       {bw / 1e6:8.1f} MB/s coded  ratio {bw / raw:5.2f}  ({dt / n * 1e6:.0f} us/block)")
+        print(
+            f"store random get, sync:       {bw / 1e6:8.1f} MB/s coded  ratio {bw / raw:5.2f}  "
+            f"({dt / n * 1e6:.0f} us/block, of which pread {io / n * 1e6:.0f} us; "
+            f"pread alone {n * rec / io / 1e6:.0f} MB/s)"
+        )
 
         drop_store(s)
         with Prefetcher(s, a.threads, ready_bytes=2**40) as pf:

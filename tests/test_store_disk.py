@@ -212,3 +212,21 @@ def test_cuda_round_trip(tmp_path, codec):
             with Prefetcher(s, 1) as pf:
                 pf.request([(0, 0)])
                 assert torch.equal(pf.get((0, 0), "cuda")[0].cpu(), ref[0])
+
+
+def test_close_from_the_writer_thread_is_deferred(tmp_path):
+    """GC may run the finalizer on the writer thread itself: it must not join itself
+    or close files under its own feet."""
+    s = DiskStore(str(tmp_path))
+    core = s._core
+    real = core._write_batch
+
+    def write_then_close(batch):
+        out = real(batch)
+        core.close()  # as a finalizer would, mid-loop on the writer thread
+        return out
+
+    core._write_batch = write_then_close
+    s.put((0, 0), *block(0, 0))
+    core.thread.join(timeout=10)
+    assert not core.thread.is_alive() and core.closed and not os.path.exists(core.folder)

@@ -147,6 +147,13 @@ def test_cold_dir_under_a_file_is_a_one_line_error(tmp_path):
     assert str(f / "sub") in msg and "Not a directory" in msg and "\n" not in msg
 
 
+def test_missing_cold_dir_is_created(tmp_path):
+    with DiskStore(str(tmp_path / "a" / "b")) as s:
+        s.put((0, 0), *block(0, 0))
+        assert same(s.get((0, 0))[0], block(0, 0)[0])
+        assert os.path.dirname(s.path) == str(tmp_path / "a" / "b")
+
+
 def test_cold_dir_not_writable(tmp_path, monkeypatch):
     real = os.mkdir
 

@@ -88,6 +88,7 @@ class DiskCore:
         self.error_reported = False
         self.closed = False
         self.stopping = False
+        self.deferred_close = False
         self.read_fds: dict[int, int] = {}
         self.seg = first_segment
         self.seg_off = 0
@@ -95,6 +96,8 @@ class DiskCore:
         self.log_path = os.path.join(folder, "commit.log")
         self.log_off = log_offset
         self.log_fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT, 0o644)
+        if sync:
+            fsync_dir(folder)
         self.thread = threading.Thread(target=self._run, name=f"flashmem-writer-{os.path.basename(folder)}", daemon=True)
         self.thread.start()
 
@@ -125,6 +128,13 @@ class DiskCore:
                 self.cond.wait()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self.deferred_close:  # close() ran on this thread (a GC finalizer): finish it here
+                self._finish_close()
+
+    def _loop(self) -> None:
         while True:
             with self.cond:
                 while not self.queue and not self.stopping:
@@ -193,6 +203,8 @@ class DiskCore:
             self.seg += 1
         path = os.path.join(self.folder, segment_name(self.seg))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        if self.sync:
+            fsync_dir(self.folder)  # the new file's name must survive a crash too
         with self.lock:
             self.read_fds[self.seg] = fd
         self.seg_fd, self.seg_off = fd, 0
@@ -246,14 +258,22 @@ class DiskCore:
     def close(self) -> None:
         """Stop the writer (after draining it when persisting), close files, remove the folder unless persist."""
         with self.cond:
-            if self.closed:
+            if self.closed or self.stopping:
                 return
             if not self.persist:
                 self.queue.clear()
             self.stopping = True
             self.cond.notify_all()
+        if threading.current_thread() is self.thread:
+            self.deferred_close = True
+            return  # a finalizer run by GC on the writer thread: the writer finishes the close itself
         self.thread.join()
+        self._finish_close()
+
+    def _finish_close(self) -> None:
         with self.cond:
+            if self.closed:
+                return
             self.closed = True
             self.pending.clear()
             self.pending_bytes = 0
@@ -269,6 +289,14 @@ class DiskCore:
                 pass
         if not self.persist:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def codec_of(code: int) -> Codec:
