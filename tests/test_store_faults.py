@@ -116,6 +116,8 @@ CHILD = textwrap.dedent(
 def test_sigkill_mid_write_then_reopen(tmp_path, codec):
     code = CHILD.format(tests=os.path.dirname(__file__), root=str(tmp_path), codec=codec)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(120, proc.kill)  # never hang the suite on a stuck child
+    watchdog.start()
     try:
         path = proc.stdout.readline().split()[1]
         durable = 0
@@ -125,6 +127,7 @@ def test_sigkill_mid_write_then_reopen(tmp_path, codec):
             durable = int(line.split()[1])
         os.kill(proc.pid, signal.SIGKILL)  # while it keeps writing
     finally:
+        watchdog.cancel()
         proc.kill()
         proc.wait()
         proc.stdout.close()
