@@ -20,7 +20,7 @@ import torch
 
 from flashmem.errors import ChecksumError, ColdStoreError
 from flashmem.store.base import BlockKey, StoreStats
-from flashmem.store.codecs import CODECS_BY_CODE, DTYPE_CODES, DTYPES_BY_CODE, Codec
+from flashmem.store.codecs import DTYPE_CODES, Codec
 from flashmem.store.codecs.base import Shape
 from flashmem.store.disk_io import pread_into, pwrite_all, store_error
 from flashmem.store.format import (
@@ -297,11 +297,3 @@ def fsync_dir(folder: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def codec_of(code: int) -> Codec:
-    return CODECS_BY_CODE[code]
-
-
-def dtype_of(code: int) -> torch.dtype:
-    return DTYPES_BY_CODE[code]

@@ -11,7 +11,7 @@ import torch
 
 from flashmem.errors import ColdStoreError
 from flashmem.store.base import BlockKey
-from flashmem.store.codecs import Codec, get_codec
+from flashmem.store.codecs import DTYPES_BY_CODE, Codec, get_codec
 from flashmem.store.disk_core import Loc
 from flashmem.store.disk_io import pread_into, store_error
 from flashmem.store.format import COMMIT_SIZE, HEADER_SIZE, segment_name, unpack_commit, unpack_header, xxh64
@@ -56,7 +56,7 @@ def recover(folder: str, *, verify: bool = False) -> Recovered:
         if e.offset + e.record_len > sizes.get(e.segment, -1):
             dropped += 1
             continue
-        shape, dt, ok = _check_record(folder, e, verify)
+        shape, dt, ok = _check_record(folder, e, verify, codec.code)
         if not ok:
             dropped += 1
             continue
@@ -72,9 +72,7 @@ def recover(folder: str, *, verify: bool = False) -> Recovered:
     )
 
 
-def _check_record(folder: str, e, verify: bool):
-    from flashmem.store.codecs import DTYPES_BY_CODE
-
+def _check_record(folder: str, e, verify: bool, codec_code: int):
     path = os.path.join(folder, segment_name(e.segment))
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -89,7 +87,7 @@ def _check_record(folder: str, e, verify: bool):
     h = unpack_header(hdr)
     if got < sum(len(b) for b in bufs) or h is None or (h.layer, h.block) != (e.layer, e.block):
         return None, None, False
-    if h.payload_len != e.payload_len or h.payload_sum != e.payload_sum or h.dtype not in DTYPES_BY_CODE:
+    if h.payload_len != e.payload_len or h.payload_sum != e.payload_sum or h.dtype not in DTYPES_BY_CODE or h.codec != codec_code:
         return None, None, False
     if payload is not None and xxh64(payload) != e.payload_sum:
         return None, None, False
