@@ -27,13 +27,30 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def predicted_ratio(cfg: FlashMemoryConfig, tokens: int) -> float:
-    """Resident token-equivalents (K+V; index vectors are keys only) / tokens."""
+def _recent_queries() -> int:
+    try:
+        from flashmem.cache.flash_layer import RECENT_QUERY_TOKENS
+
+        return int(RECENT_QUERY_TOKENS)
+    except ImportError:  # pragma: no cover - the cache is not in this checkout
+        return 8
+
+
+def predicted_ratio(cfg: FlashMemoryConfig, tokens: int, group: int = 1) -> float:
+    """Resident token-equivalents / tokens, per managed layer and KV head.
+
+    K+V entries count 1; index vectors are keys only (1/2); the cache also keeps
+    the last RECENT_QUERY_TOKENS queries of each of the `group` query heads per
+    KV head (for the fusion weights): 8 * group key-sized vectors.
+    """
     c = tier_counts(cfg, tokens)
-    return (c.resident_kv + 0.5 * c.index_key_vectors) / max(1, tokens)
+    qbuf = 0.5 * _recent_queries() * group if tokens > 0 else 0.0
+    return (c.resident_kv + 0.5 * c.index_key_vectors + qbuf) / max(1, tokens)
 
 
-def budget_config(budget: float, tokens: int, variant: str = "default", **overrides: Any) -> FlashMemoryConfig:
+def budget_config(
+    budget: float, tokens: int, variant: str = "default", group: int = 1, **overrides: Any
+) -> FlashMemoryConfig:
     """A config whose predicted device-resident fraction at `tokens` is about `budget`.
 
     Searched: selected blocks k (lsa_top_k), near band (multiple of the block
@@ -69,13 +86,13 @@ def budget_config(budget: float, tokens: int, variant: str = "default", **overri
             lo, hi = 1, max(1, tokens // step)
             while lo < hi:  # smallest W (in steps) whose ratio reaches the budget
                 mid = (lo + hi) // 2
-                if predicted_ratio(make(mid * step), tokens) >= budget:
+                if predicted_ratio(make(mid * step), tokens, group) >= budget:
                     hi = mid
                 else:
                     lo = mid + 1
             for ws in {max(1, lo - 1), lo}:
                 cfg = make(ws * step)
-                r = predicted_ratio(cfg, tokens)
+                r = predicted_ratio(cfg, tokens, group)
                 cands.append((abs(r - budget) / budget, cfg, r))
     good = [c for c in cands if c[0] <= 0.03] or [min(cands, key=lambda c: c[0])]
 

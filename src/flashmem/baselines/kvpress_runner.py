@@ -12,7 +12,11 @@ JOBS.json: {"model_dir": HF folder, "out": results .jsonl (appended),
 
 Prefill runs under the press (as kvpress's pipeline does: compression during
 the context prefill), then continuation/question tokens are fed with explicit
-position ids (context_length + i), as kvpress's pipeline does. Fidelity metrics
+position ids (context_length + i), as kvpress's pipeline does. On models with
+sliding-window layers (Gemma3) only the global layers are compressed, the
+sliding layers keep transformers' sliding cache, and later tokens are fed one
+at a time (see `feed`); ExpectedAttentionPress gets Gemma3's rope layer type
+patched in (`_patch_gemma3_rope`). Fidelity metrics
 are against an uncompressed run of the same model in this same environment.
 """
 
@@ -36,19 +40,43 @@ def main(path: str) -> int:
     model = AutoModelForCausalLM.from_pretrained(
         spec["model_dir"], dtype=torch.float32, attn_implementation=spec.get("attn", "sdpa")
     ).eval()
+    _patch_gemma3_rope(model)
     refs: dict[str, torch.Tensor] = {}
 
+    sliding = bool(set(getattr(model.config, "layer_types", None) or []) & {"sliding_attention"})
+
     def prefill(ctx, press):
-        cache = DynamicCache()
+        # Models with sliding-window layers (Gemma3): those keep their own sliding
+        # cache and are not compressed (budgets are over the global layers), as
+        # kvpress itself does for Gemma3ForConditionalGeneration.
+        cache = DynamicCache(config=model.config) if sliding else DynamicCache()
+        if press is not None and sliding:
+            orig = press.forward_hook
+
+            def hook(module, input, kwargs, output, _orig=orig):
+                if getattr(module, "is_sliding", False):
+                    return output
+                return _orig(module, input, kwargs, output)
+
+            press.forward_hook = hook
         ctxm = press(model) if press is not None else _null()
         with torch.no_grad(), ctxm:
             out = model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache, out.logits[0, -1].float()
 
     def feed(cache, ids, start):
-        pos = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
+        # With sliding layers the cache's seq length is the sliding layers' true
+        # count while compressed global layers hold fewer entries, so several new
+        # tokens at once would see each other in the global layers (no causal
+        # mask there); feed them one at a time instead (exact, just slower).
+        step = 1 if sliding else ids.shape[1]
+        outs = []
         with torch.no_grad():
-            return model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
+            for s0 in range(0, ids.shape[1], step):
+                part = ids[:, s0 : s0 + step]
+                pos = torch.arange(start + s0, start + s0 + part.shape[1]).unsqueeze(0)
+                outs.append(model(input_ids=part, past_key_values=cache, position_ids=pos, use_cache=True).logits)
+        return _Out(torch.cat(outs, dim=1))
 
     def cont_logprobs(cache, first, ctx_len, cont, chunk):
         rows = [first.log_softmax(-1).unsqueeze(0)]
@@ -119,6 +147,44 @@ def main(path: str) -> int:
             out_fh.write(json.dumps(row) + "\n")
             out_fh.flush()
     return 0
+
+
+def _patch_gemma3_rope(model) -> None:
+    """ExpectedAttentionPress calls `rotary_emb(x, position_ids)` without the layer
+    type, which Gemma3's multi-rope embedding needs (transformers 5.2 raises
+    `'Gemma3RotaryEmbedding' object has no attribute 'None_inv_freq'`). A
+    pre-hook on each attention module records its layer type; a missing
+    `layer_type` falls back to it."""
+    types = getattr(model.config, "layer_types", None)
+    if not types:
+        return
+    current = {"type": types[0]}
+    layers = getattr(getattr(model, "model", model), "layers", [])
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            continue
+
+        def pre(module, args, kwargs, _t=types[i]):
+            current["type"] = _t
+
+        attn.register_forward_pre_hook(pre, with_kwargs=True)
+    seen = set()
+    for mod in model.modules():
+        cls = type(mod)
+        if cls.__name__.endswith("RotaryEmbedding") and cls not in seen and hasattr(mod, "layer_types"):
+            seen.add(cls)
+            orig = cls.forward
+
+            def forward(self, x, position_ids, layer_type=None, _orig=orig):
+                return _orig(self, x, position_ids, layer_type=layer_type or current["type"])
+
+            cls.forward = forward
+
+
+class _Out:
+    def __init__(self, logits):
+        self.logits = logits
 
 
 class _null:

@@ -105,13 +105,15 @@ def _local_cache(loaded: H.Loaded, m: Method, b: float, ids: torch.Tensor,
         from flashmem.baselines.flashmem_adapter import budget_config, predicted_ratio
 
         impl = shared.setdefault("impl", model.config._attn_implementation)
-        cfg = budget_config(b, int(ids.shape[1]), m.variant)
+        tcfg = model.config.get_text_config()
+        group = tcfg.num_attention_heads // (getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads)
+        cfg = budget_config(b, int(ids.shape[1]), m.variant, group=group)
         try:
             cache, logits, dt = H.prefill_flashmem(model, ids, cfg)
         except Exception:
             H.restore_attn(model, impl)
             raise
-        info = {"prefill_s": dt, "config": cfg.model_dump(), "predicted_ratio": predicted_ratio(cfg, int(ids.shape[1]))}
+        info = {"prefill_s": dt, "config": cfg.model_dump(), "predicted_ratio": predicted_ratio(cfg, int(ids.shape[1]), group)}
         shared["restore"] = impl
         return cache, logits, info
     raise FlashMemError(f"method {m.name!r} does not run in this process")

@@ -45,8 +45,9 @@ def tiny_llama(
     kv_heads: int = 2,
     max_positions: int = 131072,
     seed: int = 0,
+    attn: str = "sdpa",
 ) -> Any:
-    """A random-weight Llama (GQA) in eval mode, float32, eager attention."""
+    """A random-weight Llama (GQA) in eval mode, float32, SDPA attention by default."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -64,6 +65,6 @@ def tiny_llama(
         pad_token_id=2,
         tie_word_embeddings=True,
     )
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn
     model = LlamaForCausalLM(cfg).eval()
     return model
