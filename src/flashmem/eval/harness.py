@@ -243,6 +243,7 @@ class ResultStore:
         if self.json_out.is_file():
             try:
                 doc = json.loads(self.json_out.read_text())
+                self.meta.setdefault("runs", list(doc.get("meta", {}).get("runs", [])))
                 for r in doc.get("rows", []):
                     if "cell" in r and not r.get("error"):
                         self.rows[r["cell"]] = r

@@ -89,6 +89,8 @@ def plot(rows: list[dict[str, Any]], suite: str, path: str | Path) -> list[Path]
                                  if s["method"] == meth and s["length"] == L and s[mname] is not None)
                     if not pts:
                         continue
+                    if meth == "full" and mname == "kl_mean":
+                        continue  # zero by definition; no place on a log axis
                     if meth == "full":
                         ax.axhline(pts[0][1], color="k", ls="--", lw=1, label="full")
                     else:

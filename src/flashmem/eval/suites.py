@@ -67,8 +67,14 @@ def run_suite(args: BenchArgs, loaded: H.Loaded | None = None,
     methods = [parse_method(m) for m in args.methods]
     torch.set_num_threads(max(1, args.threads))
     store = store or H.ResultStore(args.json_out, meta={"suite": args.suite, "model": args.model})
-    store.meta.update({"suite": args.suite, "model": args.model, "methods": args.methods,
-                       "budgets": args.budgets, "lengths": args.lengths})
+    store.meta.update({"suite": args.suite, "model": args.model})
+    store.meta.setdefault("runs", []).append({
+        "methods": args.methods, "budgets": args.budgets, "lengths": args.lengths, "seeds": args.seeds,
+        "depths": args.depths if args.suite == "retrieval" else None,
+        "tasks": args.tasks if args.suite == "retrieval" else None,
+        "n_cont": args.n_cont if args.suite == "fidelity" else None, "chunk": args.chunk,
+        "threads": args.threads, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    })
     loaded = loaded or H.load(args.model)
     fn: Callable[..., None] = {
         "fidelity": _fidelity,
