@@ -85,7 +85,8 @@ def plot(rows: list[dict[str, Any]], suite: str, path: str | Path) -> list[Path]
             for j, L in enumerate(lengths):
                 ax = axes[i][j]
                 for meth in methods:
-                    pts = sorted((s["budget"], s[mname]) for s in summary
+                    # x = measured resident fraction (the nominal budget where none was measured)
+                    pts = sorted((s.get("ratio") or s["budget"], s[mname]) for s in summary
                                  if s["method"] == meth and s["length"] == L and s[mname] is not None)
                     if not pts:
                         continue
@@ -96,7 +97,7 @@ def plot(rows: list[dict[str, Any]], suite: str, path: str | Path) -> list[Path]
                     else:
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=meth)
                 ax.set_xscale("log", base=2)
-                ax.set_xlabel("budget (resident KV / full KV)")
+                ax.set_xlabel("measured resident KV / full KV (global layers)")
                 ax.set_ylabel({"kl_mean": "mean KL(full||method)", "top1_agree": "top-1 agreement",
                                "correct": "accuracy"}[mname])
                 if mname == "kl_mean":
