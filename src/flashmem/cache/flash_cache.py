@@ -5,10 +5,18 @@ Layer kinds, decided once from the model config:
   `DynamicSlidingWindowLayer`, untouched;
 - `keep_full_layers` keep a plain `DynamicLayer`;
 - every other attention layer is a `FlashLayer`.
+
+Cold tier (DESIGN.md steps 1, 3, 5): the cache opens its store with
+`open_store(cfg, dtype=model dtype)` (memory, disk or layered; any codec) and,
+when `prefetch_threads > 0`, a Prefetcher that the layers read through and that
+look-ahead fills. `close()` (or `with attach(...) as cache`, or garbage
+collection) closes the prefetcher, then the store (its folder is removed unless
+`persist`).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -22,7 +30,7 @@ from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
 from flashmem.index import make_scorer
 from flashmem.store.base import ColdStore
-from flashmem.store.memory import MemoryStore
+from flashmem.store.prefetch import Prefetcher
 
 TIERS = ("sinks", "window", "open_block", "csa_entries", "hca_entries", "index", "working_set", "query_buffer")
 
@@ -44,7 +52,18 @@ class FlashMemoryCache(Cache):
         layer_types = getattr(text_cfg, "layer_types", None) or ["full_attention"] * n_layers
         self.cfg = cfg
         self.store = store if store is not None else _default_store(cfg, dtype)
-        self._finalizer = weakref.finalize(self, self.store.close)
+        self.prefetcher: Prefetcher | None = None
+        try:
+            if cfg.prefetch_threads > 0:
+                from flashmem.store import open_prefetcher
+
+                self.prefetcher = open_prefetcher(cfg, self.store)
+        except BaseException:
+            self.store.close()
+            raise
+        # Synchronous reads when prefetch is off: each is a miss and its time a stall.
+        self._fetch_counts: dict[str, float] = {"misses": 0, "stall_s": 0.0}
+        self._finalizer = weakref.finalize(self, _close_cold_tier, self.prefetcher, self.store)
         rotators = rotators or {}
         layers: list[Any] = []
         for i, kind in enumerate(layer_types):
@@ -63,6 +82,8 @@ class FlashMemoryCache(Cache):
                         rotators.get(kind),
                     )
                 )
+                layers[-1].prefetcher = self.prefetcher
+                layers[-1].fetch_counts = self._fetch_counts
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------ reporting
@@ -105,14 +126,52 @@ class FlashMemoryCache(Cache):
         }
 
     def stats(self) -> dict[str, Any]:
-        """Cold-tier counters (reads, writes, bytes) as the store reports them."""
+        """Cold-tier counters: what attention waited for, and what each tier moved.
+
+        Top level: `hits` / `misses` of block fetches (a hit was prefetched in time;
+        with prefetch off every fetch is a synchronous miss), `stall_s` (seconds
+        attention waited for blocks), `bytes_read` / `bytes_written` / `puts` /
+        `gets` of the store as a whole, `prefetch` (on or off).
+        `tiers`: per tier, each with hits, misses, stall_s, bytes_read, bytes_written
+        (0 where a tier has no such notion) plus its own counters:
+        "prefetch" (the ready buffer: requested, loaded, late, evicted, errors, load_s, ...),
+        and the store's tiers ("memory"; "disk"; or "ram" and "disk" for a layered store;
+        a disk tier's `read_s` is time spent in pread, `pending_hits` reads served from
+        the write queue).
+        """
+        tiers: dict[str, dict[str, float]] = {}
+        pf = self.prefetcher
+        if pf is not None:
+            p = pf.stats()
+            store_keys = {f"{t}_" for t in self.store.tier_stats()}
+            fetch = {k: v for k, v in p.items() if not any(k.startswith(pre) for pre in store_keys)}
+        else:
+            fetch = {"hits": 0, "misses": self._fetch_counts["misses"], "stall_s": self._fetch_counts["stall_s"]}
+        tiers["prefetch"] = {**_ZERO, **fetch}
+        for name, st in self.store.tier_stats().items():
+            tiers[name] = {**_ZERO, **st}
         s = self.store.stats
-        return {"puts": s.puts, "gets": s.gets, "bytes_written": s.bytes_written, "bytes_read": s.bytes_read, **s.extra}
+        return {
+            "prefetch": pf is not None,
+            "hits": fetch["hits"],
+            "misses": fetch["misses"],
+            "stall_s": fetch["stall_s"],
+            "puts": s.puts,
+            "gets": s.gets,
+            "bytes_read": s.bytes_read,
+            "bytes_written": s.bytes_written,
+            "tiers": tiers,
+        }
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Release the cold tier (its files too, unless the config asked to persist)."""
+        """Stop prefetching, then release the cold tier (its files too, unless the config
+        asked to persist). Idempotent; garbage collection does the same."""
         self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     def __enter__(self) -> "FlashMemoryCache":
         return self
@@ -122,11 +181,28 @@ class FlashMemoryCache(Cache):
 
 
 def _default_store(cfg: FlashMemoryConfig, dtype: torch.dtype) -> ColdStore:
-    if cfg.cold_store == "memory" and cfg.cold_codec == "exact":
-        return MemoryStore()
     from flashmem.store import open_store
 
-    return open_store(cfg, dtype=dtype)
+    return open_store(cfg, dtype=dtype, name="cache")
+
+
+_ZERO: dict[str, float] = {"hits": 0, "misses": 0, "stall_s": 0.0, "bytes_read": 0, "bytes_written": 0}
+
+
+def _close_cold_tier(prefetcher: Prefetcher | None, store: ColdStore) -> None:
+    """Prefetcher first (its loaders read the store), then the store.
+
+    Garbage collection may run this on a prefetch loader thread, which cannot
+    wait for its own pool: then the close runs on a helper thread.
+    """
+    if threading.current_thread().name.startswith("flashmem-prefetch"):
+        threading.Thread(target=_close_cold_tier, args=(prefetcher, store), name="flashmem-close").start()
+        return
+    try:
+        if prefetcher is not None:
+            prefetcher.close()
+    finally:
+        store.close()
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

@@ -12,11 +12,13 @@ S + j*B .. S + (j+1)*B - 1, then the open block, then the window.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from flashmem.cache.lookahead import predict_next_blocks
 from flashmem.cache.rope import RopeRotator
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
@@ -35,6 +37,10 @@ class FlashLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    # Set by FlashMemoryCache: the Prefetcher (None: prefetch off, reads go to the store)
+    # and the cache's synchronous-read counters {"misses", "stall_s"} used when it is off.
+    prefetcher = None
+    fetch_counts: dict[str, float] | None = None
 
     def __init__(
         self,
@@ -221,8 +227,33 @@ class FlashLayer(CacheLayerMixin):
         self.csa_block_ids = ids.repeat_interleave(per)
 
     def fetch_block(self, block_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact K/V of a sealed block, on this layer's device. [b, h, B, d] each."""
-        return self.store.get((self.layer_idx, block_idx), self.device)
+        """Exact (or codec-decoded) K/V of a sealed block, on this layer's device. [b, h, B, d] each.
+
+        Through the Prefetcher when there is one (a hit when look-ahead loaded it
+        already; otherwise a miss whose wait is stall time), else a synchronous
+        store read, counted as a miss and stall.
+        """
+        key = (self.layer_idx, int(block_idx))
+        pf = self.prefetcher
+        if pf is not None:
+            return pf.get(key, self.device)
+        t0 = time.perf_counter()
+        out = self.store.get(key, self.device)
+        counts = self.fetch_counts
+        if counts is not None:
+            counts["misses"] += 1
+            counts["stall_s"] += time.perf_counter() - t0
+        return out
+
+    def look_ahead(self, idx: torch.Tensor) -> None:
+        """DESIGN.md step 5: queue background loads of the blocks predicted for the next
+        step (this step's selection idx [b, h, k] and neighbours within prefetch_window)."""
+        pf = self.prefetcher
+        if pf is None:
+            return
+        cfg = self.cfg
+        blocks = predict_next_blocks(idx, self.num_sealed, cfg.hca_chunk_size, cfg.prefetch_window)
+        pf.request([(self.layer_idx, j) for j in blocks])
 
     # ---------------------------------------------------------------- memory
     def resident_bytes(self) -> dict[str, int]:

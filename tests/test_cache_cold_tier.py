@@ -1,0 +1,177 @@
+"""The cache over every cold tier (memory / disk / layered, any codec), with and without prefetch.
+
+Exactness anchor as in test_cache.py: with every sealed block selected
+(lsa_keep_ratio=1.0) and an exact codec, the logits must equal DynamicCache's
+whichever tier the blocks come back from; prefetch must not change a bit.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import pytest
+import torch
+from test_cache import ALL_EXACT, SMALL, reference, run
+from tiny_models import tiny_llama
+
+import flashmem
+from flashmem.cache.lookahead import neighbour_radius, predict_next_blocks
+
+torch.set_num_threads(1)
+
+PROMPT = 200
+STEPS = 24
+
+
+def cfg(tmp_path, **kw) -> flashmem.FlashMemoryConfig:
+    base = dict(ALL_EXACT, cold_store="disk", cold_dir=str(tmp_path), prefetch_threads=2, prefetch_window=1024)
+    return flashmem.FlashMemoryConfig(**{**base, **kw})
+
+
+def folders(tmp_path) -> list[str]:
+    return sorted(os.listdir(tmp_path)) if os.path.isdir(tmp_path) else []
+
+
+@pytest.fixture(scope="module")
+def model_and_ref():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    ref = reference(model, ids, STEPS)
+    return model, ids, ref
+
+
+# ------------------------------------------------------------------ look-ahead (pure)
+def test_predict_next_blocks_neighbours_and_window():
+    idx = torch.tensor([[[0, 5]], [[9, 5]]])  # [b=2, h=1, k=2]
+    assert predict_next_blocks(idx, 10, 128, 1024) == [0, 1, 4, 5, 6, 8, 9]
+    assert predict_next_blocks(idx, 10, 128, 127) == [0, 5, 9]  # neighbours beyond the window
+    assert predict_next_blocks(idx, 10, 128, 0) == [0, 5, 9]
+    assert predict_next_blocks(idx, 10, 128, 1024, radius=2) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert predict_next_blocks([3, 3], 4, 16, 16) == [2, 3]  # clipped to sealed blocks
+    assert predict_next_blocks([], 4, 16, 16) == [] and predict_next_blocks([1], 0, 16, 16) == []
+    assert neighbour_radius(128, 300, radius=4) == 2
+
+
+# ------------------------------------------------------------------ exactness per tier
+@pytest.mark.parametrize("kind", ["memory", "disk", "layered"])
+@pytest.mark.parametrize("threads", [0, 2])
+def test_exact_codec_equals_dynamic_cache(model_and_ref, tmp_path, kind, threads):
+    model, ids, ref = model_and_ref
+    extra = {"cold_ram_bytes": 64 * 1024} if kind == "layered" else {}  # small: disk reads too
+    with flashmem.attach(model, cfg(tmp_path, cold_store=kind, prefetch_threads=threads, **extra)) as cache:
+        out = run(model, cache, ids, STEPS)
+        st = cache.stats()
+        assert cache.memory_report()["cold_bytes"] > 0
+    assert (out - ref).abs().max() <= 1e-4
+    assert st["prefetch"] is (threads > 0)
+    assert st["hits"] + st["misses"] > 0 and st["bytes_written"] > 0 and st["bytes_read"] > 0
+    if kind == "layered":
+        assert set(st["tiers"]) == {"prefetch", "ram", "disk"}
+        assert st["tiers"]["disk"]["bytes_written"] > 0
+    for tier in st["tiers"].values():
+        assert {"hits", "misses", "stall_s", "bytes_read", "bytes_written"} <= set(tier)
+    assert folders(tmp_path) == []
+
+
+@pytest.mark.parametrize("codec,tol", [("int8", 5e-3), ("int4", 5e-2)]  # measured: ~3e-4, ~6e-3 (logits ~0.5))
+@pytest.mark.parametrize("kind", ["disk", "layered"])
+def test_lossy_codecs_stay_close(model_and_ref, tmp_path, codec, tol, kind):
+    model, ids, ref = model_and_ref
+    with flashmem.attach(model, cfg(tmp_path, cold_store=kind, cold_codec=codec)) as cache:
+        out = run(model, cache, ids, STEPS)
+    err = (out - ref).abs().max().item()
+    assert torch.isfinite(out).all() and 0 < err <= tol, err
+
+
+def test_prefetch_on_off_identical_and_hits_during_decode(model_and_ref, tmp_path):
+    model, ids, _ = model_and_ref
+    # ratio < 1 so selections move between steps and look-ahead has work to do
+    c = dict(SMALL, lsa_keep_ratio=0.3)
+    outs, stats = [], []
+    for threads in (0, 2):
+        with flashmem.attach(model, cfg(tmp_path, **c, prefetch_threads=threads)) as cache:
+            with torch.no_grad():
+                model(ids, cache=cache, use_cache=True)
+            before = cache.stats()
+            outs.append(run_decode(model, cache, 40))
+            after = cache.stats()
+        stats.append((before, after))
+    assert torch.equal(outs[0], outs[1])
+    (_, off), (before, on) = stats
+    assert off["hits"] == 0 and off["misses"] > 0 and off["stall_s"] > 0
+    assert on["hits"] - before["hits"] > 0  # look-ahead loaded blocks before decode asked for them
+    assert on["tiers"]["prefetch"]["requested"] > 0
+    assert on["tiers"]["disk"]["bytes_read"] > 0 or on["tiers"]["disk"].get("pending_hits", 0) > 0
+
+
+def run_decode(model, cache, steps):
+    outs = []
+    tok = torch.full((1, 1), 5)
+    with torch.no_grad():
+        for _ in range(steps):
+            outs.append(model(tok, cache=cache, use_cache=True).logits[:, -1])
+            tok = (tok * 7 + 3) % 128
+    return torch.stack(outs, 1)
+
+
+# ------------------------------------------------------------------ lifecycle
+def test_folder_removed_on_close_and_gc_kept_with_persist(model_and_ref, tmp_path):
+    model, ids, _ = model_and_ref
+    cache = flashmem.attach(model, cfg(tmp_path))
+    run(model, cache, ids, 2)
+    assert len(folders(tmp_path)) == 1
+    cache.close()
+    assert folders(tmp_path) == [] and cache.closed
+    cache.close()  # idempotent
+
+    cache = flashmem.attach(model, cfg(tmp_path, cold_store="layered"))
+    run(model, cache, ids, 2)
+    assert len(folders(tmp_path)) == 1
+    pf = cache.prefetcher
+    del cache
+    gc.collect()
+    assert folders(tmp_path) == []
+    assert pf._closed  # the prefetcher was closed too
+
+    persist = tmp_path / "persist"
+    with flashmem.attach(model, cfg(persist, persist=True)) as cache:
+        run(model, cache, ids, 2)
+        puts = cache.stats()["puts"]
+    kept = folders(persist)
+    assert len(kept) == 1
+    from flashmem.store import DiskStore
+
+    with DiskStore.reopen(str(persist / kept[0]), persist=False) as s:
+        assert len(s) == puts > 0
+    assert folders(persist) == []
+
+
+def test_two_caches_one_cold_dir_in_two_threads(model_and_ref, tmp_path):
+    model, ids, ref = model_and_ref
+    alone = {}
+    for layered in (False, True):
+        with flashmem.attach(model, cfg(tmp_path, cold_store="layered" if layered else "disk")) as c:
+            alone[layered] = run(model, c, ids, STEPS)
+    caches = {k: flashmem.attach(model, cfg(tmp_path, cold_store="layered" if k else "disk")) for k in alone}
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            results[k] = run(model, caches[k], ids, STEPS)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in caches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert len(folders(tmp_path)) == 2
+    for k, c in caches.items():
+        assert torch.equal(results[k], alone[k])
+        assert (results[k] - ref).abs().max() <= 1e-4
+        c.close()
+    assert folders(tmp_path) == []
