@@ -10,7 +10,7 @@ from typing import Any
 COLUMNS = {
     "fidelity": ["ratio", "kl_mean", "top1_agree", "ppl_full", "ppl_diff"],
     "retrieval": ["ratio", "ratio_whole", "correct"],
-    "memory": ["ratio", "ratio_whole", "bytes_per_token", "rss_peak_delta"],
+    "memory": ["ratio", "ratio_whole", "bytes_per_token", "rss_model", "rss_peak", "rss_peak_over_model"],
     "speed": ["ratio", "prefill_tok_s", "decode_ms_per_token", "prefill_speed_vs_full", "decode_time_vs_full"],
 }
 
@@ -112,7 +112,7 @@ def plot(rows: list[dict[str, Any]], suite: str, path: str | Path) -> list[Path]
         if suite == "retrieval":
             written += _heatmaps(rows, path, plt)
     else:
-        metric = {"memory": ["bytes_per_token", "rss_peak_delta"],
+        metric = {"memory": ["bytes_per_token", "rss_peak_over_model"],
                   "speed": ["prefill_tok_s", "decode_ms_per_token"]}[suite]
         fig, axes = plt.subplots(1, len(metric), figsize=(5.5 * len(metric), 4), squeeze=False)
         for j, mname in enumerate(metric):

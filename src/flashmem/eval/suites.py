@@ -350,30 +350,28 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
 
 # ----------------------------------------------------------------------------- memory
 def _memory(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.ResultStore) -> None:
-    model, tok = loaded.model, loaded.tokenizer
+    """Each cell runs in a fresh process (flashmem.eval.memcell) so its peak RSS is its own."""
+    import json as _json
+    import subprocess
+    import sys
+
     cells = [(m, b) for m, b in cells_for(methods, args.budgets) if m.kind != "kvpress"]
     prog = _progress(args, len(cells) * len(args.lengths))
     for L in args.lengths:
-        prompt, _ = fidelity_ids(tok, L, 8, 0)
         for m, b in cells:
             cell = _cell(args, m, b, length=L)
             if store.done(cell):
                 prog.step()
                 continue
             row = _base_row(args, m, b, length=L, cell=cell)
-            shared: dict[str, Any] = {}
-            try:
-                with H.RssSampler() as rss:
-                    cache, logits, info = _local_cache(loaded, m, b, prompt, shared)
-                    H.greedy(model, cache, torch.tensor([[int(logits.argmax())]]), 8)
-                row.update(H.cache_ratios(model, cache, L + 8))
-                row.update(rss_before=rss.before, rss_peak=rss.peak, rss_peak_delta=rss.peak - rss.before)
-                row.update({k: v for k, v in info.items() if k != "config"})
-            except Exception as exc:
-                _err_row(row, exc)
-            finally:
-                _done_local(shared, loaded) if m.kind == "flashmem" else None
-            shared.clear()
+            spec = {"model": args.model, "method": m.name, "budget": b, "length": L, "threads": args.threads}
+            res = subprocess.run([sys.executable, "-m", "flashmem.eval.memcell", _json.dumps(spec)],
+                                 capture_output=True, text=True)
+            lines = [x for x in res.stdout.splitlines() if x.startswith("MEMCELL ")]
+            if res.returncode == 0 and lines:
+                row.update(_json.loads(lines[-1][len("MEMCELL "):]))
+            else:
+                row["error"] = f"memcell exited {res.returncode}: {res.stderr.strip()[-500:]}"
             store.add(row)
             prog.step(f"{m.name} b={b:.3g} L={L}")
     prog.close()
