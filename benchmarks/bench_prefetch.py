@@ -1,0 +1,206 @@
+"""Decode over a disk cold tier, prefetch off vs on (DESIGN.md steps 3 and 5).
+
+    python benchmarks/bench_prefetch.py [--dir /tmp] [--smollm-tokens 8192] [--tiny-tokens 65536]
+                                        [--steps 24] [--threads 2] [--skip-smollm] [--skip-tiny]
+
+Per model: one prefill with cold_store=disk (gpu_cache_limit = prefetch_window =
+1024 by default), then two decode phases of --steps greedy tokens on the same
+cache (each after one untimed warm-up step): prefetch off (every block read synchronously from the store), then on
+(reads go through the Prefetcher that look-ahead fills). The page cache of the
+store's segment files is dropped (fsync + posix_fadvise DONTNEED) before every
+decode step, outside the timed region, so block reads come from the disk, not
+RAM. Printed per phase: decode ms/token, stall time as % of decode time,
+fetch hits/misses, disk bytes read, the disk tier's read bandwidth (bytes over
+time spent in pread, all threads) and the demand rate (bytes over decode wall
+time), against the raw sequential read bandwidth of a fresh file measured in
+the same run the same way.
+
+Models: (a) SmolLM2-135M (`flashmem.load_model("smollm2")`) on
+`flashmem.eval.texts.load_text()`; (b) a tiny random Llama (4 layers, 4 KV
+heads x 64 dims, fp32: 256 KiB per block) on random tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+import flashmem
+
+
+def drop_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def drop_store(cache) -> None:
+    folder = getattr(cache.store, "path", None)
+    if folder is None:
+        return
+    for name in os.listdir(folder):
+        if name.startswith("seg-"):
+            drop_file(os.path.join(folder, name))
+
+
+def raw_sequential(folder: str, nbytes: int, chunk: int = 4 * 2**20) -> float:
+    """Bytes/s reading a fresh file front to back after dropping its page cache."""
+    path = os.path.join(folder, f"raw-{os.getpid()}.bin")
+    buf = os.urandom(chunk)
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // chunk)):
+            f.write(buf)
+    drop_file(path)
+    fd = os.open(path, os.O_RDONLY)
+    out = bytearray(chunk)
+    t0 = time.perf_counter()
+    off = 0
+    while (n := os.preadv(fd, [out], off)) > 0:
+        off += n
+    dt = time.perf_counter() - t0
+    os.close(fd)
+    os.unlink(path)
+    return off / dt
+
+
+def set_prefetch(cache, on: bool) -> None:
+    """Route the layers' reads through the cache's Prefetcher (on) or straight to the store (off)."""
+    for layer in cache.flash_layers:
+        layer.prefetcher = cache.prefetcher if on else None
+
+
+def decode_phase(model, cache, tok: torch.Tensor, steps: int, prefetch: bool) -> tuple[dict, torch.Tensor]:
+    set_prefetch(cache, prefetch)
+    if cache.prefetcher is not None:
+        cache.prefetcher.discard()
+    with torch.no_grad():  # one untimed step so each phase starts in its steady state
+        drop_store(cache)
+        tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    s0 = cache.stats()
+    f0 = dict(cache._fetch_counts)  # synchronous reads (prefetch off) are counted here
+    wall = 0.0
+    with torch.no_grad():
+        for _ in range(steps):
+            drop_store(cache)
+            t0 = time.perf_counter()
+            logits = model(tok, cache=cache, use_cache=True).logits[:, -1]
+            wall += time.perf_counter() - t0
+            tok = logits.argmax(-1, keepdim=True)
+    s1 = cache.stats()
+    if prefetch:
+        hits, misses, stall = (s1[k] - s0[k] for k in ("hits", "misses", "stall_s"))
+    else:
+        hits = 0
+        misses = cache._fetch_counts["misses"] - f0["misses"]
+        stall = cache._fetch_counts["stall_s"] - f0["stall_s"]
+    d0, d1 = s0["tiers"]["disk"], s1["tiers"]["disk"]
+    read = d1["bytes_read"] - d0["bytes_read"]
+    read_s = d1.get("read_s", 0.0) - d0.get("read_s", 0.0)
+    return {
+        "prefetch": prefetch,
+        "steps": steps,
+        "ms_per_token": 1e3 * wall / steps,
+        "stall_pct": 100 * stall / wall,
+        "stall_s": stall,
+        "hits": hits,
+        "misses": misses,
+        "disk_bytes_read": read,
+        "disk_read_MBps": read / read_s / 1e6 if read_s > 0 else 0.0,
+        "demand_MBps": read / wall / 1e6,
+        "pending_hits": d1.get("pending_hits", 0) - d0.get("pending_hits", 0),
+    }, tok
+
+
+def run_model(name, model, ids, args, raw) -> list[dict]:
+    cfg = flashmem.FlashMemoryConfig(
+        gpu_cache_limit=args.window, prefetch_window=args.window, cold_store="disk", cold_dir=args.dir,
+        cold_codec=args.codec, prefetch_threads=args.threads,
+    )
+    rows = []
+    with flashmem.attach(model, cfg) as cache:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model(ids, cache=cache, use_cache=True)
+        prefill = time.perf_counter() - t0
+        cache.store.flush()
+        rep = cache.memory_report()
+        print(
+            f"[{name}] prefill {ids.shape[1]} tokens in {prefill:.1f} s; sealed blocks {rep['sealed_blocks']}, "
+            f"cold {rep['cold_bytes'] / 2**20:.1f} MiB, blocks selected/layer/step "
+            f"{cfg.blocks_to_select(rep['sealed_blocks'] // max(1, len(cache.flash_layers)))}",
+            flush=True,
+        )
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        for prefetch in (False, True):
+            row, tok = decode_phase(model, cache, tok, args.steps, prefetch)
+            row.update(model=name, context=int(ids.shape[1]), raw_seq_MBps=raw / 1e6)
+            rows.append(row)
+            print(
+                f"[{name}] prefetch {'on ' if prefetch else 'off'}: {row['ms_per_token']:7.1f} ms/token, "
+                f"stall {row['stall_pct']:5.1f}% ({row['stall_s']:.2f} s), hits {row['hits']}, misses {row['misses']}, "
+                f"disk read {row['disk_bytes_read'] / 2**20:.0f} MiB at {row['disk_read_MBps']:.0f} MB/s in pread "
+                f"({row['disk_read_MBps'] / (raw / 1e6):.2f}x raw sequential {raw / 1e6:.0f} MB/s), "
+                f"demand {row['demand_MBps']:.0f} MB/s",
+                flush=True,
+            )
+    return rows
+
+
+def tiny_llama_long(tokens: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=tokens + 4096,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--smollm-tokens", type=int, default=8192)
+    ap.add_argument("--tiny-tokens", type=int, default=65536)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--codec", default="exact")
+    ap.add_argument("--raw-mib", type=int, default=256)
+    ap.add_argument("--skip-smollm", action="store_true")
+    ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    raw = raw_sequential(args.dir, args.raw_mib * 2**20)
+    print(f"raw sequential read (fresh file, page cache dropped): {raw / 1e6:.0f} MB/s", flush=True)
+    rows = []
+    if not args.skip_tiny:
+        model = tiny_llama_long(args.tiny_tokens)
+        ids = torch.randint(0, 1024, (1, args.tiny_tokens), generator=torch.Generator().manual_seed(0))
+        rows += run_model("tiny-llama", model, ids, args, raw)
+        del model
+    if not args.skip_smollm:
+        from flashmem.eval.texts import load_text
+
+        t0 = time.perf_counter()
+        model, tok = flashmem.load_model("smollm2")
+        print(f"[smollm2] loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+        ids = tok(load_text(), return_tensors="pt").input_ids[:, : args.smollm_tokens]
+        rows += run_model("smollm2", model, ids, args, raw)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
