@@ -43,13 +43,16 @@ def model_and_ref():
 
 
 # ------------------------------------------------------------------ look-ahead (pure)
-def test_predict_next_blocks_neighbours_and_window():
+def test_predict_next_blocks_neighbours_window_and_cap():
     idx = torch.tensor([[[0, 5]], [[9, 5]]])  # [b=2, h=1, k=2]
-    assert predict_next_blocks(idx, 10, 128, 1024) == [0, 1, 4, 5, 6, 8, 9]
+    assert predict_next_blocks(idx, 10, 128, 1024) == [0, 5, 9, 1, 4, 6, 8]  # selected first
     assert predict_next_blocks(idx, 10, 128, 127) == [0, 5, 9]  # neighbours beyond the window
     assert predict_next_blocks(idx, 10, 128, 0) == [0, 5, 9]
-    assert predict_next_blocks(idx, 10, 128, 1024, radius=2) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert predict_next_blocks([3, 3], 4, 16, 16) == [2, 3]  # clipped to sealed blocks
+    assert sorted(predict_next_blocks(idx, 10, 128, 1024, radius=2)) == list(range(10))
+    assert predict_next_blocks(idx, 10, 128, 1024, radius=2)[7:] == [2, 3, 7]  # distance 2 last
+    assert predict_next_blocks(idx, 10, 128, 1024, max_blocks=4) == [0, 5, 9, 1]
+    assert predict_next_blocks(idx, 10, 128, 1024, max_blocks=0) == []
+    assert predict_next_blocks([3, 3], 4, 16, 16) == [3, 2]  # clipped to sealed blocks
     assert predict_next_blocks([], 4, 16, 16) == [] and predict_next_blocks([1], 0, 16, 16) == []
     assert neighbour_radius(128, 300, radius=4) == 2
 

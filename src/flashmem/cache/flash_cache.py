@@ -85,6 +85,11 @@ class FlashMemoryCache(Cache):
                 layers[-1].prefetcher = self.prefetcher
                 layers[-1].fetch_counts = self._fetch_counts
         super().__init__(layers=layers)
+        if self.prefetcher is not None:
+            flash = self.flash_layers
+            share = int(0.9 * self.prefetcher.ready_bytes) // max(1, len(flash))  # 10% slack for in-flight loads
+            for layer in flash:
+                layer.lookahead_bytes = share
 
     # ------------------------------------------------------------ reporting
     @property

@@ -41,6 +41,8 @@ class FlashLayer(CacheLayerMixin):
     # and the cache's synchronous-read counters {"misses", "stall_s"} used when it is off.
     prefetcher = None
     fetch_counts: dict[str, float] | None = None
+    # This layer's share of the Prefetcher's ready buffer (bytes); caps look-ahead requests.
+    lookahead_bytes: int | None = None
 
     def __init__(
         self,
@@ -252,8 +254,25 @@ class FlashLayer(CacheLayerMixin):
         if pf is None:
             return
         cfg = self.cfg
-        blocks = predict_next_blocks(idx, self.num_sealed, cfg.hca_chunk_size, cfg.prefetch_window)
+        cap = None
+        if self.lookahead_bytes is not None:
+            cap = max(1, self.lookahead_bytes // self._prefetch_block_bytes())
+        blocks = predict_next_blocks(idx, self.num_sealed, cfg.hca_chunk_size, cfg.prefetch_window, max_blocks=cap)
         pf.request([(self.layer_idx, j) for j in blocks])
+
+    def _prefetch_block_bytes(self) -> int:
+        """Bytes one block takes in the prefetch buffer (coded when the store hands out payloads)."""
+        n = getattr(self, "_pf_block_bytes", None)
+        if n is None:
+            b, h, _, d = self.sink_k.shape
+            shape = (b, h, self.cfg.hca_chunk_size, d)
+            codec = getattr(self.store, "codec", None)
+            if hasattr(self.store, "get_coded") and codec is not None:
+                n = int(codec.nbytes(shape, self.dtype))
+            else:
+                n = 2 * b * h * self.cfg.hca_chunk_size * d * self.sink_k.element_size()
+            self._pf_block_bytes = n = max(1, n)
+        return n
 
     # ---------------------------------------------------------------- memory
     def resident_bytes(self) -> dict[str, int]:

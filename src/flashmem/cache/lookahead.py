@@ -34,24 +34,33 @@ def predict_next_blocks(
     block_tokens: int,
     window_tokens: int,
     radius: int = 1,
+    max_blocks: int | None = None,
 ) -> list[int]:
-    """Block ids predicted for the next step, sorted and unique.
+    """Block ids predicted for the next step, unique, most likely first.
 
+    Order: this step's selected blocks (ascending), then their neighbours by
+    distance (all at 1 block, then at 2, ...; ascending within a distance).
+    max_blocks truncates that list (the prefetch buffer is shared by every
+    layer: asking for more than fits would evict blocks before they are used).
     idx: selected block ids of this step, any shape (e.g. [b, h, k]; every
     sequence and KV head's choice counts). num_sealed: blocks that exist (ids
     0..num_sealed-1); ids outside that range are dropped.
     """
-    if num_sealed <= 0:
+    if num_sealed <= 0 or (max_blocks is not None and max_blocks <= 0):
         return []
     if isinstance(idx, torch.Tensor):
         sel = torch.unique(idx.detach().reshape(-1).to("cpu", torch.long))
     else:
         sel = torch.unique(torch.as_tensor(list(idx), dtype=torch.long))
-    if sel.numel() == 0:
-        return []
-    r = neighbour_radius(block_tokens, window_tokens, radius)
-    if r > 0:
-        offsets = torch.arange(-r, r + 1, dtype=torch.long)
-        sel = torch.unique((sel[:, None] + offsets[None, :]).reshape(-1))
     sel = sel[(sel >= 0) & (sel < num_sealed)]
-    return sel.tolist()
+    out = sel.tolist()
+    seen = set(out)
+    for dist in range(1, neighbour_radius(block_tokens, window_tokens, radius) + 1):
+        if max_blocks is not None and len(out) >= max_blocks:
+            break
+        near = torch.unique(torch.cat([sel - dist, sel + dist]))
+        for j in near[(near >= 0) & (near < num_sealed)].tolist():
+            if j not in seen:
+                seen.add(j)
+                out.append(j)
+    return out if max_blocks is None else out[:max_blocks]
