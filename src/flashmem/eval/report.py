@@ -170,3 +170,13 @@ def _heatmaps(rows: list[dict[str, Any]], path: Path, plt: Any) -> list[Path]:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return [out]
+
+
+def markdown_table(rows: list[dict[str, Any]], suite: str, columns: list[str] | None = None) -> str:
+    """The summary as a GitHub markdown table (for results/README.md)."""
+    summary = summarize(rows, suite)
+    cols = ["method", "budget", "length", "n", *(columns or COLUMNS.get(suite, []))]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for s in summary:
+        out.append("| " + " | ".join(f"{s[c]:.4g}" if c == "budget" else _fmt(s.get(c)) for c in cols) + " |")
+    return "\n".join(out)
