@@ -48,8 +48,11 @@ class FlashMemoryConfig(BaseModel):
     fusion_rope: FusionRope = Field(
         "rerotate", description="un-rotate keys before pooling and re-rotate at the chunk centre"
     )
+    use_summaries: bool = Field(
+        True, description="attend CSA/HCA entries of unselected blocks (false: selection only)"
+    )
     summary_bias: SummaryBias = Field(
-        "log_size", description="logit bias of a fused entry: log(tokens it stands for) or none"
+        "none", description="logit bias of a fused entry: log(tokens it stands for) or none"
     )
     # --- index and selection ----------------------------------------------------
     lsa_scorer: Scorer = Field("quest", description="block scorer of the index")

@@ -123,13 +123,15 @@ def _attend(
             idx = select_blocks(scores, block_tokens_valid.any(-1), k_sel, scaling)  # [b, h, k]
             selected.scatter_(-1, idx, True)
             _gather_working_set(layer, idx, block_tokens_valid)
+            layer.look_ahead(idx)  # DESIGN step 5: prefetch for the next step
         else:
             layer.ws_idx = layer.ws_k = layer.ws_v = layer.ws_valid = None
         # Far blocks (out of the near band) are represented by their HCA entry.
         band_start = n - len(layer.csa_blocks)
         far = torch.arange(n, device=q.device) < band_start
-        add(layer.hca_k, layer.hca_v, _entry_bias(layer.hca_cnt, far & ~selected, cfg.summary_bias, q.dtype))
-        if layer.csa_k.shape[-2]:
+        if cfg.use_summaries:
+            add(layer.hca_k, layer.hca_v, _entry_bias(layer.hca_cnt, far & ~selected, cfg.summary_bias, q.dtype))
+        if cfg.use_summaries and layer.csa_k.shape[-2]:
             ids = layer.csa_block_ids.expand(b, hkv, -1)
             use = ~selected.gather(-1, ids)
             add(layer.csa_k, layer.csa_v, _entry_bias(layer.csa_cnt, use, cfg.summary_bias, q.dtype))

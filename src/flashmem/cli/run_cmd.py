@@ -1,7 +1,196 @@
-"""Placeholder: filled in by its owner."""
+"""`flashmem run`: generate over a long input through the FlashMemory cache.
+
+Streams the generated text, then prints the measured memory per tier and the
+speed; `--compare-full` replays the same tokens through a plain DynamicCache
+and reports top-1 agreement and KL of the next-token distributions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
 
 import typer
 
+from flashmem.errors import FlashMemError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "cpu-small.yaml"
+
 
 def register(app: typer.Typer) -> None:
-    pass
+    app.command("run")(run)
+
+
+def run(
+    model: str = typer.Option("smollm2", "--model", "-m", help="built-in name, HF folder or .gguf file"),
+    config: Path | None = typer.Option(None, "--config", "-c", help="FlashMemory YAML (default: configs/cpu-small.yaml)"),
+    input: Path | None = typer.Option(None, "--input", "-i", help="text file to read as the long context"),
+    text: str | None = typer.Option(None, "--text", help="packaged text instead of --input (e.g. 'kjv')"),
+    context_tokens: int | None = typer.Option(None, "--context-tokens", min=1, help="keep the last N tokens of the input"),
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="text appended after the input"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1),
+    compare_full: bool = typer.Option(False, "--compare-full", help="also run the plain cache and compare"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="write the measurements as JSON"),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads"),
+) -> None:
+    """Generate with the FlashMemory cache and report memory, speed and (optionally) fidelity."""
+    import torch
+    from rich.console import Console
+
+    import flashmem
+    from flashmem.config import FlashMemoryConfig
+
+    console = Console(stderr=True)
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = FlashMemoryConfig.from_yaml(config or _default_config())
+    source = _read_input(input, text)
+    console.print(f"[dim]loading {model}...[/dim]")
+    mdl, tok = flashmem.load_model(model)
+    ids = _encode(tok, source, prompt, context_tokens)
+    console.print(f"[dim]context: {ids.shape[1]} tokens; config: {config or _default_config()}[/dim]")
+
+    cache = flashmem.attach(mdl, cfg)
+    gen, logits, t_prefill, t_decode = _generate(mdl, tok, cache, ids, max_new_tokens, stream=True)
+    report = cache.memory_report()
+    result: dict[str, Any] = {
+        "model": model,
+        "context_tokens": int(ids.shape[1]),
+        "generated_tokens": len(gen),
+        "prefill_s": t_prefill,
+        "prefill_tokens_per_s": ids.shape[1] / t_prefill,
+        "decode_tokens_per_s": (len(gen) - 1) / t_decode if len(gen) > 1 and t_decode > 0 else None,
+        "memory": report,
+        "config": cfg.model_dump(),
+    }
+    full_bytes = _full_cache_bytes(mdl, report["tokens_seen"])
+    result["full_cache_bytes"] = full_bytes
+    if compare_full:
+        result["compare_full"] = _compare(mdl, ids, gen, logits)
+    cache.close()
+    _print_report(result)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2, default=str))
+
+
+def _default_config() -> Path:
+    if not DEFAULT_CONFIG.is_file():
+        raise FlashMemError("no --config given and configs/cpu-small.yaml is not beside the package; pass --config FILE")
+    return DEFAULT_CONFIG
+
+
+def _read_input(path: Path | None, text: str | None) -> str:
+    if path is not None and text is not None:
+        raise FlashMemError("--input and --text both given; allowed: one of them")
+    if path is not None:
+        try:
+            return path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise FlashMemError(f"--input {path}: no such file") from None
+        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+            raise FlashMemError(f"--input {path}: cannot be read as UTF-8 text ({type(exc).__name__})") from None
+    from flashmem.eval.texts import load_text
+
+    return load_text(text or "default")
+
+
+def _encode(tok: Any, source: str, prompt: str | None, context_tokens: int | None) -> Any:
+    import torch
+
+    ctx = tok(source, add_special_tokens=True).input_ids
+    if context_tokens is not None:
+        ctx = ctx[-context_tokens:]
+    tail = tok("\n\n" + prompt, add_special_tokens=False).input_ids if prompt else []
+    if not ctx and not tail:
+        raise FlashMemError("the input is empty; allowed: a non-empty text")
+    return torch.tensor([ctx + tail])
+
+
+def _generate(model: Any, tok: Any, cache: Any, ids: Any, n: int, stream: bool) -> tuple[list[int], list[Any], float, float]:
+    """Greedy decoding; returns tokens, the logits that chose them, prefill and decode seconds."""
+    import torch
+
+    logits = []
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+        t_prefill = time.perf_counter() - t0
+        gen: list[int] = []
+        t0 = time.perf_counter()
+        for i in range(n):
+            step = out.logits[0, -1].float()
+            logits.append(step)
+            nxt = int(step.argmax())
+            gen.append(nxt)
+            if stream:
+                typer.echo(tok.decode([nxt]), nl=False)
+            if nxt == tok.eos_token_id or i == n - 1:
+                break
+            out = model(torch.tensor([[nxt]]), cache=cache, use_cache=True)
+        t_decode = time.perf_counter() - t0
+    if stream:
+        typer.echo("")
+    return gen, logits, t_prefill, t_decode
+
+
+def _compare(model: Any, ids: Any, gen: list[int], logits: list[Any]) -> dict[str, float]:
+    """Replay prompt + generated tokens through DynamicCache; compare next-token distributions."""
+    import torch
+    from transformers import DynamicCache
+
+    from flashmem.eval.harness import fidelity_metrics
+
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            seq = torch.cat([ids, torch.tensor([gen[:-1]], dtype=ids.dtype)], dim=1)
+            ref = model(seq, cache=DynamicCache(config=model.config), use_cache=True).logits[0, ids.shape[1] - 1 :]
+    finally:
+        model.set_attn_implementation(impl)
+    ref_lp = ref.float().log_softmax(-1)
+    lp = torch.stack(logits).log_softmax(-1)
+    m = fidelity_metrics(ref_lp, lp, torch.tensor(gen))
+    return {"kl_mean": m["kl_mean"], "kl_max": m["kl_max"], "top1_agree": m["top1_agree"], "tokens": len(gen)}
+
+
+def _full_cache_bytes(model: Any, tokens: int) -> int:
+    from flashmem.memory.calculator import estimate
+
+    text_cfg = model.config.get_text_config(decoder=True)
+    est = estimate(model=text_cfg, tokens=tokens, dtype=str(model.dtype).removeprefix("torch."))
+    return int(est.full_cache_bytes)
+
+
+def _print_report(r: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    mem = r["memory"]
+    full = r["full_cache_bytes"]
+    t = Table(title=f"KV memory after {mem['tokens_seen']} tokens (measured from tensors)")
+    t.add_column("tier")
+    t.add_column("bytes", justify="right")
+    t.add_column("of full cache", justify="right")
+    for name, nbytes in mem["tiers"].items():
+        t.add_row(name, f"{nbytes:,}", f"{nbytes / full:.2%}")
+    for name in ("full_layer_bytes", "sliding_layer_bytes"):
+        if mem[name]:
+            t.add_row(name.removesuffix("_bytes"), f"{mem[name]:,}", f"{mem[name] / full:.2%}")
+    t.add_row("[b]device resident[/b]", f"[b]{mem['device_resident_bytes']:,}[/b]", f"[b]{mem['device_resident_bytes'] / full:.2%}[/b]")
+    t.add_row("cold tier", f"{mem['cold_bytes']:,}", f"{mem['cold_bytes'] / full:.2%}")
+    t.add_row("full cache (DynamicCache)", f"{full:,}", "100.00%")
+    console = Console()
+    console.print(t)
+    speed = f"prefill {r['prefill_tokens_per_s']:.1f} tok/s ({r['prefill_s']:.1f} s)"
+    if r["decode_tokens_per_s"]:
+        speed += f", decode {r['decode_tokens_per_s']:.2f} tok/s"
+    console.print(speed)
+    if "compare_full" in r:
+        c = r["compare_full"]
+        console.print(
+            f"vs full cache over {c['tokens']} generated tokens: top-1 agreement {c['top1_agree']:.1%}, "
+            f"mean KL {c['kl_mean']:.4f} nats/token (max {c['kl_max']:.3f})"
+        )
