@@ -280,7 +280,7 @@ def make_probe(tok: Any, task: str, length: int, depth: float, seed: int, n_keys
     overhead = len(tok(PREAMBLE + question, add_special_tokens=True)["input_ids"])
     overhead += sum(len(tok(" " + n, add_special_tokens=False)["input_ids"]) for n, _ in needles)
     hay = haystack(tok, max(16, length - overhead - 4), seed=rng.randrange(10**6))
-    return Probe(PREAMBLE + insert_needles(hay, needles), question, answer)
+    return Probe(PREAMBLE + insert_needles(hay, needles, own_paragraph=True), question, answer)
 
 
 def score_answer(text: str, answer: str) -> bool:

@@ -128,6 +128,7 @@ def haystack(tokenizer: Any, n_tokens: int, seed: int = 0, name: str = "default"
         space = chunk.rfind(" ", 0, cut + 1)
         end = space if space > 0 else cut
     out = chunk[:end].rstrip()
+    out = re.sub(r"\n\n[^\n]{1,40}\.$", "", out)  # a chapter heading left alone at the end
     # Guard: re-tokenizing may merge differently at the cut; trim by sentences.
     while out and _count(tokenizer, out) > n_tokens:
         space = out.rfind(" ")
@@ -165,8 +166,11 @@ def insert_at_depth(text: str, needle: str, depth: float) -> str:
     return insert_needles(text, [(needle, depth)])
 
 
-def insert_needles(text: str, needles: Sequence[tuple[str, float]]) -> str:
-    """Insert several (sentence, depth) needles; depths are fractions of the original text."""
+def insert_needles(text: str, needles: Sequence[tuple[str, float]], own_paragraph: bool = False) -> str:
+    """Insert several (sentence, depth) needles; depths are fractions of the original text.
+
+    With `own_paragraph`, each needle stands alone between blank lines (more
+    salient; the usual needle-in-a-haystack layout)."""
     bounds = sentence_boundaries(text)
     placed: list[tuple[int, int, str]] = []
     for order, (needle, depth) in enumerate(needles):
@@ -180,7 +184,12 @@ def insert_needles(text: str, needles: Sequence[tuple[str, float]]) -> str:
     out = text
     for pos, _, needle in sorted(placed, reverse=True):
         left, right = out[:pos], out[pos:]
-        sep_l = "" if not left or left.endswith((" ", "\n")) else " "
-        sep_r = "" if not right or right.startswith((" ", "\n")) else " "
+        if own_paragraph:
+            left, right = left.rstrip(), right.lstrip()
+            sep_l = "\n\n" if left else ""
+            sep_r = "\n\n" if right else ""
+        else:
+            sep_l = "" if not left or left.endswith((" ", "\n")) else " "
+            sep_r = "" if not right or right.startswith((" ", "\n")) else " "
         out = f"{left}{sep_l}{needle}{sep_r}{right}"
     return out
