@@ -221,3 +221,26 @@ def test_close_releases_the_cold_tier():
         run(model, cache, torch.randint(0, 128, (1, 120)), 1)
         assert cache.memory_report()["cold_bytes"] > 0
     assert cache.store.nbytes() == 0
+
+
+def test_working_set_reuse_matches_a_fresh_gather():
+    """Blocks kept from the last step's working set are the same bytes the store holds."""
+    model = tiny_llama()
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SMALL, lsa_top_k=3))
+    ids = torch.randint(0, 128, (1, 150))
+    changed = 0
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        layer = cache.flash_layers[0]
+        for t in range(40):
+            before = None if layer.ws_idx is None else layer.ws_idx.clone()
+            model(torch.tensor([[t % 128]]), cache=cache, use_cache=True)
+            idx = layer.ws_idx
+            changed += before is not None and before.shape == idx.shape and not torch.equal(before, idx)
+            B = cache.cfg.hca_chunk_size
+            for h in range(idx.shape[1]):
+                for j, blk in enumerate(idx[0, h].tolist()):
+                    k, v = cache.store.get((layer.layer_idx, blk))
+                    assert torch.equal(layer.ws_k[0, h, j * B : (j + 1) * B], k[0, h])
+                    assert torch.equal(layer.ws_v[0, h, j * B : (j + 1) * B], v[0, h])
+    assert changed > 0  # the selection moved, so the reuse path ran

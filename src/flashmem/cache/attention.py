@@ -181,19 +181,40 @@ def _gather_working_set(layer: FlashLayer, idx: torch.Tensor, block_tokens_valid
 
     Reused as is when the selection did not change since the last step.
     """
-    if layer.ws_idx is not None and layer.ws_idx.shape == idx.shape and torch.equal(layer.ws_idx, idx):
+    prev = layer.ws_idx
+    if prev is not None and prev.shape == idx.shape and torch.equal(prev, idx):
         return
     b, h, k = idx.shape
-    uniq = torch.unique(idx)
-    blocks = [layer.fetch_block(int(j)) for j in uniq.tolist()]
-    pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
-    pool_v = torch.stack([bv for _, bv in blocks])
-    slot = torch.searchsorted(uniq, idx)  # [b, h, k]
     bi = torch.arange(b, device=idx.device)[:, None, None]
     hi = torch.arange(h, device=idx.device)[None, :, None]
-    B, d = pool_k.shape[-2], pool_k.shape[-1]
-    layer.ws_k = pool_k[slot, bi, hi].reshape(b, h, k * B, d)
-    layer.ws_v = pool_v[slot, bi, hi].reshape(b, h, k * B, d)
+    B = layer.cfg.hca_chunk_size
+    # A (row, head) keeps the blocks it already holds; only the rest is fetched.
+    if prev is not None and prev.shape[:2] == idx.shape[:2]:
+        match = idx[..., :, None] == prev[..., None, :]  # [b, h, k, k_prev]
+        held = match.any(-1)
+        src = match.to(torch.int8).argmax(-1)
+    else:
+        held = torch.zeros_like(idx, dtype=torch.bool)
+        src = torch.zeros_like(idx)
+    need = torch.unique(idx[~held])
+    if need.numel():
+        blocks = [layer.fetch_block(int(j)) for j in need.tolist()]
+        pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
+        pool_v = torch.stack([bv for _, bv in blocks])
+        slot = torch.searchsorted(need, idx).clamp_max(need.numel() - 1)  # [b, h, k]
+        new_k, new_v = pool_k[slot, bi, hi], pool_v[slot, bi, hi]  # [b, h, k, B, d]
+    if held.any():
+        d = layer.ws_k.shape[-1]
+        old_k = layer.ws_k.view(b, h, -1, B, d)[bi, hi, src]  # [b, h, k, B, d]
+        old_v = layer.ws_v.view(b, h, -1, B, d)[bi, hi, src]
+        if need.numel():
+            keep = held[..., None, None]
+            new_k, new_v = torch.where(keep, old_k, new_k), torch.where(keep, old_v, new_v)
+        else:
+            new_k, new_v = old_k, old_v
+    d = new_k.shape[-1]
+    layer.ws_k = new_k.reshape(b, h, k * B, d)
+    layer.ws_v = new_v.reshape(b, h, k * B, d)
     layer.ws_valid = block_tokens_valid[bi, idx].reshape(b, h, k * B)
     layer.ws_idx = idx
 
