@@ -197,7 +197,7 @@ def test_gemma3_sliding_layers_keep_their_own_bounded_cache():
 
 
 @pytest.mark.parametrize("rule", ["attention_mass", "key_norm", "mean"])
-@pytest.mark.parametrize("scorer", ["quest", "mean_key"])
+@pytest.mark.parametrize("scorer", ["quest", "mean_key", "hca_key"])
 def test_every_fusion_rule_and_scorer_runs_and_stays_finite(rule, scorer):
     model = tiny_llama()
     cfg = flashmem.FlashMemoryConfig(**SMALL, fusion_rule=rule, lsa_scorer=scorer, lsa_top_k=1)

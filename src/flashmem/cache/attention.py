@@ -119,7 +119,8 @@ def _attend(
         k_sel = cfg.blocks_to_select(n)
         selected = torch.zeros(b, hkv, n, dtype=torch.bool, device=q.device)
         if k_sel > 0:
-            scores = layer.scorer.score(qg, layer.summaries)  # [b, h, m*g, n]
+            summaries = layer.summaries if layer.scorer.vectors else layer.hca_k[:, :, :, None]
+            scores = layer.scorer.score(qg, summaries)  # [b, h, m*g, n]
             idx = select_blocks(scores, block_tokens_valid.any(-1), k_sel, scaling)  # [b, h, k]
             selected.scatter_(-1, idx, True)
             _gather_working_set(layer, idx, block_tokens_valid)

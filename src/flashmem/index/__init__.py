@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from flashmem.index.base import BlockScorer
+from flashmem.index.hca_key import HcaKeyScorer
 from flashmem.index.mean_key import MeanKeyScorer
 from flashmem.index.quest import QuestScorer
 
-SCORERS: dict[str, type[BlockScorer]] = {s.name: s for s in (QuestScorer, MeanKeyScorer)}
+SCORERS: dict[str, type[BlockScorer]] = {s.name: s for s in (QuestScorer, MeanKeyScorer, HcaKeyScorer)}
 
 
 def make_scorer(name: str) -> BlockScorer:
