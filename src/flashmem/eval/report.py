@@ -148,7 +148,8 @@ def _heatmaps(rows: list[dict[str, Any]], path: Path, plt: Any) -> list[Path]:
     n = len(keys)
     cols = min(4, n)
     nrows = math.ceil(n / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 3.0 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.8 * cols, 1.4 + 0.5 * 5 * nrows), squeeze=False,
+                             constrained_layout=True)
     for k, (meth, b) in enumerate(keys):
         ax = axes[k // cols][k % cols]
         rs = groups[(meth, b)]
@@ -166,6 +167,7 @@ def _heatmaps(rows: list[dict[str, Any]], path: Path, plt: Any) -> list[Path]:
     for k in range(n, nrows * cols):
         axes[k // cols][k % cols].axis("off")
     fig.colorbar(im, ax=axes, shrink=0.6, label="accuracy")
+    fig.suptitle("retrieval accuracy (passkey + multi-key pooled) by length and needle depth")
     out = path.with_name(path.stem + "_heatmap" + path.suffix)
     fig.savefig(out, dpi=110)
     plt.close(fig)
