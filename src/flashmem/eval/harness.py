@@ -178,6 +178,19 @@ def greedy(model: Any, cache: Any, first_ids: torch.Tensor, max_new: int, stop_i
     return gen
 
 
+@torch.no_grad()
+def timed_decode(model: Any, cache: Any, first_id: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` single-token greedy decode forwards."""
+    times = []
+    nxt = first_id
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True, logits_to_keep=1)
+        nxt = int(out.logits[0, -1].argmax())
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def cache_ratios(model: Any, cache: Any, tokens: int) -> dict[str, Any]:
     """Measured resident bytes of `cache` and their ratio to a full cache at `tokens`."""
     full = full_kv_bytes(model, tokens, dtype_bytes(model))
