@@ -84,7 +84,7 @@ class FlashMemoryConfig(BaseModel):
     low_rank_dim: int | None = Field(None, ge=1, description="MLA-style latent dim of K/V")
     # --- execution ------------------------------------------------------------------
     prefill_chunk: int = Field(
-        2048, ge=1, description="prompt tokens per prefill chunk (bounds peak memory)"
+        512, ge=1, description="prompt tokens per prefill chunk (bounds peak memory)"
     )
 
     @model_validator(mode="after")

@@ -51,9 +51,7 @@ def flashmem_attention(
     valid_new = _new_token_validity(attention_mask, b, start, q, query.device)
 
     outs = []
-    step = layer.cfg.prefill_chunk
-    for a in range(0, q, step):
-        e = min(q, a + step)
+    for a, e in _chunks(q, layer.cfg.prefill_chunk):
         qc = query[:, :, a:e]
         qg = _group_queries(qc, group)
         outs.append(_attend(layer, qc, qg, k_new[:, :, a:e], v_new[:, :, a:e], valid_new[:, a:e], scaling))
@@ -62,6 +60,19 @@ def flashmem_attention(
         layer.peak_resident_bytes = max(layer.peak_resident_bytes, resident)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+# The last queries of a prompt (the question, the position that emits the first
+# token) select their own blocks instead of sharing a whole chunk's pooled choice.
+TAIL_QUERIES = 32
+
+
+def _chunks(q: int, step: int) -> list[tuple[int, int]]:
+    """Query ranges [a, e): chunks of `step`, the last TAIL_QUERIES split off."""
+    bounds = list(range(0, q, step)) + [q]
+    if q > 1 and bounds[-1] - bounds[-2] > TAIL_QUERIES:
+        bounds.insert(-1, q - TAIL_QUERIES)
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _new_token_validity(
