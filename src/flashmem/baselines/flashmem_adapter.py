@@ -18,13 +18,23 @@ from flashmem.errors import FlashMemError
 from flashmem.memory.tiers import tier_counts
 
 # Variants: config keys laid over the budget-mapped default.
+# The default recipe is configs/cpu-small.yaml's: 64-token blocks, mean-key
+# index, no CSA band, most of the budget on exact selected blocks (measured best
+# on SmolLM2 at 8K, README "Design choices, measured").
+RECIPE: dict[str, Any] = {"hca_chunk_size": 64, "lsa_scorer": "mean_key", "summary_bias": "none"}
 VARIANTS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "raw": {"fusion_rope": "raw"},
-    "nobias": {"summary_bias": "none"},
-    "keynorm": {"fusion_rule": "key_norm"},
-    "int8": {"cold_codec": "int8"},
+    "default": dict(RECIPE),
+    "quest": {**RECIPE, "lsa_scorer": "quest"},
+    "raw": {**RECIPE, "fusion_rope": "raw"},
+    "logbias": {**RECIPE, "summary_bias": "log_size"},
+    "keynorm": {**RECIPE, "fusion_rule": "key_norm"},
+    "nosum": {**RECIPE, "use_summaries": False},
+    "int8": {**RECIPE, "cold_codec": "int8"},
+    "int4": {**RECIPE, "cold_codec": "int4"},
+    "b128": {**RECIPE, "hca_chunk_size": 128},
 }
+# Target shares of the resident budget: window, selected blocks, CSA band.
+SHAPE = (0.08, 0.7, 0.0)
 
 
 def _recent_queries() -> int:
@@ -101,7 +111,7 @@ def budget_config(
         w = cfg.gpu_cache_limit / target
         sel = (cfg.lsa_top_k or 0) * B / target
         csa = cfg.csa_band_tokens / cfg.csa_chunk_size / target
-        return (w - 0.4) ** 2 + (sel - 0.3) ** 2 + (csa - 0.15) ** 2
+        return (w - SHAPE[0]) ** 2 + (sel - SHAPE[1]) ** 2 + (csa - SHAPE[2]) ** 2
 
     return min(good, key=lambda c: (shape(c), c[0]))[1]
 
