@@ -70,6 +70,7 @@ def test_memory_report_agrees_with_estimate(smollm2):
     cache = flashmem.attach(model, cfg)
     with torch.no_grad():
         model(ids, cache=cache, use_cache=True)
+        model(ids[:, :1], cache=cache, use_cache=True)  # a decode step: the working set is current
     report = cache.memory_report()
     est = estimate(model.config, tokens=report["tokens_seen"], dtype="float32", config=cfg)
     assert report["device_resident_bytes"] == pytest.approx(est.flashmem.device_resident_bytes, rel=0.05)
