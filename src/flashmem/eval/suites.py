@@ -225,7 +225,11 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
                         ref = H.teacher_forced(model, full_cache, full_logits, cont, args.chunk)
                     cache, logits, info = _local_cache(loaded, m, b, prompt, shared)
                     row.update(H.cache_ratios(model, cache, L))
-                    lp = H.teacher_forced(model, cache, logits, cont, args.chunk)
+                    # flashmem selects blocks per step: feed it token by token, as real decoding
+                    # does; for exact-attention caches the chunking does not change the logits.
+                    step = 1 if m.kind == "flashmem" else args.chunk
+                    row["decode_chunk"] = step
+                    lp = H.teacher_forced(model, cache, logits, cont, step)
                     end = H.cache_ratios(model, cache, L + args.n_cont - 1)
                     row["ratio_end"] = end["ratio"]
                     row.update(H.fidelity_metrics(ref, lp, cont[0]))
