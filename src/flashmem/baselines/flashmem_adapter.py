@@ -35,6 +35,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 # Target shares of the resident budget: window, selected blocks, CSA band.
 SHAPE = (0.08, 0.7, 0.0)
+# Variants that change the split rather than config keys.
+SHAPES: dict[str, tuple[float, float, float]] = {"balanced": (0.4, 0.4, 0.0), "windowed": (0.6, 0.25, 0.0)}
+VARIANTS.update({name: dict(RECIPE) for name in SHAPES})
 
 
 def _recent_queries() -> int:
@@ -111,7 +114,8 @@ def budget_config(
         w = cfg.gpu_cache_limit / target
         sel = (cfg.lsa_top_k or 0) * B / target
         csa = cfg.csa_band_tokens / cfg.csa_chunk_size / target
-        return (w - SHAPE[0]) ** 2 + (sel - SHAPE[1]) ** 2 + (csa - SHAPE[2]) ** 2
+        sw, ss, sc = SHAPES.get(variant, SHAPE)
+        return (w - sw) ** 2 + (sel - ss) ** 2 + (csa - sc) ** 2
 
     return min(good, key=lambda c: (shape(c), c[0]))[1]
 
