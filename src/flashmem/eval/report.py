@@ -104,7 +104,9 @@ def plot(rows: list[dict[str, Any]], suite: str, path: str | Path) -> list[Path]
                     ax.set_yscale("log")
                 ax.set_title(f"L={L}")
                 ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=7)
+        for row in axes[:1]:  # every length has its own methods: label each panel
+            for ax in row:
+                ax.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
