@@ -19,6 +19,9 @@ F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F
 flashmem bench fidelity --methods $KV --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F
 flashmem bench fidelity --methods kvpress:TOVAPress,kvpress:KeyDiffPress --budgets 1/8,1/32 --lengths 4k $F
+# flashmem rows rerun with the measured recipe (token-by-token continuation), plus two splits:
+#   flashmem bench fidelity --methods full,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F (with --threads 1)
+#   flashmem bench fidelity --methods full,flashmem:balanced --budgets 1/4,1/8 --lengths 4k  (and flashmem:windowed)
 # "8K": 7936 + 256 = 8192, SmolLM2's context (flashmem cells were stopped: too slow on the shared CPU)
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/8,1/32 --lengths 7936 $F
 
@@ -26,6 +29,8 @@ flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/8,1
 R="--model gemma3-270m --seeds 0 $C --json-out $O/retrieval_gemma3.json --plot $O/retrieval_gemma3.png"
 flashmem bench retrieval --methods full,streaming,snapkv,flashmem,kvpress:SnapKVPress --budgets 1/8 --lengths 2k $R
 flashmem bench retrieval --methods streaming,snapkv,flashmem --budgets 1/32 --lengths 2k $R
+# flashmem rows rerun with the measured recipe:
+#   flashmem bench retrieval --methods flashmem --budgets 1/8,1/32 --lengths 2k $R (with --threads 1)
 # not run for the committed results (time): 4K and longer
 # flashmem bench retrieval --methods full,streaming,snapkv,flashmem --budgets 1/8 --lengths 4k,8k $R
 
