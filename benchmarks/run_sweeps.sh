@@ -31,6 +31,9 @@ flashmem bench retrieval --methods full,streaming,snapkv,flashmem,kvpress:SnapKV
 flashmem bench retrieval --methods streaming,snapkv,flashmem --budgets 1/32 --lengths 2k $R
 # flashmem rows rerun with the measured recipe:
 #   flashmem bench retrieval --methods flashmem --budgets 1/8,1/32 --lengths 2k $R (with --threads 1)
+# 4K at 1/8, run as two processes (--threads 1 each) into separate files, rows merged:
+#   flashmem bench retrieval --methods full,streaming --budgets 1/8 --lengths 4k $R
+#   flashmem bench retrieval --methods snapkv,flashmem --budgets 1/8 --lengths 4k $R
 # not run for the committed results (time): 4K and longer
 # flashmem bench retrieval --methods full,streaming,snapkv,flashmem --budgets 1/8 --lengths 4k,8k $R
 
