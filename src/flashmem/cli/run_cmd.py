@@ -99,6 +99,8 @@ def _read_input(path: Path | None, text: str | None) -> str:
 def _encode(tok: Any, source: str, prompt: str | None, context_tokens: int | None) -> Any:
     import torch
 
+    if context_tokens is not None:  # tokenize only a tail that surely holds enough tokens
+        source = source[-context_tokens * 8 :]
     ctx = tok(source, add_special_tokens=True).input_ids
     if context_tokens is not None:
         ctx = ctx[-context_tokens:]
