@@ -11,51 +11,15 @@ Block shape: [1, kv_heads=3, B, head_dim=64] fp16 (SmolLM2-135M's KV layout).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import tempfile
 import time
 
 import torch
 
+from disk_probe import drop_segments, raw_sequential
+
 from flashmem.store import DiskStore, Prefetcher
-
-
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def raw_sequential(folder: str, nbytes: int, chunk: int = 4 * 2**20) -> float:
-    path = os.path.join(folder, "raw.bin")
-    buf = os.urandom(chunk)
-    with open(path, "wb") as f:
-        for _ in range(nbytes // chunk):
-            f.write(buf)
-    drop_cache(path)
-    fd = os.open(path, os.O_RDONLY)
-    out = bytearray(chunk)
-    t0 = time.perf_counter()
-    off = 0
-    while True:
-        n = os.preadv(fd, [out], off)
-        if n <= 0:
-            break
-        off += n
-    dt = time.perf_counter() - t0
-    os.close(fd)
-    os.unlink(path)
-    return off / dt
-
-
-def drop_store(store: DiskStore) -> None:
-    for name in os.listdir(store.path):
-        if name.startswith("seg-"):
-            drop_cache(os.path.join(store.path, name))
 
 
 def main() -> None:
@@ -85,7 +49,7 @@ def main() -> None:
         keys = [(i % 30, i) for i in range(n)]
         random.Random(0).shuffle(keys)
 
-        drop_store(s)
+        drop_segments(s.path)
         io0 = s.stats.extra.get("read_s", 0.0)
         t0 = time.perf_counter()
         for key in keys:
@@ -99,7 +63,7 @@ def main() -> None:
             f"pread alone {n * rec / io / 1e6:.0f} MB/s)"
         )
 
-        drop_store(s)
+        drop_segments(s.path)
         with Prefetcher(s, a.threads, ready_bytes=2**40) as pf:
             t0 = time.perf_counter()
             window = 64

@@ -24,51 +24,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 
 import torch
 
 import flashmem
-
-
-def drop_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+from disk_probe import drop_segments, raw_sequential
 
 
 def drop_store(cache) -> None:
     folder = getattr(cache.store, "path", None)
-    if folder is None:
-        return
-    for name in os.listdir(folder):
-        if name.startswith("seg-"):
-            drop_file(os.path.join(folder, name))
-
-
-def raw_sequential(folder: str, nbytes: int, chunk: int = 4 * 2**20) -> float:
-    """Bytes/s reading a fresh file front to back after dropping its page cache."""
-    path = os.path.join(folder, f"raw-{os.getpid()}.bin")
-    buf = os.urandom(chunk)
-    with open(path, "wb") as f:
-        for _ in range(max(1, nbytes // chunk)):
-            f.write(buf)
-    drop_file(path)
-    fd = os.open(path, os.O_RDONLY)
-    out = bytearray(chunk)
-    t0 = time.perf_counter()
-    off = 0
-    while (n := os.preadv(fd, [out], off)) > 0:
-        off += n
-    dt = time.perf_counter() - t0
-    os.close(fd)
-    os.unlink(path)
-    return off / dt
+    if folder is not None:
+        drop_segments(folder)
 
 
 def set_prefetch(cache, on: bool) -> None:

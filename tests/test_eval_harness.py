@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 from flashmem.baselines import parse_method
 from flashmem.errors import FlashMemError

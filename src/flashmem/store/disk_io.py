@@ -19,13 +19,7 @@ def pwrite_all(fd: int, bufs: list, offset: int) -> int:
             raise OSError(errno.EIO, "write returned 0 bytes")
         offset += n
         total += n
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _advance(views, n)
     return total
 
 
@@ -39,14 +33,19 @@ def pread_into(fd: int, bufs: list, offset: int) -> int:
         if n <= 0:
             break
         total += n
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _advance(views, n)
     return total
+
+
+def _advance(views: list, n: int) -> None:
+    """Drop the first n bytes from a list of memoryviews (after a short vectored I/O)."""
+    while n and views:
+        if n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
 
 
 def describe(exc: OSError) -> str:
