@@ -34,6 +34,7 @@ flashmem bench retrieval --methods streaming,snapkv,flashmem --budgets 1/32 --le
 # 4K at 1/8, run as two processes (--threads 1 each) into separate files, rows merged:
 #   flashmem bench retrieval --methods full,streaming --budgets 1/8 --lengths 4k $R
 #   flashmem bench retrieval --methods snapkv,flashmem --budgets 1/8 --lengths 4k $R
+#   flashmem bench retrieval --methods flashmem --budgets 1/16 --lengths 4k $R   (and snapkv)
 # not run for the committed results (time): 4K and longer
 # flashmem bench retrieval --methods full,streaming,snapkv,flashmem --budgets 1/8 --lengths 4k,8k $R
 
