@@ -24,7 +24,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from flashmem.cache.flash_layer import FlashLayer
+from flashmem.cache.flash_layer import FlashLayer, tensor_bytes
 from flashmem.cache.rope import RopeRotator
 from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
@@ -112,7 +112,7 @@ class FlashMemoryCache(Cache):
         for layer in self.layers:
             if isinstance(layer, FlashLayer) or not layer.is_initialized:
                 continue
-            nbytes = _nbytes(layer.keys) + _nbytes(layer.values)
+            nbytes = tensor_bytes(layer.keys) + tensor_bytes(layer.values)
             if isinstance(layer, DynamicSlidingWindowLayer):
                 sliding += nbytes
             else:
@@ -209,6 +209,3 @@ def _close_cold_tier(prefetcher: Prefetcher | None, store: ColdStore) -> None:
     finally:
         store.close()
 
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()

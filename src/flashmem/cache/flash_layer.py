@@ -277,7 +277,7 @@ class FlashLayer(CacheLayerMixin):
     # ---------------------------------------------------------------- memory
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of every device-resident tensor of this layer, per tier."""
-        nb = _nbytes
+        nb = tensor_bytes
         return {
             "sinks": nb(self.sink_k) + nb(self.sink_v),
             "window": nb(self.win_k) + nb(self.win_v),
@@ -290,8 +290,9 @@ class FlashLayer(CacheLayerMixin):
         }
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    """Bytes a tensor holds (0 for an absent one)."""
+    return 0 if t is None else t.nbytes
 
 
 def _keep_last(old: torch.Tensor | None, new: torch.Tensor, n: int) -> torch.Tensor:
