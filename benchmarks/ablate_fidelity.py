@@ -29,8 +29,14 @@ def main() -> None:
     ap.add_argument("--base", default="{}", help="JSON config keys shared by every variant")
     ap.add_argument("--variants", default="[{}]", help="JSON list of config keys laid over --base")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--plain-chunks", action="store_true",
+                    help="ablation: prefill in plain chunks (no separate selection for the prompt's tail)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.plain_chunks:
+        import flashmem.cache.attention as attention
+
+        attention._chunks = lambda q, step: [(a, min(q, a + step)) for a in range(0, q, step)]
     base, variants = json.loads(args.base), json.loads(args.variants)
 
     model, tok = flashmem.load_model("smollm2")

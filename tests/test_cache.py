@@ -197,7 +197,7 @@ def test_gemma3_sliding_layers_keep_their_own_bounded_cache():
 
 
 @pytest.mark.parametrize("rule", ["attention_mass", "key_norm", "mean"])
-@pytest.mark.parametrize("scorer", ["quest", "mean_key", "hca_key"])
+@pytest.mark.parametrize("scorer", ["quest", "mean_key", "hca_key", "gaussian"])
 def test_every_fusion_rule_and_scorer_runs_and_stays_finite(rule, scorer):
     model = tiny_llama()
     cfg = flashmem.FlashMemoryConfig(**SMALL, fusion_rule=rule, lsa_scorer=scorer, lsa_top_k=1)
@@ -244,3 +244,15 @@ def test_working_set_reuse_matches_a_fresh_gather():
                     assert torch.equal(layer.ws_k[0, h, j * B : (j + 1) * B], k[0, h])
                     assert torch.equal(layer.ws_v[0, h, j * B : (j + 1) * B], v[0, h])
     assert changed > 0  # the selection moved, so the reuse path ran
+
+
+def test_query_chunks_split_off_the_question_and_the_last_query():
+    from flashmem.cache.attention import TAIL_QUERIES, _chunks
+
+    assert _chunks(1, 512) == [(0, 1)]
+    assert _chunks(12, 512) == [(0, 11), (11, 12)]  # a question: the answer's position alone
+    q = 600
+    assert _chunks(q, 512) == [(0, 512), (512, q - TAIL_QUERIES), (q - TAIL_QUERIES, q - 1), (q - 1, q)]
+    spans = _chunks(2000, 256)
+    assert spans[0][0] == 0 and spans[-1][1] == 2000
+    assert all(a < e and e == spans[i + 1][0] for i, (a, e) in enumerate(spans[:-1]))

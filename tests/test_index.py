@@ -49,3 +49,40 @@ def test_quest_bound_is_an_upper_bound_of_every_key():
     scorer = SCORERS["quest"]()
     bound = scorer.score(query, scorer.summarize(keys, torch.ones(1, 32, dtype=torch.bool))[:, :, None])
     assert (query @ keys.transpose(-1, -2)).max() <= bound.max() + 1e-5
+
+
+def test_gaussian_score_is_the_log_mass_of_gaussian_keys():
+    g = torch.Generator().manual_seed(1)
+    d, n = 8, 200_000
+    mu, sigma = torch.randn(d, generator=g) * 0.3, torch.rand(d, generator=g) + 0.2
+    keys = (mu + sigma * torch.randn(n, d, generator=g))[None, None]
+    q = torch.randn(1, 1, 1, d, generator=g)
+    s = d**-0.5
+    scorer = SCORERS["gaussian"]()
+    summ = scorer.summarize(keys, torch.ones(1, n, dtype=torch.bool))[:, :, None]
+    got = s * scorer.score(q, summ, s)
+    want = torch.logsumexp(s * (q @ keys.transpose(-1, -2)), -1) - torch.log(torch.tensor(float(n)))
+    assert got.item() == pytest.approx(want.item(), abs=0.02)
+
+
+def test_gaussian_prefers_the_spread_a_query_points_at_when_means_tie():
+    # Two blocks with the same mean key: one holds a needle token along the
+    # query and its mirror image (same mean, wider along q). The mean key cannot
+    # tell them apart; the variance term does.
+    d, B = 16, 32
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(B, d, generator=g) * 0.1
+    q = torch.randn(d, generator=g)
+    u = q / q.norm()
+    a, b = base.clone(), base.clone()
+    b[3] += 4 * u
+    b[9] -= 4 * u
+    keys = torch.cat([a, b])[None, None]
+    valid = torch.ones(1, B, dtype=torch.bool)
+    means = {}
+    for name in ("mean_key", "gaussian"):
+        sc = SCORERS[name]()
+        summ = torch.stack([sc.summarize(keys[:, :, j * B:(j + 1) * B], valid) for j in range(2)], dim=2)
+        means[name] = sc.score(q[None, None, None], summ, d**-0.5)[0, 0, 0]
+    assert means["mean_key"][0].item() == pytest.approx(means["mean_key"][1].item(), abs=1e-4)
+    assert means["gaussian"][1] > means["gaussian"][0] + 0.1

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from flashmem.errors import ConfigError
 
 FusionRule = Literal["attention_mass", "key_norm", "mean"]
-Scorer = Literal["quest", "mean_key", "hca_key"]
+Scorer = Literal["quest", "mean_key", "hca_key", "gaussian"]
 SummaryBias = Literal["log_size", "none"]
 FusionRope = Literal["rerotate", "raw"]
 ColdStoreKind = Literal["memory", "disk", "layered"]

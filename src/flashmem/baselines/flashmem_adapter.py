@@ -25,6 +25,7 @@ RECIPE: dict[str, Any] = {"hca_chunk_size": 64, "lsa_scorer": "mean_key", "summa
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": dict(RECIPE),
     "quest": {**RECIPE, "lsa_scorer": "quest"},
+    "gaussian": {**RECIPE, "lsa_scorer": "gaussian"},
     "raw": {**RECIPE, "fusion_rope": "raw"},
     "logbias": {**RECIPE, "summary_bias": "log_size"},
     "keynorm": {**RECIPE, "fusion_rule": "key_norm"},

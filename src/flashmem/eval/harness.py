@@ -86,13 +86,33 @@ def restore_attn(model: Any, impl: str) -> None:
         model.set_attn_implementation(impl)
 
 
+FULL_PREFILL_CHUNK = 4096
+
+
+def prefill_spans(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) spans of at most `chunk` tokens covering `n`, aligned to the
+    end so the last span is whole (SnapKV's observation window lies in it)."""
+    if n <= chunk:
+        return [(0, n)]
+    ends = list(range(n, 0, -chunk))[::-1]  # aligned to the end: the last span is full
+    starts = [0] + ends[:-1]
+    return [(a, b) for a, b in zip(starts, ends) if b > a]
+
+
 @torch.no_grad()
-def prefill_full(model: Any, ids: torch.Tensor, obs_window: int = 64) -> Prefilled:
-    """Full-attention prefill into a DynamicCache, recording the last queries per layer."""
+def prefill_full(model: Any, ids: torch.Tensor, obs_window: int = 64,
+                 chunk: int = FULL_PREFILL_CHUNK) -> Prefilled:
+    """Full-attention prefill into a DynamicCache, recording the last queries per layer.
+
+    Prompts longer than `chunk` go in chunks (exact for a DynamicCache): a
+    one-shot 16K prefill on CPU materialises L x L masks and scores for every
+    layer, sliding ones included, and is several times slower.
+    """
     cache = new_cache(model)
     t0 = time.perf_counter()
     with capture_last_queries(model, obs_window) as captured:
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        for a, b in prefill_spans(int(ids.shape[1]), chunk):
+            out = model(input_ids=ids[:, a:b], cache=cache, use_cache=True, logits_to_keep=1)
     dt = time.perf_counter() - t0
     return Prefilled(cache, dict(captured), out.logits[0, -1].float(), dt, int(ids.shape[1]))
 

@@ -180,7 +180,171 @@ def markdown_table(rows: list[dict[str, Any]], suite: str, columns: list[str] | 
     """The summary as a GitHub markdown table (for results/README.md)."""
     summary = summarize(rows, suite)
     cols = ["method", "budget", "length", "n", *(columns or COLUMNS.get(suite, []))]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out = ["| " + " | ".join(c + " (MB)" if c.startswith("rss_") else c for c in cols) + " |",
+           "|" + "---|" * len(cols)]
     for s in summary:
-        out.append("| " + " | ".join(f"{s[c]:.4g}" if c == "budget" else _fmt(s.get(c)) for c in cols) + " |")
+        out.append("| " + " | ".join(_cell(c, s.get(c)) for c in cols) + " |")
     return "\n".join(out)
+
+
+def _cell(col: str, v: Any) -> str:
+    if col == "budget":
+        return _budget(v)
+    if col.startswith("rss_") and isinstance(v, (int, float)):
+        return f"{v / 1e6:.0f}"  # bytes -> MB
+    return _fmt(v)
+
+
+# ----------------------------------------------------------------------------- merged reports
+def load_rows(paths: list[str | Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows and runs of several result JSONs, merged by `cell` (later files win).
+
+    A file's `.partial.jsonl` beside it is read too (rows of a run that was
+    interrupted before it wrote the JSON). Rows with an error never replace a
+    measured one.
+    """
+    import json
+
+    from flashmem.errors import FlashMemError
+
+    rows: dict[str, dict[str, Any]] = {}
+    runs: list[dict[str, Any]] = []
+
+    def take(r: dict[str, Any]) -> None:
+        if "cell" not in r:
+            return
+        if r.get("error") and r["cell"] in rows and not rows[r["cell"]].get("error"):
+            return
+        rows[r["cell"]] = r
+
+    for p in map(Path, paths):
+        partial = p.with_name(p.name + ".partial.jsonl")
+        file_rows, file_runs = [], []
+        if p.is_file():
+            try:
+                doc = json.loads(p.read_text())
+                file_rows, file_runs = doc["rows"], doc.get("meta", {}).get("runs", [])
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                raise FlashMemError(
+                    f"results file: {str(p)!r} is not a `flashmem bench` JSON (needs 'rows' and 'meta')"
+                ) from None
+        elif not partial.is_file():
+            raise FlashMemError(f"results file: {str(p)!r} does not exist; allowed: a JSON written by `flashmem bench`")
+        for r in file_rows:
+            take(r)
+        if partial.is_file():
+            for line in partial.read_text().splitlines():
+                try:
+                    take(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut by an interrupted write
+        runs += [dict(r, file=p.name) for r in file_runs]
+    return list(rows.values()), runs
+
+
+def _prompt_key(r: dict[str, Any]) -> tuple:
+    return (r.get("task"), int(r.get("length", 0)), float(r.get("depth", 0)), r.get("seed"))
+
+
+def retrieval_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Accuracy per (method, budget, length) and relative to the full cache on the same prompts.
+
+    `vs_full` = correct / full-cache correct over the prompts both ran (None when
+    the full cache ran none of them or found no needle there).
+    """
+    ok = [r for r in rows if r.get("suite") == "retrieval" and not r.get("error") and "correct" in r]
+    full = {_prompt_key(r): bool(r["correct"]) for r in ok if r["method"] == "full"}
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in ok:
+        groups[(r["method"], float(r["budget"]), int(r["length"]))].append(r)
+        groups[(r["method"], float(r["budget"]), 0)].append(r)  # 0 = all lengths pooled
+    out = []
+    for (meth, b, L), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "full", kv[0][0], -kv[0][1], kv[0][2])):
+        both = [r for r in rs if _prompt_key(r) in full]
+        full_hits = sum(full[_prompt_key(r)] for r in both)
+        out.append({
+            "method": meth, "budget": b, "length": L, "n": len(rs),
+            "correct": sum(bool(r["correct"]) for r in rs),
+            "accuracy": sum(bool(r["correct"]) for r in rs) / len(rs),
+            "ratio": _mean([r.get("ratio") for r in rs]),
+            "full_correct": full_hits if both else None,
+            "vs_full": (sum(bool(r["correct"]) for r in both) / full_hits) if full_hits else None,
+        })
+    return out
+
+
+def retrieval_markdown(rows: list[dict[str, Any]]) -> str:
+    """Pivot: one line per method and budget; per length `correct/n (x% of full)`."""
+    summary = retrieval_summary(rows)
+    lengths = sorted({s["length"] for s in summary if s["length"]})
+    cols = ["method", "budget", *[f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths], "all"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    by = {(s["method"], s["budget"], s["length"]): s for s in summary}
+    for meth, b in dict.fromkeys((s["method"], s["budget"]) for s in summary):
+        cells = []
+        for L in [*lengths, 0]:
+            s = by.get((meth, b, L))
+            if s is None:
+                cells.append("-")
+                continue
+            vs = "" if s["vs_full"] is None or meth == "full" else f" ({100 * s['vs_full']:.0f}%)"
+            cells.append(f"{s['correct']}/{s['n']}{vs}")
+        out.append("| " + " | ".join([meth, "1" if meth == "full" else _budget(b), *cells]) + " |")
+    return "\n".join(out)
+
+
+def fidelity_markdown(rows: list[dict[str, Any]]) -> str:
+    """Pivot: one line per method and length, `KL / top-1` per budget."""
+    summary = [s for s in summarize(rows, "fidelity") if s["n"]]
+    budgets = sorted({s["budget"] for s in summary if s["method"] != "full"}, reverse=True)
+    cols = ["method", "length", *[_budget(b) for b in budgets]]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    by = {(s["method"], s["length"], s["budget"]): s for s in summary}
+    for L in sorted({s["length"] for s in summary}):
+        for meth in sorted({s["method"] for s in summary if s["length"] == L and s["method"] != "full"}):
+            cells = []
+            for b in budgets:
+                s = by.get((meth, L, b))
+                cells.append("-" if s is None else f"{s['kl_mean']:.3f} / {100 * s['top1_agree']:.0f}%")
+            out.append("| " + " | ".join([meth, str(L), *cells]) + " |")
+    return "\n".join(out)
+
+
+def _budget(b: float) -> str:
+    if b == 1:
+        return "1"
+    inv = 1 / b if b else 0
+    return f"1/{inv:.0f}" if inv and abs(inv - round(inv)) < 1e-6 else f"{b:.4g}"
+
+
+MARK_BEGIN = "<!-- flashmem-results:begin -->"
+MARK_END = "<!-- flashmem-results:end -->"
+
+
+def results_markdown(rows: list[dict[str, Any]], files: list[str], runs: list[dict[str, Any]], command: str) -> str:
+    """Tables of every suite in `rows`, with the command and the dates of the runs."""
+    started = sorted(r["started"][:10] for r in runs if r.get("started"))
+    when = started[0] if started and started[0] == started[-1] else (f"{started[0]} to {started[-1]}" if started else "unknown")
+    parts = [f"Generated by `{command}` from {', '.join(f'`{f}`' for f in files)} (runs {when})."]
+    titles = {"fidelity": "Fidelity (mean KL(full || method) / top-1 agreement, per budget)",
+              "retrieval": "Retrieval (correct / prompts; in brackets: correct / full-cache correct on the same prompts)",
+              "memory": "Memory", "speed": "Speed"}
+    pivots = {"fidelity": fidelity_markdown, "retrieval": retrieval_markdown}
+    for suite in ("fidelity", "retrieval", "memory", "speed"):
+        rs = [r for r in rows if r.get("suite") == suite]
+        if not rs:
+            continue
+        models = ", ".join(sorted({str(r.get("model")) for r in rs}))
+        parts.append(f"**{titles[suite]}** ({models})")
+        parts.append(pivots[suite](rs) if suite in pivots else markdown_table(rs, suite))
+    return "\n\n".join(parts) + "\n"
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with the part between the results markers replaced by `block`."""
+    from flashmem.errors import FlashMemError
+
+    a, b = text.find(MARK_BEGIN), text.find(MARK_END)
+    if a < 0 or b < a:
+        raise FlashMemError(f"readme: the markers {MARK_BEGIN} and {MARK_END} are missing; add them where the tables go")
+    return text[: a + len(MARK_BEGIN)] + "\n" + block + text[b:]

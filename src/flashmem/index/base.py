@@ -20,7 +20,7 @@ class BlockScorer(ABC):
         """keys: [b, h, B, d], valid: [b, B] bool -> summary [b, h, vectors, d]."""
 
     @abstractmethod
-    def score(self, queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    def score(self, queries: torch.Tensor, summaries: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """queries: [b, h, nq, d] (a GQA group's queries under their KV head);
         summaries: [b, h, n_blocks, vectors, d] -> scores [b, h, nq, n_blocks]
-        on the scale of q.k (before the attention scaling)."""
+        on the scale of q.k (before the attention scaling `scaling`, d**-0.5 if None)."""

@@ -18,5 +18,5 @@ class HcaKeyScorer(BlockScorer):
     def summarize(self, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         return keys.new_zeros(keys.shape[0], keys.shape[1], 0, keys.shape[-1])
 
-    def score(self, queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    def score(self, queries: torch.Tensor, summaries: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         return torch.matmul(queries, summaries[..., 0, :].transpose(-1, -2))  # [b, h, nq, n]

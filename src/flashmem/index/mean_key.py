@@ -16,5 +16,5 @@ class MeanKeyScorer(BlockScorer):
         mean = (keys * w).sum(dim=-2) / w.sum(dim=-2).clamp_min(1)
         return mean[:, :, None, :]  # [b, h, 1, d]
 
-    def score(self, queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    def score(self, queries: torch.Tensor, summaries: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         return torch.matmul(queries, summaries[..., 0, :].transpose(-1, -2))  # [b, h, nq, n]

@@ -25,7 +25,7 @@ class QuestScorer(BlockScorer):
         kmin, kmax = kmin.masked_fill(empty, 0), kmax.masked_fill(empty, 0)
         return torch.stack([kmin, kmax], dim=-2)  # [b, h, 2, d]
 
-    def score(self, queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    def score(self, queries: torch.Tensor, summaries: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         kmin, kmax = summaries[..., 0, :], summaries[..., 1, :]  # [b, h, n, d]
         q = queries[:, :, :, None, :]  # [b, h, nq, 1, d]
         ub = torch.maximum(q * kmin[:, :, None], q * kmax[:, :, None])

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from flashmem.config import FlashMemoryConfig
 
 # Key-sized vectors the index keeps per sealed block and KV head.
-INDEX_KEY_VECTORS = {"quest": 2, "mean_key": 1, "hca_key": 0}
+INDEX_KEY_VECTORS = {"quest": 2, "mean_key": 1, "hca_key": 0, "gaussian": 2}
 
 
 @dataclass(frozen=True)

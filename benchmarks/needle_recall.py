@@ -1,0 +1,84 @@
+"""Index recall on needle prompts: where each block scorer ranks the needle's block.
+
+For Gemma3-270m passkey / multi-key prompts (seeds and depths of your choice;
+the numbers quoted in results/README.md used seed 100 and depths 0.1..0.9,
+which the retrieval benchmark does not use), a full-cache prefill of context +
+question records each global layer's keys and the last 32 queries; offline,
+64-token blocks (after 4 sinks) are ranked by
+
+* ``oracle``: the true attention mass the 32 queries give each block;
+* ``lse_exact``: each query's exact log-sum-exp over a block's keys (the best
+  any one-number-per-block summary could do), pooled as the cache pools;
+* ``mean`` (mean_key), ``gauss`` (gaussian), ``quest``; ``mean16/32`` and
+  ``gauss16/32``: the same summaries over 16/32-token sub-blocks (more index
+  memory), block score = log-sum-exp over its sub-blocks.
+
+Printed per prompt and layer: how many blocks rank above the needle's block
+(0 = the needle's block is first). One JSON line per prompt.
+
+    python benchmarks/needle_recall.py 4096 100
+"""
+
+import json
+import sys
+
+import torch
+
+from flashmem.eval import harness as H
+from flashmem.eval.suites import _global_layers, make_probe
+
+torch.set_num_threads(1)
+L = int(sys.argv[1])
+seeds = [int(s) for s in sys.argv[2].split(",")]
+B = 64
+ld = H.load("gemma3-270m")
+tok, model = ld.tokenizer, ld.model
+gl = _global_layers(model)
+
+
+def ranks_of(score, needle):  # score [nq, n] per-query logits (already scaled) -> pooled-mass rank
+    m = torch.softmax(score, -1).mean(0)
+    return int((m > m[needle].max()).sum())
+
+
+for seed in seeds:
+    for task in ("passkey", "multikey"):
+        for d in (0.1, 0.3, 0.5, 0.7, 0.9):
+            p = make_probe(tok, task, L, d, seed)
+            enc = tok(p.context, add_special_tokens=True, return_offsets_mapping=True)
+            ctx = enc["input_ids"]
+            q = tok(p.question, add_special_tokens=False)["input_ids"]
+            pos = p.context.find(p.answer)
+            ntok = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < pos + len(p.answer) and b > pos]
+            pre = H.prefill_full(model, torch.tensor([ctx + q]), obs_window=32)
+            out = {"seed": seed, "task": task, "depth": d}
+            for li in gl:
+                K = pre.cache.layers[li].keys[0, 0].float()  # [T, d] (one KV head)
+                Q = pre.captured[li]["query"][0].float()  # [Hq, 32, d]
+                s = pre.captured[li]["scaling"]
+                Qf = Q.reshape(-1, Q.shape[-1])
+                nb = (len(ctx) - 4) // B
+                Kb = K[4 : 4 + nb * B].reshape(nb, B, -1)
+                needle = sorted({(t - 4) // B for t in ntok if 4 <= t < 4 + nb * B})
+                if not needle:
+                    continue
+                att = torch.softmax(Qf @ K[: len(ctx) + len(q)].T * s, -1)[:, 4 : 4 + nb * B]
+                att = att.reshape(len(Qf), nb, B).sum(-1)
+                r = {"oracle": int((att.mean(0) > att.mean(0)[needle].max()).sum())}
+                mu, var = Kb.mean(1), Kb.var(1, unbiased=False)
+                r["mean"] = ranks_of(Qf @ mu.T * s, needle)
+                r["gauss"] = ranks_of(Qf @ mu.T * s + 0.5 * s * s * (Qf**2) @ var.T, needle)
+                for sub in (16, 32):
+                    Ks = Kb.reshape(nb, B // sub, sub, -1)
+                    mus, vs = Ks.mean(2), Ks.var(2, unbiased=False)
+                    sc = (Qf @ mus.reshape(-1, mus.shape[-1]).T * s).reshape(len(Qf), nb, B // sub)
+                    r[f"mean{sub}"] = ranks_of(torch.logsumexp(sc, -1), needle)
+                    sc2 = sc + (0.5 * s * s * (Qf**2) @ vs.reshape(-1, vs.shape[-1]).T).reshape(len(Qf), nb, B // sub)
+                    r[f"gauss{sub}"] = ranks_of(torch.logsumexp(sc2, -1), needle)
+                kmin, kmax = Kb.amin(1), Kb.amax(1)
+                ub = torch.maximum(Qf[:, None] * kmin[None], Qf[:, None] * kmax[None]).sum(-1)
+                r["quest"] = ranks_of(ub * s, needle)
+                lse = torch.logsumexp((Qf @ Kb.reshape(-1, Kb.shape[-1]).T * s).reshape(len(Qf), nb, B), -1)
+                r["lse_exact"] = ranks_of(lse, needle)
+                out[f"L{li}"] = r
+            print(json.dumps(out), flush=True)

@@ -1,0 +1,65 @@
+"""`flashmem report`: merge benchmark result files, print tables, write plots and markdown.
+
+Sweeps too long for one process are run as several `flashmem bench` commands
+into separate files; this command merges their rows (by cell), and can write
+the merged JSON, the suite's plots, and the README's results block.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from flashmem.errors import FlashMemError
+
+
+def report(
+    files: list[Path] = typer.Argument(..., help="result JSONs written by `flashmem bench`"),
+    json_out: Optional[Path] = typer.Option(None, "--json-out", help="write the merged rows (one suite)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG figure(s) of the merged rows (one suite)"),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="write the tables as markdown"),
+    readme: Optional[Path] = typer.Option(
+        None, "--readme", help="replace the block between <!-- flashmem-results:begin/end --> in this file"
+    ),
+) -> None:
+    """Merge result files; print every suite's table."""
+    import json
+
+    from flashmem.eval import report as R
+    from flashmem.eval.harness import environment
+
+    rows, runs = R.load_rows(files)
+    suites = sorted({str(r.get("suite")) for r in rows})
+    if (json_out or plot) and len(suites) != 1:
+        raise FlashMemError(f"--json-out/--plot: the files hold suites {', '.join(suites) or 'none'}; allowed: exactly one")
+    for suite in suites:
+        R.print_table(rows, suite)
+    if json_out is not None:
+        doc = {"meta": {"suite": suites[0], "runs": runs, "merged_from": [str(f) for f in files], **environment()},
+               "rows": rows}
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(doc, indent=1))
+        typer.echo(f"wrote {json_out}")
+    if plot is not None:
+        for p in R.plot(rows, suites[0], plot):
+            typer.echo(f"wrote {p}")
+    if markdown is not None or readme is not None:
+        opts = [("--json-out", json_out), ("--plot", plot), ("--markdown", markdown), ("--readme", readme)]
+        command = " ".join(["flashmem report", *map(shlex.quote, map(str, files)),
+                            *(f"{k} {shlex.quote(str(v))}" for k, v in opts if v is not None)])
+        text = R.results_markdown(rows, [str(f) for f in files], runs, command)
+        if markdown is not None:
+            markdown.write_text(text)
+            typer.echo(f"wrote {markdown}")
+        if readme is not None:
+            if not readme.is_file():
+                raise FlashMemError(f"--readme: {str(readme)!r} does not exist")
+            readme.write_text(R.replace_block(readme.read_text(), text))
+            typer.echo(f"updated {readme}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("report")(report)
