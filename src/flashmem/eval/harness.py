@@ -95,8 +95,7 @@ def prefill_spans(n: int, chunk: int) -> list[tuple[int, int]]:
     if n <= chunk:
         return [(0, n)]
     ends = list(range(n, 0, -chunk))[::-1]  # aligned to the end: the last span is full
-    starts = [0] + ends[:-1]
-    return [(a, b) for a, b in zip(starts, ends) if b > a]
+    return list(zip([0] + ends[:-1], ends))
 
 
 @torch.no_grad()
