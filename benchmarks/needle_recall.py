@@ -9,9 +9,10 @@ question records each global layer's keys and the last 32 queries; offline,
 * ``oracle``: the true attention mass the 32 queries give each block;
 * ``lse_exact``: each query's exact log-sum-exp over a block's keys (the best
   any one-number-per-block summary could do), pooled as the cache pools;
-* ``mean`` (mean_key), ``gauss`` (gaussian), ``quest``; ``mean16/32`` and
-  ``gauss16/32``: the same summaries over 16/32-token sub-blocks (more index
-  memory), block score = log-sum-exp over its sub-blocks.
+* ``mean`` (mean_key), ``gauss`` (gaussian), ``quest``: the cache's own
+  scorers (flashmem.index); ``mean16/32`` and ``gauss16/32``: the same
+  summaries over 16/32-token sub-blocks (more index memory), block score =
+  log-sum-exp over its sub-blocks.
 
 Printed per prompt and layer: how many blocks rank above the needle's block
 (0 = the needle's block is first). One JSON line per prompt.
@@ -26,6 +27,7 @@ import torch
 
 from flashmem.eval import harness as H
 from flashmem.eval.suites import _global_layers, make_probe
+from flashmem.index import SCORERS
 
 torch.set_num_threads(1)
 L = int(sys.argv[1])
@@ -34,6 +36,17 @@ B = 64
 ld = H.load("gemma3-270m")
 tok, model = ld.tokenizer, ld.model
 gl = _global_layers(model)
+
+
+def scores(name, Kb, Qf, s, sub):
+    """The index scorer `name` on sub-blocks of `sub` tokens: Kb [nb, B, d], Qf [nq, d]
+    -> q.k-scale scores [nq, nb] (sub == B) or [nq, nb, B // sub]."""
+    nb, blk, d = Kb.shape
+    scorer = SCORERS[name]()
+    keys = Kb.reshape(nb * blk // sub, 1, sub, d)  # sub-blocks as the batch
+    summ = scorer.summarize(keys, torch.ones(keys.shape[0], sub, dtype=torch.bool))  # [n, 1, v, d]
+    out = scorer.score(Qf[None, None], summ[:, 0][None, None], s)[0, 0]  # [nq, n]
+    return out if sub == blk else out.reshape(len(Qf), nb, blk // sub)
 
 
 def ranks_of(score, needle):  # score [nq, n] per-query logits (already scaled) -> pooled-mass rank
@@ -65,19 +78,12 @@ for seed in seeds:
                 att = torch.softmax(Qf @ K[: len(ctx) + len(q)].T * s, -1)[:, 4 : 4 + nb * B]
                 att = att.reshape(len(Qf), nb, B).sum(-1)
                 r = {"oracle": int((att.mean(0) > att.mean(0)[needle].max()).sum())}
-                mu, var = Kb.mean(1), Kb.var(1, unbiased=False)
-                r["mean"] = ranks_of(Qf @ mu.T * s, needle)
-                r["gauss"] = ranks_of(Qf @ mu.T * s + 0.5 * s * s * (Qf**2) @ var.T, needle)
+                for name, key in (("mean_key", "mean"), ("gaussian", "gauss"), ("quest", "quest")):
+                    r[key] = ranks_of(s * scores(name, Kb, Qf, s, B), needle)
                 for sub in (16, 32):
-                    Ks = Kb.reshape(nb, B // sub, sub, -1)
-                    mus, vs = Ks.mean(2), Ks.var(2, unbiased=False)
-                    sc = (Qf @ mus.reshape(-1, mus.shape[-1]).T * s).reshape(len(Qf), nb, B // sub)
-                    r[f"mean{sub}"] = ranks_of(torch.logsumexp(sc, -1), needle)
-                    sc2 = sc + (0.5 * s * s * (Qf**2) @ vs.reshape(-1, vs.shape[-1]).T).reshape(len(Qf), nb, B // sub)
-                    r[f"gauss{sub}"] = ranks_of(torch.logsumexp(sc2, -1), needle)
-                kmin, kmax = Kb.amin(1), Kb.amax(1)
-                ub = torch.maximum(Qf[:, None] * kmin[None], Qf[:, None] * kmax[None]).sum(-1)
-                r["quest"] = ranks_of(ub * s, needle)
+                    for name, key in (("mean_key", "mean"), ("gaussian", "gauss")):
+                        sc = s * scores(name, Kb, Qf, s, sub)  # [nq, nb, B // sub]
+                        r[f"{key}{sub}"] = ranks_of(torch.logsumexp(sc, -1), needle)
                 lse = torch.logsumexp((Qf @ Kb.reshape(-1, Kb.shape[-1]).T * s).reshape(len(Qf), nb, B), -1)
                 r["lse_exact"] = ranks_of(lse, needle)
                 out[f"L{li}"] = r
