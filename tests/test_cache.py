@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 import flashmem
+from flashmem import policies
 from flashmem.cache.flash_layer import FlashLayer
 from flashmem.errors import ConfigError
 from flashmem.memory.tiers import tier_counts
@@ -196,8 +197,8 @@ def test_gemma3_sliding_layers_keep_their_own_bounded_cache():
     assert cache.memory_report()["sliding_layer_bytes"] > 0
 
 
-@pytest.mark.parametrize("rule", ["attention_mass", "key_norm", "mean"])
-@pytest.mark.parametrize("scorer", ["quest", "mean_key", "hca_key", "gaussian"])
+@pytest.mark.parametrize("rule", sorted(policies.FUSION_RULES))
+@pytest.mark.parametrize("scorer", sorted(policies.SCORERS))
 def test_every_fusion_rule_and_scorer_runs_and_stays_finite(rule, scorer):
     model = tiny_llama()
     cfg = flashmem.FlashMemoryConfig(**SMALL, fusion_rule=rule, lsa_scorer=scorer, lsa_top_k=1)

@@ -17,6 +17,7 @@ from test_cache import ALL_EXACT, SMALL, reference, run
 from tiny_models import tiny_llama
 
 import flashmem
+from flashmem import policies
 from flashmem.cache.lookahead import neighbour_radius, predict_next_blocks
 
 torch.set_num_threads(1)
@@ -58,7 +59,7 @@ def test_predict_next_blocks_neighbours_window_and_cap():
 
 
 # ------------------------------------------------------------------ exactness per tier
-@pytest.mark.parametrize("kind", ["memory", "disk", "layered"])
+@pytest.mark.parametrize("kind", sorted(policies.COLD_STORES))
 @pytest.mark.parametrize("threads", [0, 2])
 def test_exact_codec_equals_dynamic_cache(model_and_ref, tmp_path, kind, threads):
     model, ids, ref = model_and_ref

@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from flashmem import policies
 from flashmem.errors import ConfigError
 
-FusionRule = Literal["attention_mass", "key_norm", "mean"]
-Scorer = Literal["quest", "mean_key", "hca_key", "gaussian"]
+# Policy names come from the registries in flashmem.policies (one line adds one).
+if TYPE_CHECKING:
+    FusionRule = Scorer = ColdStoreKind = ColdCodec = str
+else:
+    FusionRule = Literal[tuple(policies.FUSION_RULES)]
+    Scorer = Literal[tuple(policies.SCORERS)]
+    ColdStoreKind = Literal[tuple(policies.COLD_STORES)]
+    ColdCodec = Literal[tuple(policies.CODECS)]
 SummaryBias = Literal["log_size", "none"]
 FusionRope = Literal["rerotate", "raw"]
-ColdStoreKind = Literal["memory", "disk", "layered"]
-ColdCodec = Literal["exact", "int8", "int4"]
 
 
 class FlashMemoryConfig(BaseModel):
@@ -95,7 +100,7 @@ class FlashMemoryConfig(BaseModel):
                 f"({self.csa_chunk_size}); allowed: a multiple such as "
                 f"{self.csa_chunk_size * max(1, round(self.hca_chunk_size / self.csa_chunk_size))}"
             )
-        if self.cold_store in ("disk", "layered") and not self.cold_dir:
+        if policies.COLD_STORES[self.cold_store].needs_dir and not self.cold_dir:
             raise ValueError(
                 f"cold_dir: required when cold_store is {self.cold_store!r}; "
                 "allowed: a writable folder path"

@@ -1,18 +1,16 @@
-"""Block index scorers, one per file; `make_scorer` picks one by its config name."""
+"""Block index scorers, one per file, registered in `flashmem.policies.SCORERS`."""
 
 from __future__ import annotations
 
-from flashmem.index.base import BlockScorer
-from flashmem.index.gaussian import GaussianScorer
-from flashmem.index.hca_key import HcaKeyScorer
-from flashmem.index.mean_key import MeanKeyScorer
-from flashmem.index.quest import QuestScorer
+from flashmem import policies
+from flashmem.index.base import BlockScorer, ScorerContext
 
-SCORERS: dict[str, type[BlockScorer]] = {s.name: s for s in (QuestScorer, MeanKeyScorer, HcaKeyScorer, GaussianScorer)}
+SCORERS: dict[str, type[BlockScorer]] = {name: policies.load(s.impl) for name, s in policies.SCORERS.items()}
 
 
-def make_scorer(name: str) -> BlockScorer:
-    return SCORERS[name]()
+def make_scorer(name: str, ctx: ScorerContext | None = None) -> BlockScorer:
+    """The scorer registered as `name`, built for one layer (`ctx`)."""
+    return policies.lookup(SCORERS, "lsa_scorer", name)(ctx)
 
 
-__all__ = ["BlockScorer", "SCORERS", "make_scorer"]
+__all__ = ["BlockScorer", "SCORERS", "ScorerContext", "make_scorer"]

@@ -18,7 +18,7 @@ from typing import Any
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
 from flashmem.memory.specs import ModelSpec, from_dims, resolve_model
-from flashmem.memory.tiers import codec_bytes_per_element, tier_counts
+from flashmem.memory.tiers import codec_bytes_per_element, index_bytes, tier_counts
 from flashmem.memory.units import DTYPE_BYTES, normalize_dtype, parse_tokens
 
 # Common accelerators, memory as nvidia-smi reports it (MiB): the KV cache alone
@@ -234,8 +234,8 @@ def _flash_split(
         tiers["csa_entries"] += counts.csa_entries * entry
         tiers["hca_entries"] += counts.hca_entries * entry
         tiers["working_set"] += counts.working_set * entry
-        # the index holds key-sized vectors only: per KV head, head_dim elements
-        tiers["index"] += counts.index_key_vectors * layer.key_elems() * eb
+        heads, width = layer.index_heads()
+        tiers["index"] += heads * index_bytes(cfg, counts, width, eb)
         cold += counts.cold_tokens * layer.entry_elems() * cold_eb
     tiers = {k: v * batch for k, v in tiers.items()}
     return FlashEstimate(

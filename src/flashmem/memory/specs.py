@@ -47,9 +47,9 @@ class FullAttention:
         """Elements of one cached token (K and V, all KV heads)."""
         return self.kv_heads * (self.head_dim + self._v)
 
-    def key_elems(self) -> int:
-        """Elements of one key-sized vector per token, all KV heads (the index's unit)."""
-        return self.kv_heads * self.head_dim
+    def index_heads(self) -> tuple[int, int]:
+        """(heads, key width) the block index summarises: one index per KV head."""
+        return self.kv_heads, self.head_dim
 
     def stored_tokens(self, tokens: int) -> int:
         return tokens
@@ -123,9 +123,9 @@ class MLA:
     def entry_elems(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def key_elems(self) -> int:
+    def index_heads(self) -> tuple[int, int]:
         # the latent is the key (and the value); the index summarises it whole
-        return self.kv_lora_rank + self.qk_rope_head_dim
+        return 1, self.kv_lora_rank + self.qk_rope_head_dim
 
     def stored_tokens(self, tokens: int) -> int:
         return tokens

@@ -3,18 +3,19 @@
 This is the single definition of the FlashMemory layout's sizes, shared by the
 calculator (`flashmem estimate --config`) and the cache's own bookkeeping, so
 the two cannot drift apart. Counts are per sequence and per KV head; multiply
-by (K bytes + V bytes) per token-equivalent to get bytes. The index holds only
-keys: `index_key_vectors` key-sized vectors per sealed block.
+by (K bytes + V bytes) per token-equivalent to get bytes. The index's bytes are
+what its scorer declares in `flashmem.policies.SCORERS` (`index_bytes`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from flashmem import policies
 from flashmem.config import FlashMemoryConfig
 
-# Key-sized vectors the index keeps per sealed block and KV head.
-INDEX_KEY_VECTORS = {"quest": 2, "mean_key": 1, "hca_key": 0, "gaussian": 2}
+# Key-sized vectors the index keeps per sealed block and KV head, per scorer.
+INDEX_KEY_VECTORS = {name: s.vectors for name, s in policies.SCORERS.items()}
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class TierCounts:
     csa_entries: int  # near band: sealed blocks behind the window, fused 4:1
     hca_entries: int  # one per sealed block
     working_set: int  # exact tokens of the blocks selected this step
-    index_key_vectors: int  # key-only vectors of the block index
+    index_key_vectors: int  # key-sized vectors of the block index (its per-block part)
     sealed_blocks: int
     cold_tokens: int  # exact tokens held in the cold tier
 
@@ -79,16 +80,14 @@ def tier_counts(cfg: FlashMemoryConfig, tokens: int) -> TierCounts:
     )
 
 
-def codec_bytes_per_element(codec: str, dtype_bytes: int) -> float:
-    """Cold-tier bytes per K or V element under a codec.
+def index_bytes(cfg: FlashMemoryConfig, counts: TierCounts, head_dim: int, dtype_bytes: int) -> float:
+    """Device bytes of one KV head's block index: its scorer's declared bytes per
+    sealed block and per token of the sealed blocks (flashmem.policies.SCORERS)."""
+    per = policies.SCORERS[cfg.lsa_scorer].index_bytes(cfg, head_dim, dtype_bytes)
+    return counts.sealed_blocks * per.per_block + counts.cold_tokens * per.per_token
 
-    int8/int4 are KIVI-style with groups of 32 elements, each group carrying an
-    fp16 scale and an fp16 zero point (4 bytes / 32 elements = 0.125 bytes).
-    """
-    if codec == "exact":
-        return float(dtype_bytes)
-    if codec == "int8":
-        return 1.0 + 4 / 32
-    if codec == "int4":
-        return 0.5 + 4 / 32
-    raise ValueError(f"unknown cold_codec {codec!r}")
+
+def codec_bytes_per_element(codec: str, dtype_bytes: int) -> float:
+    """Cold-tier bytes per K or V element under a codec, as it declares in
+    `flashmem.policies.CODECS`."""
+    return policies.lookup(policies.CODECS, "cold_codec", codec).bytes_per_element(dtype_bytes)

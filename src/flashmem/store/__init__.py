@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from flashmem import policies
 from flashmem.config import FlashMemoryConfig
 from flashmem.store.base import BlockKey, ColdStore, StoreStats
 from flashmem.store.codecs import get_codec
@@ -27,13 +28,22 @@ def open_store(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None =
     ColdStoreError (one line) when cold_dir cannot be used.
     """
     get_codec(cfg.cold_codec)
-    if cfg.cold_store == "memory":
-        return MemoryStore(codec=cfg.cold_codec)
+    opener = policies.load(policies.lookup(policies.COLD_STORES, "cold_store", cfg.cold_store).impl)
+    return opener(cfg, dtype=dtype, name=name)
+
+
+# Openers named by flashmem.policies.COLD_STORES: (cfg, dtype, name) -> ColdStore.
+def open_memory(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> ColdStore:
+    return MemoryStore(codec=cfg.cold_codec)
+
+
+def open_disk(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> DiskStore:
     assert cfg.cold_dir is not None  # the config validator requires it
-    disk = DiskStore(cfg.cold_dir, codec=cfg.cold_codec, dtype=dtype, name=name, persist=cfg.persist)
-    if cfg.cold_store == "disk":
-        return disk
-    return LayeredStore(disk, ram_bytes=cfg.cold_ram_bytes)
+    return DiskStore(cfg.cold_dir, codec=cfg.cold_codec, dtype=dtype, name=name, persist=cfg.persist)
+
+
+def open_layered(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> LayeredStore:
+    return LayeredStore(open_disk(cfg, dtype=dtype, name=name), ram_bytes=cfg.cold_ram_bytes)
 
 
 def open_prefetcher(cfg: FlashMemoryConfig, store: ColdStore) -> Prefetcher:

@@ -1,19 +1,15 @@
-"""Fusion rules, one per file; `make_rule` picks one by its config name."""
+"""Fusion rules, one per file, registered in `flashmem.policies.FUSION_RULES`."""
 
 from __future__ import annotations
 
-from flashmem.compress.fusion.attention_mass import AttentionMassRule
+from flashmem import policies
 from flashmem.compress.fusion.base import FusionContext, FusionRule
-from flashmem.compress.fusion.key_norm import KeyNormRule
-from flashmem.compress.fusion.mean import MeanRule
 
-RULES: dict[str, type[FusionRule]] = {
-    r.name: r for r in (AttentionMassRule, KeyNormRule, MeanRule)
-}
+RULES: dict[str, type[FusionRule]] = {name: policies.load(r.impl) for name, r in policies.FUSION_RULES.items()}
 
 
 def make_rule(name: str) -> FusionRule:
-    return RULES[name]()
+    return policies.lookup(RULES, "fusion_rule", name)()
 
 
 __all__ = ["FusionContext", "FusionRule", "make_rule", "RULES"]

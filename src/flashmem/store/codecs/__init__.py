@@ -1,21 +1,17 @@
-"""Cold-tier codecs by name: exact, int8, int4 (see memory/tiers.codec_bytes_per_element)."""
+"""Cold-tier codecs, registered in `flashmem.policies.CODECS` (which declares
+each codec's bytes per element for the calculator)."""
 
 from __future__ import annotations
 
+from flashmem import policies
 from flashmem.store.codecs.base import DTYPE_CODES, DTYPES_BY_CODE, Codec
-from flashmem.store.codecs.exact import ExactCodec
-from flashmem.store.codecs.int4 import Int4Codec
-from flashmem.store.codecs.int8 import Int8Codec
 
-CODECS: dict[str, Codec] = {c.name: c for c in (ExactCodec(), Int8Codec(), Int4Codec())}
+CODECS: dict[str, Codec] = {name: policies.load(c.impl)() for name, c in policies.CODECS.items()}
 CODECS_BY_CODE: dict[int, Codec] = {c.code: c for c in CODECS.values()}
 
 
 def get_codec(name: str) -> Codec:
-    try:
-        return CODECS[name]
-    except KeyError:
-        raise ValueError(f"cold_codec: {name!r} is not allowed; allowed: {', '.join(CODECS)}") from None
+    return policies.lookup(CODECS, "cold_codec", name)
 
 
 __all__ = ["CODECS", "CODECS_BY_CODE", "DTYPE_CODES", "DTYPES_BY_CODE", "Codec", "get_codec"]
