@@ -33,11 +33,9 @@ def main() -> None:
                     help="ablation: prefill in plain chunks (no separate selection for the prompt's tail)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.plain_chunks:
-        import flashmem.cache.attention as attention
-
-        attention._chunks = lambda q, step: [(a, min(q, a + step)) for a in range(0, q, step)]
     base, variants = json.loads(args.base), json.loads(args.variants)
+    if args.plain_chunks:
+        base["prefill_split_tail"] = False
 
     model, tok = flashmem.load_model("smollm2")
     P, N = args.prompt, args.decode

@@ -15,7 +15,6 @@ import sys
 
 import torch
 
-import flashmem.cache.attention as A
 from flashmem.baselines.flashmem_adapter import budget_config
 from flashmem.eval import harness as H
 from flashmem.eval.suites import make_probe
@@ -26,20 +25,18 @@ ld = H.load("gemma3-270m")
 tok, model = ld.tokenizer, ld.model
 impl = model.config._attn_implementation
 FORCE: list[int] = []
-_select = A.select_blocks
 
 
-def forced(scores, valid, k, scaling):
-    idx = _select(scores, valid, k, scaling)
+def forced(layer_idx, idx, scores):
+    """The cache's selection hook: the needle's blocks replace the first pick."""
     if FORCE and mode == "oracle":
         for j in [j for j in FORCE if j < scores.shape[-1]]:
             if not (idx == j).any():
-                idx[..., 0] = j  # the needle's block replaces the first pick
+                idx[..., 0] = j
         idx = idx.sort(-1).values
     return idx
 
 
-A.select_blocks = forced
 for task, d in [("passkey", 0.3), ("passkey", 0.1)]:
     p = make_probe(tok, task, L, d, seed)
     enc = tok(p.context, add_special_tokens=True, return_offsets_mapping=True)
@@ -51,6 +48,7 @@ for task, d in [("passkey", 0.3), ("passkey", 0.1)]:
     needle = sorted({(t - cfg.sink_tokens) // cfg.hca_chunk_size for t in ntok})
     FORCE.clear()  # the prefill selects on its own
     cache, _, _ = H.prefill_flashmem(model, ctx, cfg)
+    cache.selection_hook = forced  # set after the prefill; FORCE stays empty during it anyway
     FORCE.extend(needle)
     gen = H.greedy(model, cache, q, 8, [])
     H.restore_attn(model, impl)

@@ -248,7 +248,8 @@ def test_working_set_reuse_matches_a_fresh_gather():
 
 
 def test_query_chunks_split_off_the_question_and_the_last_query():
-    from flashmem.cache.attention import TAIL_QUERIES, _chunks
+    from flashmem.cache.attention import TAIL_QUERIES
+    from flashmem.cache.attention import query_chunks as _chunks
 
     assert _chunks(1, 512) == [(0, 1)]
     assert _chunks(12, 512) == [(0, 11), (11, 12)]  # a question: the answer's position alone
@@ -257,3 +258,36 @@ def test_query_chunks_split_off_the_question_and_the_last_query():
     spans = _chunks(2000, 256)
     assert spans[0][0] == 0 and spans[-1][1] == 2000
     assert all(a < e and e == spans[i + 1][0] for i, (a, e) in enumerate(spans[:-1]))
+
+
+def test_plain_prefill_chunks_when_the_tail_is_not_split():
+    from flashmem.cache.attention import query_chunks
+
+    assert query_chunks(600, 512, split_tail=False) == [(0, 512), (512, 600)]
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 150))
+    outs = []
+    for split in (True, False):
+        cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SMALL, prefill_split_tail=split))
+        with torch.no_grad():
+            outs.append(model(ids, cache=cache, use_cache=True).logits)
+    assert torch.isfinite(outs[1]).all()
+    assert not torch.equal(outs[0][0, -1], outs[1][0, -1])  # the last query selected alone, or not
+
+
+def test_selection_hook_overrides_what_the_layers_attend():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 150))
+    seen = []
+
+    def first_blocks(layer_idx, idx, scores):
+        seen.append((layer_idx, scores.shape[-1]))
+        return torch.arange(idx.shape[-1]).expand_as(idx).contiguous()
+
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SMALL, lsa_top_k=2))
+    cache.selection_hook = first_blocks
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        model(torch.tensor([[5]]), cache=cache, use_cache=True)
+    assert seen and {i for i, _ in seen} == {layer.layer_idx for layer in cache.flash_layers}
+    assert all(layer.ws_idx[0, :, :].tolist() == [[0, 1]] * layer.ws_idx.shape[1] for layer in cache.flash_layers)

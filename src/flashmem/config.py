@@ -91,6 +91,11 @@ class FlashMemoryConfig(BaseModel):
     prefill_chunk: int = Field(
         512, ge=1, description="prompt tokens per prefill chunk (bounds peak memory)"
     )
+    prefill_split_tail: bool = Field(
+        True,
+        description="the prompt's last 32 queries, then its last query, select on their own "
+        "(false: plain prefill_chunk chunks)",
+    )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "FlashMemoryConfig":
@@ -197,6 +202,11 @@ class FlashMemoryConfig(BaseModel):
     @property
     def csa_per_block(self) -> int:
         return self.hca_chunk_size // self.csa_chunk_size
+
+    @property
+    def csa_band_blocks(self) -> int:
+        """Newest sealed blocks that keep their CSA entries resident (the near band)."""
+        return self.csa_band_tokens // self.hca_chunk_size
 
     def blocks_to_select(self, num_sealed: int) -> int:
         """How many sealed blocks the selection attends exactly this step."""

@@ -7,7 +7,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flashmem.cache import attention
 from flashmem.cache.flash_cache import FlashMemoryCache
-from flashmem.cache.rope import find_rotator
+from flashmem.rope import find_rotator
 from flashmem.config import FlashMemoryConfig
 
 

@@ -24,8 +24,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from flashmem.cache.flash_layer import FlashLayer, tensor_bytes
-from flashmem.cache.rope import RopeRotator
+from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
+from flashmem.rope import RopeRotator
 from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
 from flashmem.index import make_scorer
@@ -51,6 +51,7 @@ class FlashMemoryCache(Cache):
         full = cfg.resolve_full_layers(n_layers)
         layer_types = getattr(text_cfg, "layer_types", None) or ["full_attention"] * n_layers
         self.cfg = cfg
+        self._selection_hook: SelectionHook | None = None
         self.store = store if store is not None else _default_store(cfg, dtype)
         self.prefetcher: Prefetcher | None = None
         try:
@@ -90,6 +91,25 @@ class FlashMemoryCache(Cache):
             share = int(0.9 * self.prefetcher.ready_bytes) // max(1, len(flash))  # 10% slack for in-flight loads
             for layer in flash:
                 layer.lookahead_bytes = share
+
+    # ------------------------------------------------------------ hooks
+    @property
+    def selection_hook(self) -> SelectionHook | None:
+        """A diagnostic override of block selection, None by default.
+
+        `fn(layer_idx, idx, scores) -> idx`: called after every selection of every
+        managed layer with the chosen block ids idx [b, h, k] (sorted) and the
+        index scores [b, h, nq, n_sealed]; what it returns (same shape, sorted)
+        is attended instead. Used to ask "what if the index had picked X"
+        (benchmarks/needle_oracle.py); set it to None to turn it off.
+        """
+        return self._selection_hook
+
+    @selection_hook.setter
+    def selection_hook(self, fn: SelectionHook | None) -> None:
+        self._selection_hook = fn
+        for layer in self.flash_layers:
+            layer.selection_hook = fn
 
     # ------------------------------------------------------------ reporting
     @property

@@ -1,6 +1,12 @@
-"""One managed attention layer's tiers: sinks, window, open block, sealed blocks.
+"""One managed attention layer: its tiers and its step.
 
-Token flow (DESIGN.md, "append"): the first `sink_tokens` tokens become sinks;
+Step (docs/design.md, "Data flow"), per chunk of queries: score the sealed
+blocks with the chunk's queries, gather the top ones exactly (the working set),
+attend once over sinks | HCA entries of unselected far blocks | CSA entries of
+unselected near blocks | selected blocks | open block | window | new tokens
+(causal), then append the new tokens to the tiers.
+
+Token flow ("append"): the first `sink_tokens` tokens become sinks;
 later ones enter the window; tokens pushed out of the window fill the open
 block; a full open block is sealed: its CSA entries, HCA entry and index
 summary are computed, and its exact K/V go to the cold store. The newest
@@ -15,24 +21,33 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from typing import Callable
+
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from flashmem.cache.lookahead import predict_next_blocks
-from flashmem.cache.rope import RopeRotator
+from flashmem.rope import RopeRotator
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
 from flashmem.index.base import BlockScorer
+from flashmem.index.selection import select_blocks
 from flashmem.store.base import ColdStore
+
+# (layer_idx, selected block ids [b, h, k] sorted, index scores [b, h, nq, n]) -> block ids
+# [b, h, k] sorted: a diagnostic override of the selection (see FlashMemoryCache.selection_hook).
+SelectionHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Recent query positions kept per layer for the attention-mass fusion rule.
 RECENT_QUERY_TOKENS = 8
 
 
 class FlashLayer(CacheLayerMixin):
-    """Cache layer whose attention runs through `flashmem.cache.attention`."""
+    """Cache layer whose attention runs through `flashmem.cache.attention`, which
+    calls `take_pending` and then `step` per chunk of queries."""
 
     is_sliding = False
     is_compileable = False
@@ -43,6 +58,7 @@ class FlashLayer(CacheLayerMixin):
     fetch_counts: dict[str, float] | None = None
     # This layer's share of the Prefetcher's ready buffer (bytes); caps look-ahead requests.
     lookahead_bytes: int | None = None
+    selection_hook: SelectionHook | None = None
 
     def __init__(
         self,
@@ -61,8 +77,8 @@ class FlashLayer(CacheLayerMixin):
         self.rule = rule
         self.rotator = rotator if cfg.fusion_rope == "rerotate" else None
         self.tokens_seen = 0
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.scaling = 1.0
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scaling = 1.0  # the model's attention scale, set by each step (fusion reads it)
         self.peak_resident_bytes = 0
 
     # ------------------------------------------------------------ transformers API
@@ -96,12 +112,12 @@ class FlashLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.pending is not None:
+        if self._pending is not None:
             raise FlashMemError(
                 f"layer {self.layer_idx}: the model did not run flashmem attention; "
                 "use flashmem.attach(model, cfg) (it sets attn_implementation='tiered_kv')"
             )
-        self.pending = (key_states, value_states)
+        self._pending = (key_states, value_states)
         self.tokens_seen += key_states.shape[-2]
         k, v = key_states.view_as(key_states), value_states.view_as(value_states)
         k._flashmem_layer = self  # type: ignore[attr-defined]
@@ -120,7 +136,7 @@ class FlashLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.is_initialized = False
         self.tokens_seen = 0
-        self.pending = None
+        self._pending = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise FlashMemError("flashmem cache cannot be cropped (assisted decoding is not supported)")
@@ -133,6 +149,154 @@ class FlashLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise FlashMemError("flashmem cache does not support batch selection")
+
+    # -------------------------------------------------------------------- step
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K/V `update` stashed for this forward ([b, h, q, d] each), once; None when
+        there is none (the attention call is not one of this cache's steps)."""
+        pending, self._pending = self._pending, None
+        return pending
+
+    def step(
+        self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """One chunk of queries: attend over the tiers plus the chunk's own K/V, then
+        append the chunk. query: [b, Hq, m, d]; k, v: [b, Hkv, m, d]; valid: [b, m]
+        -> out [b, Hq, m, d]."""
+        self.scaling = scaling
+        group = query.shape[1] // k.shape[1]
+        qg = _group_queries(query, group)
+        out = self._attend(query, qg, k, v, valid, scaling)
+        self.append(k, v, valid, qg, group)
+        self.peak_resident_bytes = max(self.peak_resident_bytes, sum(self.resident_bytes().values()))
+        return out
+
+    def _select(self, qg: torch.Tensor, block_valid: torch.Tensor, k_sel: int, scaling: float) -> torch.Tensor:
+        """Top `k_sel` sealed blocks per KV head for queries qg [b, h, nq, d] -> [b, h, k] sorted."""
+        summaries = self.summaries if self.scorer.vectors else self.hca_k[:, :, :, None]
+        scores = self.scorer.score(qg, summaries, scaling)  # [b, h, nq, n]
+        idx = select_blocks(scores, block_valid, k_sel, scaling)
+        if self.selection_hook is not None:
+            idx = self.selection_hook(self.layer_idx, idx, scores)
+        return idx
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        qg: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        valid_new: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        """One chunk: q [b, Hq, m, d] over the tiers plus its own K/V -> [b, Hq, m, d]."""
+        cfg = self.cfg
+        b, hkv, m, d = k_new.shape
+        neg = float("-inf")
+        keys, values, biases = [], [], []
+
+        def add(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> None:
+            if k.shape[-2]:
+                keys.append(k)
+                values.append(v)
+                biases.append(bias.expand(b, hkv, k.shape[-2]) if bias.dim() == 3 else bias)
+
+        def from_valid(valid: torch.Tensor) -> torch.Tensor:  # [b, L] -> [b, 1, L]
+            return torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill(~valid, neg)[:, None]
+
+        S = self.sink_k.shape[-2]
+        add(self.sink_k, self.sink_v, from_valid(self.valid[:, :S]))
+
+        n = self.num_sealed
+        if n > 0:
+            block_tokens_valid = self.block_valid_tokens()  # [b, n, B]
+            k_sel = cfg.blocks_to_select(n)
+            selected = torch.zeros(b, hkv, n, dtype=torch.bool, device=q.device)
+            if k_sel > 0:
+                idx = self._select(qg, block_tokens_valid.any(-1), k_sel, scaling)  # [b, h, k]
+                selected.scatter_(-1, idx, True)
+                self._gather_working_set(idx, block_tokens_valid)
+                self.look_ahead(idx)  # prefetch for the next step
+            else:
+                self.ws_idx = self.ws_k = self.ws_v = self.ws_valid = None
+            # Far blocks (out of the near band) are represented by their HCA entry.
+            band_start = n - len(self.csa_blocks)
+            far = torch.arange(n, device=q.device) < band_start
+            if cfg.use_summaries:
+                add(self.hca_k, self.hca_v, _entry_bias(self.hca_cnt, far & ~selected, cfg.summary_bias, q.dtype))
+            if cfg.use_summaries and self.csa_k.shape[-2]:
+                ids = self.csa_block_ids.expand(b, hkv, -1)
+                use = ~selected.gather(-1, ids)
+                add(self.csa_k, self.csa_v, _entry_bias(self.csa_cnt, use, cfg.summary_bias, q.dtype))
+            if k_sel > 0:
+                add(self.ws_k, self.ws_v, torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg))
+
+        o0 = S + n * cfg.hca_chunk_size
+        o1 = o0 + self.open_k.shape[-2]
+        w1 = o1 + self.win_k.shape[-2]
+        add(self.open_k, self.open_v, from_valid(self.valid[:, o0:o1]))
+        add(self.win_k, self.win_v, from_valid(self.valid[:, o1:w1]))
+
+        # New tokens: causal among themselves, padding hidden; each sees itself so no row is empty.
+        causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+        allowed = (causal[None] & valid_new[:, None, :]) | torch.eye(m, dtype=torch.bool, device=q.device)[None]
+        new_bias = torch.zeros(b, 1, m, m, dtype=q.dtype, device=q.device).masked_fill(~allowed[:, None], neg)
+
+        keys.append(k_new)
+        values.append(v_new)
+        if biases:
+            past = torch.cat(biases, dim=-1)  # [b, h, Lp]
+            mask = torch.cat([past[:, :, None, :].expand(-1, -1, m, -1), new_bias.expand(b, hkv, m, m)], dim=-1)
+        else:
+            mask = new_bias.expand(b, hkv, m, m)
+        group = q.shape[1] // hkv
+        if group > 1:
+            mask = mask.repeat_interleave(group, dim=1)  # [b, Hq, m, L]
+        K = torch.cat(keys, dim=-2) if len(keys) > 1 else keys[0]
+        V = torch.cat(values, dim=-2) if len(values) > 1 else values[0]
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+
+    def _gather_working_set(self, idx: torch.Tensor, block_tokens_valid: torch.Tensor) -> None:
+        """Bring the selected blocks' exact K/V to the device. idx: [b, h, k] sorted.
+
+        Reused as is when the selection did not change since the last step.
+        """
+        prev = self.ws_idx
+        if prev is not None and prev.shape == idx.shape and torch.equal(prev, idx):
+            return
+        b, h, k = idx.shape
+        bi = torch.arange(b, device=idx.device)[:, None, None]
+        hi = torch.arange(h, device=idx.device)[None, :, None]
+        B = self.cfg.hca_chunk_size
+        # A (row, head) keeps the blocks it already holds; only the rest is fetched.
+        if prev is not None and prev.shape[:2] == idx.shape[:2]:
+            match = idx[..., :, None] == prev[..., None, :]  # [b, h, k, k_prev]
+            held = match.any(-1)
+            src = match.to(torch.int8).argmax(-1)
+        else:
+            held = torch.zeros_like(idx, dtype=torch.bool)
+            src = torch.zeros_like(idx)
+        need = torch.unique(idx[~held])
+        if need.numel():
+            blocks = [self.fetch_block(int(j)) for j in need.tolist()]
+            pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
+            pool_v = torch.stack([bv for _, bv in blocks])
+            slot = torch.searchsorted(need, idx).clamp_max(need.numel() - 1)  # [b, h, k]
+            new_k, new_v = pool_k[slot, bi, hi], pool_v[slot, bi, hi]  # [b, h, k, B, d]
+        if held.any():
+            d = self.ws_k.shape[-1]
+            old_k = self.ws_k.view(b, h, -1, B, d)[bi, hi, src]  # [b, h, k, B, d]
+            old_v = self.ws_v.view(b, h, -1, B, d)[bi, hi, src]
+            if need.numel():
+                keep = held[..., None, None]
+                new_k, new_v = torch.where(keep, old_k, new_k), torch.where(keep, old_v, new_v)
+            else:
+                new_k, new_v = old_k, old_v
+        d = new_k.shape[-1]
+        self.ws_k = new_k.reshape(b, h, k * B, d)
+        self.ws_v = new_v.reshape(b, h, k * B, d)
+        self.ws_valid = block_tokens_valid[bi, idx].reshape(b, h, k * B)
+        self.ws_idx = idx
 
     # ------------------------------------------------------------------- tiers
     @property
@@ -196,7 +360,7 @@ class FlashLayer(CacheLayerMixin):
         self.hca_v = torch.cat([self.hca_v, hca.values], dim=-2)
         self.hca_cnt = torch.cat([self.hca_cnt, hca.counts], dim=-1)
         per = cfg.csa_per_block
-        band_blocks = cfg.csa_band_tokens // B
+        band_blocks = cfg.csa_band_blocks
         summ = []
         for j in range(nb):
             kj, vj = k[:, :, j * B : (j + 1) * B], v[:, :, j * B : (j + 1) * B]
@@ -248,7 +412,7 @@ class FlashLayer(CacheLayerMixin):
         return out
 
     def look_ahead(self, idx: torch.Tensor) -> None:
-        """DESIGN.md step 5: queue background loads of the blocks predicted for the next
+        """Look-ahead (docs/design.md): queue background loads of the blocks predicted for the next
         step (this step's selection idx [b, h, k] and neighbours within prefetch_window)."""
         pf = self.prefetcher
         if pf is None:
@@ -299,3 +463,21 @@ def _keep_last(old: torch.Tensor | None, new: torch.Tensor, n: int) -> torch.Ten
     """Last n rows (dim -2) of old ++ new: the most recent query positions."""
     both = new if old is None else torch.cat([old, new], dim=-2)
     return both[:, :, -n:].clone() if both.shape[-2] > n else both
+
+
+def _group_queries(q: torch.Tensor, group: int) -> torch.Tensor:
+    """[b, Hq, m, d] -> [b, Hkv, m*group, d], token-major, each KV head's GQA group."""
+    b, hq, m, d = q.shape
+    return q.view(b, hq // group, group, m, d).transpose(2, 3).reshape(b, hq // group, m * group, d)
+
+
+def _entry_bias(counts: torch.Tensor, use: torch.Tensor, rule: str, dtype: torch.dtype) -> torch.Tensor:
+    """Additive logit bias of fused entries. counts: [b, n]; use: [b, h, n] or [n] -> [b, h, n].
+
+    `log_size` gives an entry standing for s tokens log(s) extra logit (proportional
+    attention, as in token merging), so it can carry the mass of the tokens it replaces.
+    """
+    c = counts[:, None, :].to(torch.float32)
+    bias = c.clamp_min(1).log() if rule == "log_size" else torch.zeros_like(c)
+    keep = use & (counts[:, None, :] > 0)
+    return bias.masked_fill(~keep, float("-inf")).to(dtype)

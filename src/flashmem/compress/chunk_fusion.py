@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmem.cache.rope import RopeRotator
+from flashmem.rope import RopeRotator
 
 
 @dataclass

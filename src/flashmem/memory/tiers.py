@@ -53,7 +53,7 @@ def tier_counts(cfg: FlashMemoryConfig, tokens: int) -> TierCounts:
 
     The window holds up to `gpu_cache_limit` tokens beyond the sinks; tokens
     pushed out of it fill the open block, sealed every `hca_chunk_size` tokens.
-    The near band keeps CSA entries for the newest `csa_band_tokens // B`
+    The near band keeps CSA entries for the newest `cfg.csa_band_blocks`
     sealed blocks. The working set is the `blocks_to_select` blocks attended
     exactly this step.
     """
@@ -64,7 +64,7 @@ def tier_counts(cfg: FlashMemoryConfig, tokens: int) -> TierCounts:
     history = rest - window
     sealed = history // B
     open_block = history - sealed * B
-    band_blocks = min(sealed, cfg.csa_band_tokens // B)
+    band_blocks = min(sealed, cfg.csa_band_blocks)
     csa = band_blocks * cfg.csa_per_block
     selected = cfg.blocks_to_select(sealed)
     return TierCounts(
