@@ -41,8 +41,7 @@ def drop_store(cache) -> None:
 
 def set_prefetch(cache, on: bool) -> None:
     """Route the layers' reads through the cache's Prefetcher (on) or straight to the store (off)."""
-    for layer in cache.flash_layers:
-        layer.prefetcher = cache.prefetcher if on else None
+    cache.use_prefetcher(on)
 
 
 def decode_phase(model, cache, tok: torch.Tensor, steps: int, prefetch: bool) -> tuple[dict, torch.Tensor]:
@@ -53,7 +52,7 @@ def decode_phase(model, cache, tok: torch.Tensor, steps: int, prefetch: bool) ->
         drop_store(cache)
         tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
     s0 = cache.stats()
-    f0 = dict(cache._fetch_counts)  # synchronous reads (prefetch off) are counted here
+    f0 = cache.sync_reads()  # synchronous reads (prefetch off) are counted here
     wall = 0.0
     with torch.no_grad():
         for _ in range(steps):
@@ -67,8 +66,9 @@ def decode_phase(model, cache, tok: torch.Tensor, steps: int, prefetch: bool) ->
         hits, misses, stall = (s1[k] - s0[k] for k in ("hits", "misses", "stall_s"))
     else:
         hits = 0
-        misses = cache._fetch_counts["misses"] - f0["misses"]
-        stall = cache._fetch_counts["stall_s"] - f0["stall_s"]
+        f1 = cache.sync_reads()
+        misses = f1["misses"] - f0["misses"]
+        stall = f1["stall_s"] - f0["stall_s"]
     d0, d1 = s0["tiers"]["disk"], s1["tiers"]["disk"]
     read = d1["bytes_read"] - d0["bytes_read"]
     read_s = d1.get("read_s", 0.0) - d0.get("read_s", 0.0)

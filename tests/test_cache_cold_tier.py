@@ -180,3 +180,35 @@ def test_two_caches_one_cold_dir_in_two_threads(model_and_ref, tmp_path):
         assert (results[k] - ref).abs().max() <= 1e-4
         c.close()
     assert folders(tmp_path) == []
+
+
+# ------------------------------------------------------------------ store contract, collaborators
+def test_store_contract_coded_reads_and_codec(tmp_path):
+    from flashmem.store import MemoryStore, open_store
+
+    k = torch.randn(1, 2, 8, 16)
+    with MemoryStore() as mem:
+        mem.put((0, 0), k, k)
+        assert not mem.coded_reads and mem.codec.name == "exact"
+        with pytest.raises(NotImplementedError, match="no coded reads"):
+            mem.get_coded((0, 0))
+    for kind in ("disk", "layered"):
+        with open_store(cfg(tmp_path, cold_store=kind, cold_codec="int8"), dtype=torch.float32) as s:
+            s.put((0, 0), k, k)
+            payload, shape, dtype, _ = s.get_coded((0, 0))
+            assert s.coded_reads and shape == (1, 2, 8, 16) and dtype == torch.float32
+            assert payload.numel() == s.codec.nbytes(shape, dtype)
+
+
+def test_prefetcher_is_given_to_the_layers_and_can_be_bypassed(model_and_ref, tmp_path):
+    model, ids, ref = model_and_ref
+    with flashmem.attach(model, cfg(tmp_path)) as cache:
+        layers = cache.flash_layers
+        assert all(layer.prefetcher is cache.prefetcher for layer in layers)
+        share = int(0.9 * cache.prefetcher.ready_bytes) // len(layers)
+        assert all(layer.lookahead_bytes == share for layer in layers)
+        cache.use_prefetcher(False)
+        out = run(model, cache, ids, 4)
+        assert cache.stats()["hits"] == 0  # nothing went through the prefetcher
+        assert cache.sync_reads()["misses"] > 0
+    assert (out - ref[:, : out.shape[1]]).abs().max() <= 1e-4

@@ -28,7 +28,7 @@ from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
 from flashmem.rope import RopeRotator
 from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
-from flashmem.index import make_scorer
+from flashmem.index import ScorerContext, make_scorer
 from flashmem.store.base import ColdStore
 from flashmem.store.prefetch import Prefetcher
 
@@ -66,31 +66,38 @@ class FlashMemoryCache(Cache):
         self._fetch_counts: dict[str, float] = {"misses": 0, "stall_s": 0.0}
         self._finalizer = weakref.finalize(self, _close_cold_tier, self.prefetcher, self.store)
         rotators = rotators or {}
+        sliding = [
+            kind in ("sliding_attention", "chunked_attention") and bool(getattr(text_cfg, "sliding_window", None))
+            for kind in layer_types
+        ]
+        n_flash = sum(1 for i in range(n_layers) if not sliding[i] and i not in full)
+        share = None
+        if self.prefetcher is not None:  # 10% slack for in-flight loads
+            share = int(0.9 * self.prefetcher.ready_bytes) // max(1, n_flash)
+        kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         layers: list[Any] = []
         for i, kind in enumerate(layer_types):
-            if kind in ("sliding_attention", "chunked_attention") and getattr(text_cfg, "sliding_window", None):
+            if sliding[i]:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=text_cfg.sliding_window))
             elif i in full:
                 layers.append(DynamicLayer())
             else:
+                ctx = ScorerContext(layer_idx=i, kv_heads=kv_heads, head_dim=head_dim, cfg=cfg)
                 layers.append(
                     FlashLayer(
                         i,
                         cfg,
                         self.store,
-                        make_scorer(cfg.lsa_scorer),
+                        make_scorer(cfg.lsa_scorer, ctx),
                         make_rule(cfg.fusion_rule),
                         rotators.get(kind),
+                        prefetcher=self.prefetcher,
+                        fetch_counts=self._fetch_counts,
+                        lookahead_bytes=share,
                     )
                 )
-                layers[-1].prefetcher = self.prefetcher
-                layers[-1].fetch_counts = self._fetch_counts
         super().__init__(layers=layers)
-        if self.prefetcher is not None:
-            flash = self.flash_layers
-            share = int(0.9 * self.prefetcher.ready_bytes) // max(1, len(flash))  # 10% slack for in-flight loads
-            for layer in flash:
-                layer.lookahead_bytes = share
 
     # ------------------------------------------------------------ hooks
     @property
@@ -110,6 +117,17 @@ class FlashMemoryCache(Cache):
         self._selection_hook = fn
         for layer in self.flash_layers:
             layer.selection_hook = fn
+
+    def use_prefetcher(self, on: bool) -> None:
+        """Route the layers' block reads through the cache's Prefetcher (on, the
+        default when prefetch_threads > 0) or straight to the store (off: each read
+        is a synchronous miss, counted in `sync_reads()`). For A/B measurements."""
+        for layer in self.flash_layers:
+            layer.prefetcher = self.prefetcher if on else None
+
+    def sync_reads(self) -> dict[str, float]:
+        """Counters of block reads that went straight to the store: misses, stall_s."""
+        return dict(self._fetch_counts)
 
     # ------------------------------------------------------------ reporting
     @property

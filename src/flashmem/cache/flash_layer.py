@@ -36,6 +36,7 @@ from flashmem.errors import FlashMemError
 from flashmem.index.base import BlockScorer
 from flashmem.index.selection import select_blocks
 from flashmem.store.base import ColdStore
+from flashmem.store.prefetch import Prefetcher
 
 # (layer_idx, selected block ids [b, h, k] sorted, index scores [b, h, nq, n]) -> block ids
 # [b, h, k] sorted: a diagnostic override of the selection (see FlashMemoryCache.selection_hook).
@@ -52,12 +53,6 @@ class FlashLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
-    # Set by FlashMemoryCache: the Prefetcher (None: prefetch off, reads go to the store)
-    # and the cache's synchronous-read counters {"misses", "stall_s"} used when it is off.
-    prefetcher = None
-    fetch_counts: dict[str, float] | None = None
-    # This layer's share of the Prefetcher's ready buffer (bytes); caps look-ahead requests.
-    lookahead_bytes: int | None = None
     selection_hook: SelectionHook | None = None
 
     def __init__(
@@ -68,7 +63,15 @@ class FlashLayer(CacheLayerMixin):
         scorer: BlockScorer,
         rule: FusionRule,
         rotator: RopeRotator | None,
+        *,
+        prefetcher: Prefetcher | None = None,
+        fetch_counts: dict[str, float] | None = None,
+        lookahead_bytes: int | None = None,
     ) -> None:
+        """prefetcher: reads go through it and look-ahead fills it (None: reads go
+        to the store); fetch_counts: {"misses", "stall_s"} counters of synchronous
+        store reads, shared by the cache's layers; lookahead_bytes: this layer's
+        share of the prefetcher's ready buffer, which caps look-ahead requests."""
         super().__init__()
         self.layer_idx = layer_idx
         self.cfg = cfg
@@ -76,6 +79,10 @@ class FlashLayer(CacheLayerMixin):
         self.scorer = scorer
         self.rule = rule
         self.rotator = rotator if cfg.fusion_rope == "rerotate" else None
+        self.prefetcher = prefetcher
+        self.fetch_counts = fetch_counts
+        self.lookahead_bytes = lookahead_bytes
+        self._pf_block_bytes: int | None = None
         self.tokens_seen = 0
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.scaling = 1.0  # the model's attention scale, set by each step (fusion reads it)
@@ -426,13 +433,12 @@ class FlashLayer(CacheLayerMixin):
 
     def _prefetch_block_bytes(self) -> int:
         """Bytes one block takes in the prefetch buffer (coded when the store hands out payloads)."""
-        n = getattr(self, "_pf_block_bytes", None)
+        n = self._pf_block_bytes
         if n is None:
             b, h, _, d = self.sink_k.shape
             shape = (b, h, self.cfg.hca_chunk_size, d)
-            codec = getattr(self.store, "codec", None)
-            if hasattr(self.store, "get_coded") and codec is not None:
-                n = int(codec.nbytes(shape, self.dtype))
+            if self.store.coded_reads:
+                n = int(self.store.codec.nbytes(shape, self.dtype))
             else:
                 n = 2 * b * h * self.cfg.hca_chunk_size * d * self.sink_k.element_size()
             self._pf_block_bytes = n = max(1, n)

@@ -1,8 +1,9 @@
 """The cold-tier interface: exact (or coded) K/V of every sealed block.
 
-The cache talks to a store only through this class, so a new backend (host
-memory, disk, layered RAM-over-disk) is one file. Keys are (layer_idx,
-block_idx); a block's tensors are `[batch, kv_heads, block_tokens, head_dim]`.
+The cache and the prefetcher talk to a store only through this class, so a new
+backend (host memory, disk, layered RAM-over-disk) is one file plus its line in
+`flashmem.policies.COLD_STORES`. Keys are (layer_idx, block_idx); a block's
+tensors are `[batch, kv_heads, block_tokens, head_dim]`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
+
+from flashmem.store.codecs.base import Codec, Shape
 
 BlockKey = tuple[int, int]  # (layer_idx, block_idx)
 
@@ -38,9 +41,18 @@ class StoreStats:
 
 
 class ColdStore(ABC):
-    """Holds sealed blocks off the device; `get` returns them on a chosen device."""
+    """Holds sealed blocks off the device; `get` returns them on a chosen device.
+
+    `codec` codes the blocks it holds. A store with `coded_reads` also hands out
+    the coded payload (`get_coded`), which the prefetcher buffers and decodes on
+    the target device (`flashmem.store.transfer.decode_on`); otherwise the
+    prefetcher buffers `get(key, "cpu")`.
+    """
 
     stats: StoreStats
+    codec: Codec
+    tier: str  # its name in tier_stats()
+    coded_reads: bool = False
 
     @abstractmethod
     def put(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -54,6 +66,12 @@ class ColdStore(ABC):
     def get(self, key: BlockKey, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's (k, v), decoded to the dtype it was put with, on `device`."""
 
+    def get_coded(self, key: BlockKey) -> tuple[torch.Tensor, Shape, torch.dtype, bool]:
+        """The block's coded payload uint8 [n], its shape and dtype, and whether the
+        payload is shared with the store (a decode must not alias it). Only where
+        `coded_reads` is True."""
+        raise NotImplementedError(f"{type(self).__name__} has no coded reads (coded_reads is False)")
+
     @abstractmethod
     def __contains__(self, key: BlockKey) -> bool: ...
 
@@ -63,7 +81,7 @@ class ColdStore(ABC):
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Counters per tier ("memory", "ram", "disk"); a layered store reports each tier."""
-        return {getattr(self, "tier", type(self).__name__): self.stats.as_dict()}
+        return {self.tier: self.stats.as_dict()}
 
     def flush(self) -> None:
         """Block until every `put` so far is durable."""

@@ -27,11 +27,12 @@ from flashmem.store.disk_core import DiskCore, Pending
 from flashmem.store.disk_io import store_error
 from flashmem.store.format import FORMAT_VERSION
 from flashmem.store.recovery import recover
-from flashmem.store.transfer import ensure_host, to_device
+from flashmem.store.transfer import decode_on, ensure_host
 
 
 class DiskStore(ColdStore):
     tier = "disk"
+    coded_reads = True
 
     def __init__(
         self,
@@ -170,13 +171,6 @@ class DiskStore(ColdStore):
         if core.error is not None and not core.error_reported:
             core.error_reported = True
             raise ColdStoreError(str(core.error))
-
-
-def decode_on(codec, payload, shape, dtype, device, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Move the coded payload to `device` (pinned -> async) and decode there."""
-    moved = to_device(payload, device)
-    copy = shared and moved.data_ptr() == payload.data_ptr()
-    return codec.decode(moved, shape, dtype, copy=copy)
 
 
 def _write_meta(folder: str, codec: str, dtype: torch.dtype, persist: bool) -> None:

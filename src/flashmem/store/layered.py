@@ -14,12 +14,13 @@ import torch
 
 from flashmem.store.base import BlockKey, ColdStore, StoreStats
 from flashmem.store.codecs.base import Shape, check_pair
-from flashmem.store.disk import DiskStore, decode_on
-from flashmem.store.transfer import ensure_host
+from flashmem.store.disk import DiskStore
+from flashmem.store.transfer import decode_on, ensure_host
 
 
 class LayeredStore(ColdStore):
     tier = "layered"
+    coded_reads = True
 
     def __init__(self, disk: DiskStore, ram_bytes: int) -> None:
         self.disk = disk

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from flashmem.store.base import BlockKey, ColdStore
-from flashmem.store.disk import decode_on
+from flashmem.store.transfer import decode_on
 
 # a loaded block: ("coded", payload uint8 [n], shape, dtype, shared) or ("kv", k, v)
 Entry = tuple
@@ -33,7 +33,7 @@ class Prefetcher:
         self.store = store
         self.threads = int(threads)
         self.ready_bytes = int(ready_bytes)
-        self._coded = hasattr(store, "get_coded")
+        self._coded = store.coded_reads
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flashmem-prefetch") if self.threads > 0 else None
         self._lock = threading.Lock()
         self._ready: OrderedDict[BlockKey, Entry] = OrderedDict()
@@ -127,7 +127,7 @@ class Prefetcher:
     def _load(self, key: BlockKey) -> Entry:
         t0 = time.perf_counter()
         if self._coded:
-            entry: Entry = ("coded", *self.store.get_coded(key))  # type: ignore[attr-defined]
+            entry: Entry = ("coded", *self.store.get_coded(key))
         else:
             entry = ("kv", *self.store.get(key, "cpu"))
         with self._lock:
@@ -157,7 +157,7 @@ class Prefetcher:
     def _materialize(self, entry: Entry, device) -> tuple[torch.Tensor, torch.Tensor]:
         if entry[0] == "coded":
             _, payload, shape, dtype, shared = entry
-            return decode_on(self.store.codec, payload, shape, dtype, device, shared)  # type: ignore[attr-defined]
+            return decode_on(self.store.codec, payload, shape, dtype, device, shared)
         _, k, v = entry
         if device is None:
             return k, v

@@ -7,9 +7,13 @@ is a real asynchronous copy; on CPU-only machines they are plain tensors.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from flashmem.store.codecs.base import Codec, Shape
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,3 +71,14 @@ def to_device(t: torch.Tensor, device: torch.device | str | None) -> torch.Tenso
     if t.device == device:
         return t
     return t.to(device, non_blocking=t.is_pinned() if t.device.type == "cpu" else False)
+
+
+def decode_on(
+    codec: Codec, payload: torch.Tensor, shape: Shape, dtype: torch.dtype, device: torch.device | str | None, shared: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move the coded payload (uint8 [n]) to `device` (pinned -> async) and decode
+    there -> (k, v) of `shape`. shared: the payload is kept elsewhere too (a
+    cache), so a decode that would alias it must copy."""
+    moved = to_device(payload, device)
+    copy = shared and moved.data_ptr() == payload.data_ptr()
+    return codec.decode(moved, shape, dtype, copy=copy)
