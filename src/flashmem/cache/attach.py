@@ -9,10 +9,11 @@ from flashmem.cache import attention
 from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.rope import find_rotator
 from flashmem.config import FlashMemoryConfig
+from flashmem.models import geometry
 
 
 def register() -> None:
-    """Make 'flashmem' a valid attn_implementation (idempotent).
+    """Make 'tiered_kv' (attention.NAME) a valid attn_implementation (idempotent).
 
     Masks are SDPA's boolean masks: unmanaged layers use them as is, managed
     layers read padding from them.
@@ -37,7 +38,7 @@ def attach(model: PreTrainedModel, cfg: FlashMemoryConfig | None = None, **overr
     register()
     if model.config._attn_implementation != attention.NAME:
         model.set_attn_implementation(attention.NAME)
-    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-    kinds = set(getattr(text_cfg, "layer_types", None) or ["full_attention"])
+    head_dim = geometry.head_dim(text_cfg) or 0
+    kinds = set(geometry.layer_types(text_cfg, text_cfg.num_hidden_layers, infer_sliding=False))
     rotators = {kind: find_rotator(model, kind, head_dim) for kind in kinds}
     return FlashMemoryCache(model.config, cfg, rotators=rotators, dtype=model.dtype)

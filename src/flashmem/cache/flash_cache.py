@@ -29,6 +29,7 @@ from flashmem.rope import RopeRotator
 from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
 from flashmem.index import ScorerContext, make_scorer
+from flashmem.models import geometry
 from flashmem.store.base import ColdStore
 from flashmem.store.prefetch import Prefetcher
 
@@ -49,7 +50,7 @@ class FlashMemoryCache(Cache):
         text_cfg = model_config.get_text_config(decoder=True)
         n_layers = text_cfg.num_hidden_layers
         full = cfg.resolve_full_layers(n_layers)
-        layer_types = getattr(text_cfg, "layer_types", None) or ["full_attention"] * n_layers
+        layer_types = geometry.layer_types(text_cfg, n_layers, infer_sliding=False)
         self.cfg = cfg
         self._selection_hook: SelectionHook | None = None
         self.store = store if store is not None else _default_store(cfg, dtype)
@@ -66,16 +67,12 @@ class FlashMemoryCache(Cache):
         self._fetch_counts: dict[str, float] = {"misses": 0, "stall_s": 0.0}
         self._finalizer = weakref.finalize(self, _close_cold_tier, self.prefetcher, self.store)
         rotators = rotators or {}
-        sliding = [
-            kind in ("sliding_attention", "chunked_attention") and bool(getattr(text_cfg, "sliding_window", None))
-            for kind in layer_types
-        ]
+        sliding = [geometry.keeps_window(kind, text_cfg) for kind in layer_types]
         n_flash = sum(1 for i in range(n_layers) if not sliding[i] and i not in full)
         share = None
         if self.prefetcher is not None:  # 10% slack for in-flight loads
             share = int(0.9 * self.prefetcher.ready_bytes) // max(1, n_flash)
-        kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
-        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        kv_heads, head_dim = geometry.kv_heads(text_cfg) or 0, geometry.head_dim(text_cfg) or 0
         layers: list[Any] = []
         for i, kind in enumerate(layer_types):
             if sliding[i]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from flashmem.errors import ConfigError
+from flashmem.models import geometry
 
 
 # ----------------------------------------------------------------------------- layer kinds
@@ -244,8 +245,8 @@ def _gemma3_270m() -> ModelSpec:
     # (`sliding_window_pattern` 6: layer i is full when (i + 1) % 6 == 0, i.e. 5
     # sliding : 1 full -> layers 5, 11, 17 are full).
     layers = tuple(
-        FullAttention(1, 256) if (i + 1) % 6 == 0 else SlidingWindow(1, 256, 512)
-        for i in range(18)
+        FullAttention(1, 256) if t == geometry.FULL else SlidingWindow(1, 256, 512)
+        for t in geometry.gemma3_layer_types(18)
     )
     return ModelSpec("gemma3-270m", layers)
 
@@ -402,12 +403,7 @@ def from_hf_folder(folder: Path, config_file: Path | None = None) -> ModelSpec:
     return ModelSpec(spec.name, spec.layers, spec.dtype, source=str(config_file))
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        v = cfg.get(key, default)
-    else:
-        v = getattr(cfg, key, default)
-    return default if v is None else v
+_get = geometry.get
 
 
 def from_hf_config(cfg: Any, name: str = "config") -> ModelSpec:
@@ -456,19 +452,11 @@ def from_hf_config(cfg: Any, name: str = "config") -> ModelSpec:
             layer = MLA(int(kv_lora), rope)
         return ModelSpec(name, (layer,) * n, dtype, source="config")
 
-    heads = _get(cfg, "num_attention_heads") or _get(cfg, "n_head")
-    kv_heads = _get(cfg, "num_key_value_heads") or heads
-    hidden = _get(cfg, "hidden_size")
-    head_dim = _get(cfg, "head_dim") or (hidden // heads if hidden and heads else None)
+    kv_heads, head_dim = geometry.kv_heads(cfg), geometry.head_dim(cfg)
     if not kv_heads or not head_dim:
         raise ConfigError(f"--model: {name}: config lacks num_key_value_heads/head_dim")
-    kv_heads, head_dim = int(kv_heads), int(head_dim)
     window = _get(cfg, "sliding_window")
-    types = _get(cfg, "layer_types")
-    if types is None:
-        use_sw = _get(cfg, "use_sliding_window", True)
-        sliding = window is not None and use_sw
-        types = ["sliding_attention" if sliding else "full_attention"] * n
+    types = geometry.layer_types(cfg, n)
     out: list[LayerSpec] = []
     for t in list(types)[:n]:
         if t == "sliding_attention" and window:
@@ -526,7 +514,7 @@ def from_gguf(path: Path) -> ModelSpec:
     for i in range(n):
         hd = int(key_len or emb // heads_l[i])
         vd = int(val_len) if val_len and val_len != hd else None
-        if arch == "gemma3" and window and (i + 1) % 6:
+        if arch == "gemma3" and window and geometry.gemma3_layer_types(n)[i] == geometry.SLIDING:
             layers.append(SlidingWindow(int(kv_l[i]), hd, int(window), v_head_dim=vd))
         else:
             layers.append(FullAttention(int(kv_l[i]), hd, v_head_dim=vd))

@@ -28,6 +28,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from flashmem.errors import FlashMemError  # noqa: E402
+from flashmem.models import geometry
 from flashmem.models.registry import (  # noqa: E402
     BUILTINS,
     DEFAULT_MODEL,
@@ -338,12 +339,10 @@ def _info_from_config(name: str, cfg: dict[str, Any], source_file: str | None, i
     n = int(cfg["num_hidden_layers"])
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    kv = int(geometry.kv_heads(cfg) or heads)
+    head_dim = int(geometry.head_dim(cfg) or hidden // heads)
     sw = cfg.get("sliding_window")
-    lt = cfg.get("layer_types")
-    if not lt:
-        lt = ["sliding_attention" if sw else "full_attention"] * n
+    lt = geometry.layer_types(cfg, n)
     return ModelInfo(
         name=name,
         model_type=str(cfg.get("model_type", "unknown")),
@@ -381,8 +380,8 @@ def _info_from_gguf(name: str, gguf: Path) -> ModelInfo:
     hidden = int(field(f"{arch}.embedding_length"))
     head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
     sw = field(f"{arch}.attention.sliding_window")
-    if arch == "gemma3":  # transformers builds every 6th layer global for GGUF Gemma3
-        lt = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+    if arch == "gemma3":  # the GGUF has no layer pattern: transformers' Gemma3 default
+        lt = list(geometry.gemma3_layer_types(n))
     else:
         lt = ["sliding_attention" if sw else "full_attention"] * n
     return ModelInfo(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashmem.errors import ChecksumError, FlashMemError, ModelNotAvailableError
+from flashmem.models import geometry
 
 __all__ = [
     "BUILTINS",
@@ -63,10 +64,6 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def _gemma3_layer_types(n: int, pattern: int = 6) -> tuple[str, ...]:
-    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n))
 
 
 @dataclass(frozen=True)
@@ -173,7 +170,7 @@ BUILTINS: dict[str, BuiltinModel] = {
             num_kv_heads=1,
             head_dim=256,
             hidden_size=640,
-            layer_types=_gemma3_layer_types(18),
+            layer_types=geometry.gemma3_layer_types(18),
             sliding_window=512,
             max_position_embeddings=32768,
         ),
