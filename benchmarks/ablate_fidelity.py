@@ -18,7 +18,9 @@ import time
 import torch
 
 import flashmem
-from flashmem.eval.texts import load_text
+from flashmem.memory.budget import full_kv_bytes
+from flashmem.metrics import kl_per_token
+from flashmem.texts import load_text
 
 
 def main() -> None:
@@ -43,9 +45,7 @@ def main() -> None:
     ids = ids[:, : P + N]
     with torch.no_grad():
         full = model(ids).logits[0, P - 1 : P + N - 1].float().log_softmax(-1)
-    full_bytes_per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
-        model.config.hidden_size // model.config.num_attention_heads
-    ) * model.dtype.itemsize
+    full_bytes = full_kv_bytes(model, P + N - 1, model.dtype.itemsize)["total_bytes"]
     for var in variants:
         keys = {**base, **var}
         cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**keys))
@@ -59,13 +59,13 @@ def main() -> None:
                 rows.append(model(ids[:, i : i + 1], cache=cache, use_cache=True).logits[0, -1])
             t_decode = time.perf_counter() - t0
         lp = torch.stack(rows).float().log_softmax(-1)
-        kl = (full.exp() * (full - lp)).sum(-1).clamp_min(0)
+        kl = kl_per_token(full, lp)
         report = cache.memory_report()
         print(json.dumps({
             "variant": var,
             "kl_mean": round(float(kl.mean()), 4),
             "top1_agree": round(float((lp.argmax(-1) == full.argmax(-1)).float().mean()), 4),
-            "resident_ratio": round(report["device_resident_bytes"] / (full_bytes_per_token * (P + N - 1)), 4),
+            "resident_ratio": round(report["device_resident_bytes"] / full_bytes, 4),
             "prefill_s": round(t_prefill, 1),
             "decode_ms": round(1000 * t_decode / max(1, N - 1), 1),
         }), flush=True)

@@ -16,7 +16,7 @@ time), against the raw sequential read bandwidth of a fresh file measured in
 the same run the same way.
 
 Models: (a) SmolLM2-135M (`flashmem.load_model("smollm2")`) on
-`flashmem.eval.texts.load_text()`; (b) a tiny random Llama (4 layers, 4 KV
+`flashmem.texts.load_text()`; (b) a tiny random Llama (4 layers, 4 KV
 heads x 64 dims, fp32: 256 KiB per block) on random tokens.
 """
 
@@ -158,7 +158,7 @@ def main() -> None:
         rows += run_model("tiny-llama", model, ids, args, raw)
         del model
     if not args.skip_smollm:
-        from flashmem.eval.texts import load_text
+        from flashmem.texts import load_text
 
         t0 = time.perf_counter()
         model, tok = flashmem.load_model("smollm2")

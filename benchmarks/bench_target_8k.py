@@ -20,7 +20,8 @@ import torch
 from transformers import DynamicCache
 
 import flashmem
-from flashmem.eval.texts import load_text
+from flashmem.metrics import kl_per_token
+from flashmem.texts import load_text
 
 
 def main() -> None:
@@ -60,7 +61,7 @@ def main() -> None:
                 spent[name] += time.perf_counter() - t0
                 lp[name].append(out.logits[0, -1].float().log_softmax(-1))
     ref, got = torch.stack(lp["full"]), torch.stack(lp["flashmem"])
-    kl = (ref.exp() * (ref - got)).sum(-1).clamp_min(0)
+    kl = kl_per_token(ref, got)
     agree = (ref.argmax(-1) == got.argmax(-1)).float()
     report = fm.memory_report()
     full_bytes = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in full.layers)

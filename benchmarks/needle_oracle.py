@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-from flashmem.baselines.flashmem_adapter import budget_config
-from flashmem.eval import harness as H
-from flashmem.eval.suites import make_probe
+from flashmem import FlashMemoryConfig
+from flashmem_eval import harness as H
+from flashmem_eval.suites import make_probe
 
 torch.set_num_threads(1)
 L, budget, seed, mode = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -44,7 +44,7 @@ for task, d in [("passkey", 0.3), ("passkey", 0.1)]:
     q = torch.tensor([tok(p.question, add_special_tokens=False)["input_ids"]])
     s0, e0 = p.context.find("The pass key is"), p.context.find("is the pass key.") + 16
     ntok = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < e0 and b > s0]
-    cfg = budget_config(budget, ctx.shape[1], "default", group=4)
+    cfg = FlashMemoryConfig.for_budget(budget, ctx.shape[1], group=4)
     needle = sorted({(t - cfg.sink_tokens) // cfg.hca_chunk_size for t in ntok})
     FORCE.clear()  # the prefill selects on its own
     cache, _, _ = H.prefill_flashmem(model, ctx, cfg)

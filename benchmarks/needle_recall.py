@@ -25,8 +25,8 @@ import sys
 
 import torch
 
-from flashmem.eval import harness as H
-from flashmem.eval.suites import _global_layers, make_probe
+from flashmem_eval import harness as H
+from flashmem_eval.suites import _global_layers, make_probe
 from flashmem.index import SCORERS
 
 torch.set_num_threads(1)

@@ -1,15 +1,15 @@
 import pytest
 import torch
 
-from flashmem.baselines import parse_method
-from flashmem.baselines.evicting import EvictingLayer, kv_bytes, new_cache
-from flashmem.baselines.flashmem_adapter import budget_config, predicted_ratio
-from flashmem.baselines.kvpress_env import press_ratio, runner_command, RUNNER, create_commands
-from flashmem.baselines.snapkv import snapkv_compress, snapkv_keep
-from flashmem.baselines.streaming import StreamingCache, streaming_compress, streaming_sizes
+from flashmem_eval.baselines import parse_method
+from flashmem_eval.baselines.evicting import EvictingLayer, kv_bytes, new_cache
+from flashmem.memory.budget import budget_config, predicted_ratio
+from flashmem_eval.baselines.kvpress_env import press_ratio, runner_command, RUNNER, create_commands
+from flashmem_eval.baselines.snapkv import snapkv_compress, snapkv_keep
+from flashmem_eval.baselines.streaming import StreamingCache, streaming_compress, streaming_sizes
 from flashmem.errors import FlashMemError
-from flashmem.eval import harness as H
-from flashmem.eval.tiny import tiny_llama
+from flashmem_eval import harness as H
+from flashmem_eval.tiny import tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_snapkv_full_budget_equals_full(model):
 @torch.no_grad()
 def test_snapkv_prefers_attended_positions(model):
     # With queries equal to a key direction, the matching position must be kept.
-    from flashmem.baselines.snapkv import snapkv_scores
+    from flashmem_eval.baselines.snapkv import snapkv_scores
 
     keys = torch.randn(1, 1, 100, 8) * 0.01
     keys[0, 0, 10] = torch.ones(8) * 5
@@ -152,8 +152,8 @@ def test_evicting_layer_mask_sizes():
 
 def test_kvpress_runner_in_venv_when_present(tmp_path):
     """Runs only where the kvpress venv was already created (never created in CI)."""
-    from flashmem.baselines.kvpress_env import run_jobs, venv_python
-    from flashmem.eval.tiny import tiny_tokenizer
+    from flashmem_eval.baselines.kvpress_env import run_jobs, venv_python
+    from flashmem_eval.tiny import tiny_tokenizer
 
     if not venv_python().is_file():
         pytest.skip("kvpress venv not created here")
@@ -166,3 +166,13 @@ def test_kvpress_runner_in_venv_when_present(tmp_path):
     rows = {r["cell"]: r for r in run_jobs(str(tmp_path / "hf"), jobs, tmp_path / "w", threads=1)}
     assert rows["0.0"]["kl_mean"] == pytest.approx(0, abs=1e-7) and rows["0.0"]["ratio"] == 1.0
     assert rows["0.75"]["ratio"] == 0.25 and rows["0.75"]["kl_mean"] > 0
+
+
+def test_for_budget_is_budget_config():
+    from flashmem import FlashMemoryConfig
+
+    assert FlashMemoryConfig.for_budget(1 / 8, 4096, group=4) == budget_config(1 / 8, 4096, "default", group=4)
+    assert FlashMemoryConfig.for_budget(1 / 4, 2048, variant="quest", prefill_chunk=64) == budget_config(
+        1 / 4, 2048, "quest", prefill_chunk=64
+    )
+    assert predicted_ratio(FlashMemoryConfig.for_budget(1 / 8, 8192), 8192) == pytest.approx(1 / 8, rel=0.03)

@@ -20,7 +20,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def smollm2():
     model, tok = flashmem.load_model("smollm2")
-    from flashmem.eval.texts import load_text
+    from flashmem.texts import load_text
 
     ids = tok(load_text("default")[50_000:53_000], return_tensors="pt").input_ids[:, :400]
     return model, ids

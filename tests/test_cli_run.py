@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flashmem.cli.main import main
-from flashmem.eval.tiny import tiny_llama, tiny_tokenizer
+from flashmem_eval.tiny import tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,12 @@ import json
 
 import pytest
 
-from flashmem.baselines import parse_method
+from flashmem_eval.baselines import parse_method
 from flashmem.errors import FlashMemError
-from flashmem.eval import harness as H
-from flashmem.eval import report, suites
-from flashmem.eval.suites import BenchArgs, make_probe, run_suite, score_answer
-from flashmem.eval.tiny import tiny_llama, tiny_tokenizer
+from flashmem_eval import harness as H
+from flashmem_eval import report, suites
+from flashmem_eval.suites import BenchArgs, make_probe, run_suite, score_answer
+from flashmem_eval.tiny import tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_retrieval_probe_and_suite(tmp_path, loaded, monkeypatch):
                     "ratio": 1 - j["compression_ratio"]})
         return []
 
-    import flashmem.baselines.kvpress_env as kp
+    import flashmem_eval.baselines.kvpress_env as kp
 
     monkeypatch.setattr(kp, "run_jobs", fake_run_jobs)
     args = _args(tmp_path, "retrieval", methods=["full", "snapkv", "kvpress:SnapKVPress"], budgets=[0.25],

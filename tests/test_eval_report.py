@@ -7,9 +7,9 @@ import torch
 
 from flashmem.cli.main import main
 from flashmem.errors import FlashMemError
-from flashmem.eval import harness as H
-from flashmem.eval import report
-from flashmem.eval.tiny import tiny_llama
+from flashmem_eval import harness as H
+from flashmem_eval import report
+from flashmem_eval.tiny import tiny_llama
 
 
 def _row(method, budget, correct, depth, seed=0, length=2048, task="passkey", **kw):

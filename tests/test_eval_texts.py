@@ -1,8 +1,8 @@
 import pytest
 
 from flashmem.errors import FlashMemError
-from flashmem.eval import texts
-from flashmem.eval.tiny import tiny_tokenizer
+from flashmem import texts
+from flashmem_eval.tiny import tiny_tokenizer
 
 
 def test_load_text_is_long_real_text():

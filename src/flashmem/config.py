@@ -179,6 +179,18 @@ class FlashMemoryConfig(BaseModel):
             ) from None
         return cls.from_dict(data, source=source)
 
+    @classmethod
+    def for_budget(
+        cls, budget: float, tokens: int, *, group: int = 1, variant: str = "default", **overrides: Any
+    ) -> "FlashMemoryConfig":
+        """The config whose predicted device-resident KV bytes at `tokens` tokens are
+        about `budget` x the full cache's (0 < budget <= 1). group: query heads per
+        KV head; variant: a recipe of flashmem.memory.budget.VARIANTS; overrides:
+        config keys laid over it. See flashmem.memory.budget.budget_config."""
+        from flashmem.memory.budget import budget_config
+
+        return budget_config(budget, tokens, variant, group, **overrides)
+
     def to_yaml(self) -> str:
         return yaml.safe_dump({"flash_memory": self.model_dump()}, sort_keys=False)
 

@@ -35,6 +35,7 @@ from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
 from flashmem.index.base import BlockScorer
 from flashmem.index.selection import select_blocks
+from flashmem.memory.budget import RECENT_QUERY_TOKENS
 from flashmem.store.base import ColdStore
 from flashmem.store.prefetch import Prefetcher
 
@@ -42,8 +43,6 @@ from flashmem.store.prefetch import Prefetcher
 # [b, h, k] sorted: a diagnostic override of the selection (see FlashMemoryCache.selection_hook).
 SelectionHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Recent query positions kept per layer for the attention-mass fusion rule.
-RECENT_QUERY_TOKENS = 8
 
 
 class FlashLayer(CacheLayerMixin):

@@ -70,8 +70,8 @@ def bench(
     no_progress: bool = typer.Option(False, "--no-progress"),
 ) -> None:
     """Run one benchmark suite; resumable."""
-    from flashmem.eval import report
-    from flashmem.eval.suites import DEFAULT_LENGTHS, DEFAULT_MODEL, SUITES, BenchArgs, run_suite
+    from flashmem_eval import report
+    from flashmem_eval.suites import DEFAULT_LENGTHS, DEFAULT_MODEL, SUITES, BenchArgs, run_suite
 
     if suite not in SUITES:
         raise FlashMemError(f"suite: {suite!r} is not known; allowed: {', '.join(SUITES)}")

@@ -28,8 +28,8 @@ def report(
     """Merge result files; print every suite's table."""
     import json
 
-    from flashmem.eval import report as R
-    from flashmem.eval.harness import environment
+    from flashmem_eval import report as R
+    from flashmem_eval.harness import environment
 
     rows, runs = R.load_rows(files)
     suites = sorted({str(r.get("suite")) for r in rows})

@@ -91,7 +91,7 @@ def _read_input(path: Path | None, text: str | None) -> str:
             raise FlashMemError(f"--input {path}: no such file") from None
         except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
             raise FlashMemError(f"--input {path}: cannot be read as UTF-8 text ({type(exc).__name__})") from None
-    from flashmem.eval.texts import load_text
+    from flashmem.texts import load_text
 
     return load_text(text or "default")
 
@@ -142,7 +142,7 @@ def _compare(model: Any, ids: Any, gen: list[int], logits: list[Any]) -> dict[st
     import torch
     from transformers import DynamicCache
 
-    from flashmem.eval.harness import fidelity_metrics
+    from flashmem.metrics import fidelity_metrics
 
     impl = model.config._attn_implementation
     model.set_attn_implementation("sdpa")

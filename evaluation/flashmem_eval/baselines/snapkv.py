@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from flashmem.baselines.evicting import EvictingLayer, to_evicting
+from flashmem_eval.baselines.evicting import EvictingLayer, to_evicting
 
 DEFAULT_WINDOW = 64
 DEFAULT_KERNEL = 5

@@ -19,7 +19,7 @@ def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from flashmem.eval.texts import load_text
+    from flashmem.texts import load_text
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

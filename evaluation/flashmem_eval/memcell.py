@@ -1,6 +1,6 @@
 """One memory-suite cell in a fresh process, so peak RSS belongs to that cell alone.
 
-    python -m flashmem.eval.memcell '{"model": ..., "method": ..., "budget": ..., "length": ...}'
+    python -m flashmem_eval.memcell '{"model": ..., "method": ..., "budget": ..., "length": ...}'
 
 Prints one JSON line: the cell's measured cache bytes and ratios, RSS after
 loading the model (`rss_model`), the peak RSS while the cell ran (`rss_peak`:
@@ -20,9 +20,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import psutil
     import torch
 
-    from flashmem.baselines import parse_method
-    from flashmem.eval import harness as H
-    from flashmem.eval.suites import _done_local, _local_cache, fidelity_ids
+    from flashmem_eval.baselines import parse_method
+    from flashmem_eval import harness as H
+    from flashmem_eval.suites import done_local, local_cache, fidelity_ids
 
     torch.set_num_threads(int(spec.get("threads", 2)))
     loaded = H.load(spec["model"])
@@ -35,12 +35,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     rss_model = psutil.Process().memory_info().rss
     reset = _reset_peak()  # so the peak below is this cell's, not the model load's
     shared: dict[str, Any] = {}
-    cache, logits, info = _local_cache(loaded, m, float(spec["budget"]), prompt, shared)
+    cache, logits, info = local_cache(loaded, m, float(spec["budget"]), prompt, shared)
     if "pre" in shared:  # eviction baselines: the full prefill cache is dropped after compression
         shared["pre"] = None
     H.greedy(loaded.model, cache, torch.tensor([[int(logits.argmax())]]), 8)
     row = H.cache_ratios(loaded.model, cache, L + 8)
-    _done_local(shared, loaded)
+    done_local(shared, loaded)
     peak = _peak_rss() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     row.update(rss_model=rss_model, rss_peak=peak, rss_peak_over_model=peak - rss_model,
                rss_peak_source="VmHWM after clear_refs" if reset else "ru_maxrss (includes model load)",

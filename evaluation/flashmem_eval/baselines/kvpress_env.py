@@ -7,7 +7,7 @@ benchmark creates a venv under the cache dir (``$FLASHMEM_CACHE_DIR`` or
     python -m venv <dir>
     <dir>/bin/pip install kvpress==0.5.5 "transformers<5.3" torch==2.13.0
 
-and runs :mod:`flashmem.baselines.kvpress_runner` there as a subprocess on the
+and runs :mod:`flashmem_eval.baselines.kvpress_runner` there as a subprocess on the
 same model files (the HF folder flashmem.load_model converted and cached: fp32
 safetensors + tokenizer) with the same token ids, so both environments see the
 exact same prompts. ``compression_ratio`` = fraction removed = 1 - budget.

@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import DynamicCache
 
-from flashmem.baselines.evicting import EvictingLayer, new_cache, to_evicting
+from flashmem_eval.baselines.evicting import EvictingLayer, new_cache, to_evicting
 
 DEFAULT_SINKS = 4
 

@@ -18,10 +18,11 @@ from typing import Any, Callable
 
 import torch
 
-from flashmem.baselines import Method, parse_method
+from flashmem_eval.baselines import Method, parse_method
+from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
-from flashmem.eval import harness as H
-from flashmem.eval.texts import haystack, insert_needles
+from flashmem_eval import harness as H
+from flashmem.texts import haystack, insert_needles
 
 SUITES = ("fidelity", "retrieval", "memory", "speed")
 DEFAULT_MODEL = {"fidelity": "smollm2", "retrieval": "gemma3-270m", "memory": "smollm2", "speed": "tiny"}
@@ -96,7 +97,7 @@ def _cell(args: BenchArgs, m: Method, b: float, **kw: Any) -> str:
     return H.cell_id(suite=args.suite, model=args.model, method=m.name, budget=b, **kw)
 
 
-def _local_cache(loaded: H.Loaded, m: Method, b: float, ids: torch.Tensor,
+def local_cache(loaded: H.Loaded, m: Method, b: float, ids: torch.Tensor,
                  shared: dict[str, Any]) -> tuple[Any, torch.Tensor, dict[str, Any]]:
     """(cache after the prompt, logits predicting the next token, timing/config info)."""
     model = loaded.model
@@ -108,12 +109,12 @@ def _local_cache(loaded: H.Loaded, m: Method, b: float, ids: torch.Tensor,
         cache = H.eviction_cache(m, pre, b)
         return cache, pre.last_logits, {"prefill_s": pre.seconds, "compress_s": time.perf_counter() - t0}
     if m.kind == "flashmem":
-        from flashmem.baselines.flashmem_adapter import budget_config, predicted_ratio
+        from flashmem.memory.budget import predicted_ratio
 
         impl = shared.setdefault("impl", model.config._attn_implementation)
         tcfg = model.config.get_text_config()
         group = tcfg.num_attention_heads // (getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads)
-        cfg = budget_config(b, int(ids.shape[1]), m.variant, group=group)
+        cfg = FlashMemoryConfig.for_budget(b, int(ids.shape[1]), group=group, variant=m.variant)
         try:
             cache, logits, dt = H.prefill_flashmem(model, ids, cfg)
         except Exception:
@@ -125,7 +126,7 @@ def _local_cache(loaded: H.Loaded, m: Method, b: float, ids: torch.Tensor,
     raise FlashMemError(f"method {m.name!r} does not run in this process")
 
 
-def _done_local(shared: dict[str, Any], loaded: H.Loaded) -> None:
+def done_local(shared: dict[str, Any], loaded: H.Loaded) -> None:
     if "restore" in shared:
         H.restore_attn(loaded.model, shared.pop("restore"))
     cache = shared.pop("cache", None)
@@ -156,7 +157,7 @@ def _global_layers(model: Any) -> list[int]:
 def _run_kvpress(args: BenchArgs, loaded: H.Loaded, jobs: list[dict[str, Any]],
                  rows_by_cell: dict[str, dict[str, Any]], store: H.ResultStore,
                  finish: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]], prog: Any) -> None:
-    from flashmem.baselines.kvpress_env import run_jobs
+    from flashmem_eval.baselines.kvpress_env import run_jobs
 
     if not jobs:
         return
@@ -209,7 +210,7 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
                 cell = _cell(args, m, b, length=L, seed=seed, n_cont=args.n_cont)
                 row = _base_row(args, m, b, length=L, seed=seed, n_cont=args.n_cont, cell=cell)
                 if m.kind == "kvpress":
-                    from flashmem.baselines.kvpress_env import press_ratio
+                    from flashmem_eval.baselines.kvpress_env import press_ratio
 
                     row["compression_ratio"] = press_ratio(b)
                     bases[cell] = row
@@ -221,9 +222,9 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
                 t0 = time.perf_counter()
                 try:
                     if ref is None:
-                        full_cache, full_logits, _ = _local_cache(loaded, parse_method("full"), 1.0, prompt, shared)
+                        full_cache, full_logits, _ = local_cache(loaded, parse_method("full"), 1.0, prompt, shared)
                         ref = H.teacher_forced(model, full_cache, full_logits, cont, args.chunk)
-                    cache, logits, info = _local_cache(loaded, m, b, prompt, shared)
+                    cache, logits, info = local_cache(loaded, m, b, prompt, shared)
                     row.update(H.cache_ratios(model, cache, L))
                     # flashmem selects blocks per step: feed it token by token, as real decoding
                     # does; for exact-attention caches the chunking does not change the logits.
@@ -237,7 +238,7 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
                 except Exception as exc:  # recorded; the sweep goes on
                     _err_row(row, exc)
                 finally:
-                    _done_local(shared, loaded) if m.kind == "flashmem" else None
+                    done_local(shared, loaded) if m.kind == "flashmem" else None
                 row["seconds"] = time.perf_counter() - t0
                 store.add(row)
                 prog.step(f"{m.name} b={b:.3g} L={L}")
@@ -316,7 +317,7 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
             row = _base_row(args, m, b, task=task, length=L, depth=d, seed=s, cell=cell,
                             context_tokens=int(ctx.shape[1]), answer=probe.answer)
             if m.kind == "kvpress":
-                from flashmem.baselines.kvpress_env import press_ratio
+                from flashmem_eval.baselines.kvpress_env import press_ratio
 
                 row["compression_ratio"] = press_ratio(b)
                 bases[cell] = row
@@ -328,7 +329,7 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
                 continue
             t0 = time.perf_counter()
             try:
-                cache, _, info = _local_cache(loaded, m, b, ctx, shared)
+                cache, _, info = local_cache(loaded, m, b, ctx, shared)
                 row.update(H.cache_ratios(model, cache, int(ctx.shape[1])))
                 gen = H.greedy(model, cache, q, args.max_new, stop)
                 text = tok.decode(gen, skip_special_tokens=True)
@@ -337,7 +338,7 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
             except Exception as exc:
                 _err_row(row, exc)
             finally:
-                _done_local(shared, loaded) if m.kind == "flashmem" else None
+                done_local(shared, loaded) if m.kind == "flashmem" else None
             row["seconds"] = time.perf_counter() - t0
             store.add(row)
             prog.step(f"{m.name} b={b:.3g} {task} L={L} d={d}")
@@ -354,7 +355,7 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
 
 # ----------------------------------------------------------------------------- memory
 def _memory(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.ResultStore) -> None:
-    """Each cell runs in a fresh process (flashmem.eval.memcell) so its peak RSS is its own."""
+    """Each cell runs in a fresh process (flashmem_eval.memcell) so its peak RSS is its own."""
     import json as _json
     import subprocess
     import sys
@@ -369,7 +370,7 @@ def _memory(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.R
                 continue
             row = _base_row(args, m, b, length=L, cell=cell)
             spec = {"model": args.model, "method": m.name, "budget": b, "length": L, "threads": args.threads}
-            res = subprocess.run([sys.executable, "-m", "flashmem.eval.memcell", _json.dumps(spec)],
+            res = subprocess.run([sys.executable, "-m", "flashmem_eval.memcell", _json.dumps(spec)],
                                  capture_output=True, text=True)
             lines = [x for x in res.stdout.splitlines() if x.startswith("MEMCELL ")]
             if res.returncode == 0 and lines:
@@ -407,7 +408,7 @@ def _speed(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.Re
             shared: dict[str, Any] = {}
             try:
                 t0 = time.perf_counter()
-                cache, logits, info = _local_cache(loaded, m, b, prompt, shared)
+                cache, logits, info = local_cache(loaded, m, b, prompt, shared)
                 t_pre = time.perf_counter() - t0
                 steps = H.timed_decode(model, cache, int(logits.argmax()), args.decode_tokens)
                 ms = sorted(1000 * t for t in steps)
@@ -423,7 +424,7 @@ def _speed(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.Re
             except Exception as exc:
                 _err_row(row, exc)
             finally:
-                _done_local(shared, loaded) if m.kind == "flashmem" else None
+                done_local(shared, loaded) if m.kind == "flashmem" else None
             store.add(row)
             prog.step(f"{m.name} b={b:.3g} L={L}")
     prog.close()

@@ -43,7 +43,7 @@ def parse_method(name: str) -> Method:
         return Method(name, "kvpress", press)
     if name == "flashmem" or name.startswith("flashmem:"):
         variant = name.split(":", 1)[1] if ":" in name else "default"
-        from flashmem.baselines.flashmem_adapter import VARIANTS
+        from flashmem_eval.baselines.flashmem_adapter import VARIANTS
 
         if variant not in VARIANTS:
             raise FlashMemError(

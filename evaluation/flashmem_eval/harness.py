@@ -24,8 +24,9 @@ from typing import Any, Iterable
 
 import torch
 
-from flashmem.baselines import Method
-from flashmem.baselines.evicting import (
+from flashmem_eval.baselines import Method
+from flashmem.metrics import fidelity_metrics  # noqa: F401 (re-exported)
+from flashmem_eval.baselines.evicting import (
     capture_last_queries,
     full_kv_bytes,
     kv_bytes,
@@ -48,7 +49,7 @@ class Loaded:
 def load(name: str) -> Loaded:
     """`tiny` (random Llama + tiny tokenizer) or any name flashmem.load_model accepts."""
     if name == "tiny" or name.startswith("tiny:"):
-        from flashmem.eval.tiny import tiny_llama, tiny_tokenizer
+        from flashmem_eval.tiny import tiny_llama, tiny_tokenizer
 
         layers = int(name.split(":", 1)[1]) if ":" in name else 2
         return Loaded(name, tiny_llama(layers=layers), tiny_tokenizer())
@@ -117,11 +118,11 @@ def prefill_full(model: Any, ids: torch.Tensor, obs_window: int = 64,
 
 
 def eviction_cache(method: Method, pre: Prefilled, budget: float) -> Any:
-    from flashmem.baselines.snapkv import snapkv_compress, snapkv_keep
-    from flashmem.baselines.streaming import streaming_compress, streaming_sizes
+    from flashmem_eval.baselines.snapkv import snapkv_compress, snapkv_keep
+    from flashmem_eval.baselines.streaming import streaming_compress, streaming_sizes
 
     if method.kind == "full":
-        from flashmem.baselines.evicting import to_evicting
+        from flashmem_eval.baselines.evicting import to_evicting
 
         return to_evicting(pre.cache)  # shares tensors; the source stays reusable
     if method.variant == "streaming":
@@ -134,7 +135,7 @@ def eviction_cache(method: Method, pre: Prefilled, budget: float) -> Any:
 
 @torch.no_grad()
 def prefill_flashmem(model: Any, ids: torch.Tensor, cfg: Any) -> tuple[Any, torch.Tensor, float]:
-    from flashmem.baselines.flashmem_adapter import attach
+    from flashmem_eval.baselines.flashmem_adapter import attach
 
     cache = attach(model, cfg)
     chunk = max(1, int(getattr(cfg, "prefill_chunk", 2048)))
@@ -160,25 +161,6 @@ def teacher_forced(model: Any, cache: Any, first_logits: torch.Tensor, cont: tor
         out = model(input_ids=feed[:, s : s + chunk], cache=cache, use_cache=True)
         rows.append(out.logits[0].float().log_softmax(-1))
     return torch.cat(rows, dim=0)[: cont.shape[1]]
-
-
-def fidelity_metrics(ref_lp: torch.Tensor, lp: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
-    """KL(full || method) per token, top-1 agreement, perplexities and their difference."""
-    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0)
-    agree = (ref_lp.argmax(-1) == lp.argmax(-1)).float()
-    t = target.reshape(-1)
-    nll_ref = -ref_lp.gather(-1, t[:, None]).squeeze(-1)
-    nll = -lp.gather(-1, t[:, None]).squeeze(-1)
-    ppl_ref = math.exp(float(nll_ref.mean()))
-    ppl = math.exp(float(nll.mean()))
-    return {
-        "kl_mean": float(kl.mean()),
-        "kl_max": float(kl.max()),
-        "top1_agree": float(agree.mean()),
-        "ppl_full": ppl_ref,
-        "ppl": ppl,
-        "ppl_diff": ppl - ppl_ref,
-    }
 
 
 @torch.no_grad()

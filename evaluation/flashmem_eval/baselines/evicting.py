@@ -22,6 +22,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from flashmem.memory.budget import full_kv_bytes  # noqa: F401 (re-exported for the harness)
+
 
 class EvictingLayer(DynamicLayer):
     """A DynamicLayer whose stored entries may be a subset of the tokens seen."""
@@ -133,25 +135,6 @@ def kv_bytes(cache: Any) -> dict[str, int]:
         else:
             managed += b
     return {"managed_bytes": managed, "sliding_bytes": sliding, "total_bytes": managed + sliding}
-
-
-def full_kv_bytes(model: Any, tokens: int, dtype_bytes: int) -> dict[str, int]:
-    """Bytes a plain DynamicCache(config) holds after `tokens` tokens (analytic)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    n_layers = cfg.num_hidden_layers
-    kvh = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_tok = 2 * kvh * hd * dtype_bytes
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers
-    sw = getattr(cfg, "sliding_window", None)
-    managed = sliding = 0
-    for t in types:
-        if t == "sliding_attention" and sw:
-            sliding += min(tokens, sw - 1) * per_tok
-        else:
-            managed += tokens * per_tok
-    return {"managed_bytes": managed, "sliding_bytes": sliding, "total_bytes": managed + sliding,
-            "bytes_per_token_managed": per_tok * sum(t != "sliding_attention" or not sw for t in types)}
 
 
 _CAPTURED: dict[int, dict[str, Any]] | None = None

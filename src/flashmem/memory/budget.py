@@ -1,12 +1,12 @@
-"""Thin adapter from the benchmark harness to the FlashMemory cache.
+"""Budget -> config: the FlashMemory config whose device-resident KV bytes are
+about a given fraction of the full cache's at a prompt length.
 
-`flashmem.attach` is imported lazily (it lives in `flashmem.cache`). A budget
-(device-resident KV bytes / full-cache KV bytes, over the managed layers) is
-mapped to a config with :func:`budget_config`, solved with
-`flashmem.memory.tiers.tier_counts`, so that the predicted resident fraction at
-the prompt length is as close to the budget as the grid allows; the measured
-fraction (`memory_report()["device_resident_bytes"]`) is what the harness
-reports.
+The budget is device-resident KV bytes / full-cache KV bytes over the managed
+layers (docs/design.md, "Budget"). `budget_config` solves it with
+`flashmem.memory.tiers.tier_counts`, so the predicted fraction at `tokens` is
+as close to the budget as the grid allows; what a cache really holds is
+measured from its tensors (`memory_report()["device_resident_bytes"]`).
+`FlashMemoryConfig.for_budget` is the public entry point. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,11 +16,16 @@ from typing import Any
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
 from flashmem.memory.tiers import tier_counts
+from flashmem.models import geometry
+
+# Recent query positions each managed layer keeps for the attention-mass fusion
+# rule (flashmem.cache.flash_layer reads it from here).
+RECENT_QUERY_TOKENS = 8
 
 # Variants: config keys laid over the budget-mapped default.
 # The default recipe is configs/cpu-small.yaml's: 64-token blocks, mean-key
 # index, no CSA band, most of the budget on exact selected blocks (measured best
-# on SmolLM2 at 8K, README "Design choices, measured").
+# on SmolLM2 at 8K, docs/measurements.md, "Design choices, measured").
 RECIPE: dict[str, Any] = {"hca_chunk_size": 64, "lsa_scorer": "mean_key", "summary_bias": "none"}
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": dict(RECIPE),
@@ -41,15 +46,6 @@ SHAPES: dict[str, tuple[float, float, float]] = {"balanced": (0.4, 0.4, 0.0), "w
 VARIANTS.update({name: dict(RECIPE) for name in SHAPES})
 
 
-def _recent_queries() -> int:
-    try:
-        from flashmem.cache.flash_layer import RECENT_QUERY_TOKENS
-
-        return int(RECENT_QUERY_TOKENS)
-    except ImportError:  # pragma: no cover - the cache is not in this checkout
-        return 8
-
-
 def predicted_ratio(cfg: FlashMemoryConfig, tokens: int, group: int = 1) -> float:
     """Resident token-equivalents / tokens, per managed layer and KV head.
 
@@ -58,7 +54,7 @@ def predicted_ratio(cfg: FlashMemoryConfig, tokens: int, group: int = 1) -> floa
     KV head (for the fusion weights): 8 * group key-sized vectors.
     """
     c = tier_counts(cfg, tokens)
-    qbuf = 0.5 * _recent_queries() * group if tokens > 0 else 0.0
+    qbuf = 0.5 * RECENT_QUERY_TOKENS * group if tokens > 0 else 0.0
     return (c.resident_kv + 0.5 * c.index_key_vectors + qbuf) / max(1, tokens)
 
 
@@ -69,9 +65,10 @@ def budget_config(
 
     Searched: selected blocks k (lsa_top_k), near band (multiple of the block
     size) and window W (multiple of 8). Among configs within 3% of the target
-    (else the closest one) the one nearest the split window 40% / selected
-    blocks 30% / CSA entries 15% of the resident tokens is taken, so the
-    selection from the cold tier is used whenever the budget allows a block.
+    (else the closest one) the one nearest the variant's split of the resident
+    tokens (SHAPE, window 8% / selected blocks 70% / CSA entries 0%, or SHAPES)
+    is taken, so the selection from the cold tier is used whenever the budget
+    allows a block.
     Small budgets at short lengths can be unreachable (sinks + HCA entries +
     index + the open block already exceed them): the closest config is returned
     and the measured fraction says so.
@@ -121,16 +118,22 @@ def budget_config(
     return min(good, key=lambda c: (shape(c), c[0]))[1]
 
 
-def attach(model: Any, cfg: FlashMemoryConfig) -> Any:
-    import flashmem
-
-    try:
-        fn = flashmem.attach
-    except (ImportError, AttributeError) as exc:
-        raise FlashMemError(f"flashmem.attach is not available in this checkout ({exc})") from None
-    return fn(model, cfg)
 
 
-def resident_bytes(cache: Any) -> dict[str, Any]:
-    report = cache.memory_report()
-    return dict(report)
+def full_kv_bytes(model: Any, tokens: int, dtype_bytes: int) -> dict[str, int]:
+    """Bytes a plain DynamicCache(config) holds after `tokens` tokens (analytic)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n_layers = cfg.num_hidden_layers
+    kvh = geometry.kv_heads(cfg) or 0
+    hd = geometry.head_dim(cfg) or 0
+    per_tok = 2 * kvh * hd * dtype_bytes
+    types = geometry.layer_types(cfg, n_layers, infer_sliding=False)
+    sw = getattr(cfg, "sliding_window", None)
+    managed = sliding = 0
+    for t in types:
+        if t == "sliding_attention" and sw:
+            sliding += min(tokens, sw - 1) * per_tok
+        else:
+            managed += tokens * per_tok
+    return {"managed_bytes": managed, "sliding_bytes": sliding, "total_bytes": managed + sliding,
+            "bytes_per_token_managed": per_tok * sum(t != "sliding_attention" or not sw for t in types)}
