@@ -1,4 +1,4 @@
-"""Decode over a disk cold tier, prefetch off vs on (DESIGN.md steps 3 and 5).
+"""Decode over a disk cold tier, prefetch off vs on (docs/design.md, "Data flow").
 
     python benchmarks/bench_prefetch.py [--dir /tmp] [--smollm-tokens 8192] [--tiny-tokens 65536]
                                         [--steps 24] [--threads 2] [--skip-smollm] [--skip-tiny]

@@ -216,7 +216,7 @@ def test_flash_split_uses_tier_counts():
     assert f.tiers["index"] == 32 * c.index_key_vectors * 8 * 128 * 2 * 2  # keys only
     assert f.device_resident_bytes == 2 * 32 * (c.resident_kv * per_tok + c.index_key_vectors * 8 * 128 * 2)
     assert f.cold_bytes == 2 * 32 * c.cold_tokens * per_tok
-    assert f.device_resident_bytes < est.full_cache_bytes / 10  # about 1/11 per DESIGN.md
+    assert f.device_resident_bytes < est.full_cache_bytes / 10  # about 1/11
     d = est.to_dict()["flashmem"]
     assert {"device_resident_bytes", "cold_bytes", "tiers"} <= set(d)
     assert set(d["tiers"]) >= {"sinks", "window", "open_block", "csa_entries", "hca_entries",

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import platform
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,6 @@ from flashmem_eval.baselines.evicting import (
 )
 from flashmem.errors import FlashMemError
 
-BUDGETS_DEFAULT = (1 / 4, 1 / 8, 1 / 16, 1 / 32)
 
 
 # ----------------------------------------------------------------------------- models
@@ -216,33 +214,6 @@ def cache_ratios(model: Any, cache: Any, tokens: int) -> dict[str, Any]:
         "bytes_per_token": total / max(1, tokens),
         **extra,
     }
-
-
-class RssSampler:
-    """Peak resident set size of this process while the block runs (sampled)."""
-
-    def __init__(self, interval: float = 0.02) -> None:
-        import psutil
-
-        self._proc = psutil.Process(os.getpid())
-        self.interval = interval
-        self.before = self.peak = 0
-        self._stop = threading.Event()
-
-    def __enter__(self) -> "RssSampler":
-        self.before = self.peak = self._proc.memory_info().rss
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
 # ----------------------------------------------------------------------------- store

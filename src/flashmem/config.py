@@ -1,6 +1,6 @@
 """FlashMemoryConfig: every knob of the cache, loadable from YAML or keywords.
 
-Keys follow the vocabulary of DESIGN.md. The seed's YAML block
+Keys follow the vocabulary of docs/design.md. The seed's YAML block
 (`flash_memory:` with `gpu_cache_limit`, `csa_chunk_size`, `hca_chunk_size`,
 `prefetch_window`, `keep_full_layers`) loads as written.
 """

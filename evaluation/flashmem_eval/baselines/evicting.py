@@ -90,10 +90,6 @@ class EvictingLayer(DynamicLayer):
         raise NotImplementedError("an evicting layer cannot be cropped")
 
 
-def managed_layer_ids(cache: DynamicCache) -> list[int]:
-    return [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
-
-
 def to_evicting(cache: DynamicCache) -> DynamicCache:
     """A new cache sharing `cache`'s tensors, its global layers turned into EvictingLayers.
 

@@ -12,7 +12,7 @@ same model files (the HF folder flashmem.load_model converted and cached: fp32
 safetensors + tokenizer) with the same token ids, so both environments see the
 exact same prompts. ``compression_ratio`` = fraction removed = 1 - budget.
 
-Caveat (DESIGN.md): for `Gemma3ForCausalLM` kvpress compresses every layer,
+Caveat: for `Gemma3ForCausalLM` kvpress compresses every layer,
 sliding ones included; rows report `ratio` over the global layers and
 `ratio_all_layers` beside it.
 """

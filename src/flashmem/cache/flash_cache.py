@@ -6,7 +6,7 @@ Layer kinds, decided once from the model config:
 - `keep_full_layers` keep a plain `DynamicLayer`;
 - every other attention layer is a `FlashLayer`.
 
-Cold tier (DESIGN.md steps 1, 3, 5): the cache opens its store with
+Cold tier (docs/design.md, "Tiers"): the cache opens its store with
 `open_store(cfg, dtype=model dtype)` (memory, disk or layered; any codec) and,
 when `prefetch_threads > 0`, a Prefetcher that the layers read through and that
 look-ahead fills. `close()` (or `with attach(...) as cache`, or garbage

@@ -1,4 +1,4 @@
-"""Look ahead (DESIGN.md step 5): which sealed blocks to prefetch for the next step.
+"""Look ahead (docs/design.md, "Data flow"): which sealed blocks to prefetch for the next step.
 
 Selections drift slowly from one decode step to the next: the blocks chosen
 now are the best guess for the next step, and when the choice moves it mostly

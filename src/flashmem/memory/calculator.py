@@ -85,7 +85,6 @@ class Estimate:
     per_kind_bytes: dict[str, int]
     fits: dict[str, bool]
     flashmem: FlashEstimate | None = None
-    hf_dynamic_cache_bytes: int | None = field(default=None)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {

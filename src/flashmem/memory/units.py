@@ -121,9 +121,5 @@ def _scaled(n: float, base: int, names: list[str]) -> str:
     return f"{n:.3f} {names[i]}"
 
 
-def gb(n: float) -> float:
-    return n / 1e9
-
-
 def gib(n: float) -> float:
     return n / 2**30
