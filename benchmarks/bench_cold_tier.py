@@ -18,7 +18,6 @@ import time
 import torch
 
 from disk_probe import drop_segments, raw_sequential
-
 from flashmem.store import DiskStore, Prefetcher
 
 

@@ -25,9 +25,9 @@ import sys
 
 import torch
 
+from flashmem.index import SCORERS
 from flashmem_eval import harness as H
 from flashmem_eval.suites import _global_layers, make_probe
-from flashmem.index import SCORERS
 
 torch.set_num_threads(1)
 L = int(sys.argv[1])

@@ -1,14 +1,14 @@
 import pytest
 import torch
 
+from flashmem.errors import FlashMemError
+from flashmem.memory.budget import budget_config, predicted_ratio
+from flashmem_eval import harness as H
 from flashmem_eval.baselines import parse_method
 from flashmem_eval.baselines.evicting import EvictingLayer, kv_bytes, new_cache
-from flashmem.memory.budget import budget_config, predicted_ratio
-from flashmem_eval.baselines.kvpress_env import press_ratio, runner_command, RUNNER, create_commands
+from flashmem_eval.baselines.kvpress_env import RUNNER, create_commands, press_ratio, runner_command
 from flashmem_eval.baselines.snapkv import snapkv_compress, snapkv_keep
 from flashmem_eval.baselines.streaming import StreamingCache, streaming_compress, streaming_sizes
-from flashmem.errors import FlashMemError
-from flashmem_eval import harness as H
 from flashmem_eval.tiny import tiny_llama
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import MODELS, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -18,6 +17,7 @@ from flashmem import policies
 from flashmem.cache.flash_layer import FlashLayer
 from flashmem.errors import ConfigError
 from flashmem.memory.tiers import tier_counts
+from tiny_models import MODELS, tiny_gemma3, tiny_llama
 
 SMALL = dict(
     gpu_cache_limit=16, sink_tokens=2, hca_chunk_size=16, csa_chunk_size=4, csa_band_tokens=32,

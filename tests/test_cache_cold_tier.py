@@ -13,12 +13,12 @@ import threading
 
 import pytest
 import torch
-from test_cache import ALL_EXACT, SMALL, reference, run
-from tiny_models import tiny_llama
 
 import flashmem
 from flashmem import policies
 from flashmem.cache.lookahead import neighbour_radius, predict_next_blocks
+from test_cache import ALL_EXACT, SMALL, reference, run
+from tiny_models import tiny_llama
 
 torch.set_num_threads(1)
 

@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from flashmem_eval.baselines import parse_method
 from flashmem.errors import FlashMemError
 from flashmem_eval import harness as H
 from flashmem_eval import report, suites
+from flashmem_eval.baselines import parse_method
 from flashmem_eval.suites import BenchArgs, make_probe, run_suite, score_answer
 from flashmem_eval.tiny import tiny_llama, tiny_tokenizer
 

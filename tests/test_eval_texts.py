@@ -1,7 +1,7 @@
 import pytest
 
-from flashmem.errors import FlashMemError
 from flashmem import texts
+from flashmem.errors import FlashMemError
 from flashmem_eval.tiny import tiny_tokenizer
 
 

@@ -17,22 +17,22 @@ import math
 import os
 import platform
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
-from flashmem_eval.baselines import Method
+from flashmem.errors import FlashMemError
 from flashmem.metrics import fidelity_metrics  # noqa: F401 (re-exported)
+from flashmem_eval.baselines import Method
 from flashmem_eval.baselines.evicting import (
     capture_last_queries,
     full_kv_bytes,
     kv_bytes,
     new_cache,
 )
-from flashmem.errors import FlashMemError
-
 
 
 # ----------------------------------------------------------------------------- models

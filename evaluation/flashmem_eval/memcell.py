@@ -20,9 +20,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import psutil
     import torch
 
-    from flashmem_eval.baselines import parse_method
     from flashmem_eval import harness as H
-    from flashmem_eval.suites import done_local, local_cache, fidelity_ids
+    from flashmem_eval.baselines import parse_method
+    from flashmem_eval.suites import done_local, fidelity_ids, local_cache
 
     torch.set_num_threads(int(spec.get("threads", 2)))
     loaded = H.load(spec["model"])

@@ -12,17 +12,18 @@ from __future__ import annotations
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from flashmem_eval.baselines import Method, parse_method
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
-from flashmem_eval import harness as H
 from flashmem.texts import haystack, insert_needles
+from flashmem_eval import harness as H
+from flashmem_eval.baselines import Method, parse_method
 
 SUITES = ("fidelity", "retrieval", "memory", "speed")
 DEFAULT_MODEL = {"fidelity": "smollm2", "retrieval": "gemma3-270m", "memory": "smollm2", "speed": "tiny"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,7 +19,10 @@ from flashmem.errors import ConfigError
 
 # Policy names come from the registries in flashmem.policies (one line adds one).
 if TYPE_CHECKING:
-    FusionRule = Scorer = ColdStoreKind = ColdCodec = str
+    FusionRule: TypeAlias = str
+    Scorer: TypeAlias = str
+    ColdStoreKind: TypeAlias = str
+    ColdCodec: TypeAlias = str
 else:
     FusionRule = Literal[tuple(policies.FUSION_RULES)]
     Scorer = Literal[tuple(policies.SCORERS)]
@@ -98,7 +101,7 @@ class FlashMemoryConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> "FlashMemoryConfig":
+    def _check_combinations(self) -> FlashMemoryConfig:
         if self.hca_chunk_size % self.csa_chunk_size:
             raise ValueError(
                 f"hca_chunk_size: {self.hca_chunk_size} is not a multiple of csa_chunk_size "
@@ -124,7 +127,7 @@ class FlashMemoryConfig(BaseModel):
             raise ConfigError(_one_line(exc, data)) from None
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "config") -> "FlashMemoryConfig":
+    def from_dict(cls, data: Any, source: str = "config") -> FlashMemoryConfig:
         """Build from a mapping; accepts the seed's `flash_memory:` wrapper."""
         if data is None:
             data = {}
@@ -153,7 +156,7 @@ class FlashMemoryConfig(BaseModel):
             raise ConfigError(f"{source}: {exc}") from None
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "FlashMemoryConfig":
+    def from_yaml(cls, path: str | Path) -> FlashMemoryConfig:
         """Load a YAML file; errors name the file and the key."""
         path = Path(path)
         try:
@@ -165,7 +168,7 @@ class FlashMemoryConfig(BaseModel):
         return cls.from_yaml_text(text, source=str(path))
 
     @classmethod
-    def from_yaml_text(cls, text: str, source: str = "config") -> "FlashMemoryConfig":
+    def from_yaml_text(cls, text: str, source: str = "config") -> FlashMemoryConfig:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -182,7 +185,7 @@ class FlashMemoryConfig(BaseModel):
     @classmethod
     def for_budget(
         cls, budget: float, tokens: int, *, group: int = 1, variant: str = "default", **overrides: Any
-    ) -> "FlashMemoryConfig":
+    ) -> FlashMemoryConfig:
         """The config whose predicted device-resident KV bytes at `tokens` tokens are
         about `budget` x the full cache's (0 < budget <= 1). group: query heads per
         KV head; variant: a recipe of flashmem.memory.budget.VARIANTS; overrides:
@@ -253,7 +256,7 @@ def _one_line(exc: ValidationError, data: dict[str, Any]) -> str:
     return f"{key}: {value!r} is not allowed; allowed: {_describe(field, kind, err)}"
 
 
-def _describe(field: Any, kind: str, err: dict[str, Any]) -> str:
+def _describe(field: Any, kind: str, err: Any) -> str:
     ann = field.annotation
     ctx = err.get("ctx") or {}
     bounds = []

@@ -14,8 +14,9 @@ over `SCORERS`). The same holds for a fusion rule, a codec or a store.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flashmem.config import FlashMemoryConfig
@@ -30,10 +31,10 @@ class IndexBytes:
     per_token: float = 0  # int 0 keeps integer byte counts integers
 
 
-def key_vectors(n: int) -> Callable[["FlashMemoryConfig", int, int], IndexBytes]:
+def key_vectors(n: int) -> Callable[[FlashMemoryConfig, int, int], IndexBytes]:
     """The index bytes of a scorer that keeps `n` key-sized vectors per block."""
 
-    def index_bytes(cfg: "FlashMemoryConfig", head_dim: int, dtype_bytes: int) -> IndexBytes:
+    def index_bytes(cfg: FlashMemoryConfig, head_dim: int, dtype_bytes: int) -> IndexBytes:
         return IndexBytes(per_block=n * head_dim * dtype_bytes)
 
     return index_bytes
@@ -46,7 +47,7 @@ class ScorerSpec:
     # key-sized vectors per sealed block and KV head (0: none, e.g. reads HCA entries);
     # the summary tensor's width. Scorers with another layout set index_bytes.
     vectors: int
-    index_bytes: Callable[["FlashMemoryConfig", int, int], IndexBytes]
+    index_bytes: Callable[[FlashMemoryConfig, int, int], IndexBytes]
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ import importlib.util
 import json
 import random
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from flashmem.errors import FlashMemError
 

@@ -16,7 +16,8 @@ for the duration of a `with` block.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -37,7 +38,7 @@ class EvictingLayer(DynamicLayer):
         self.window = window
 
     @classmethod
-    def from_dynamic(cls, layer: DynamicLayer) -> "EvictingLayer":
+    def from_dynamic(cls, layer: DynamicLayer) -> EvictingLayer:
         new = cls()
         if layer.is_initialized and layer.keys is not None:
             new.lazy_initialization(layer.keys, layer.values)

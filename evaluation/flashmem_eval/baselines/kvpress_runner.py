@@ -30,10 +30,9 @@ import traceback
 
 
 def main(path: str) -> int:
+    import kvpress
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
-
-    import kvpress
 
     spec = json.load(open(path))
     torch.set_num_threads(int(spec.get("threads", 2)))

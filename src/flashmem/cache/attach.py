@@ -7,9 +7,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flashmem.cache import attention
 from flashmem.cache.flash_cache import FlashMemoryCache
-from flashmem.rope import find_rotator
 from flashmem.config import FlashMemoryConfig
 from flashmem.models import geometry
+from flashmem.rope import RopeRotator, find_rotator
 
 
 def register() -> None:
@@ -40,5 +40,5 @@ def attach(model: PreTrainedModel, cfg: FlashMemoryConfig | None = None, **overr
         model.set_attn_implementation(attention.NAME)
     head_dim = geometry.head_dim(text_cfg) or 0
     kinds = set(geometry.layer_types(text_cfg, text_cfg.num_hidden_layers, infer_sliding=False))
-    rotators = {kind: find_rotator(model, kind, head_dim) for kind in kinds}
+    rotators: dict[str | None, RopeRotator | None] = {kind: find_rotator(model, kind, head_dim) for kind in kinds}
     return FlashMemoryCache(model.config, cfg, rotators=rotators, dtype=model.dtype)

@@ -25,11 +25,11 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
-from flashmem.rope import RopeRotator
 from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
 from flashmem.index import ScorerContext, make_scorer
 from flashmem.models import geometry
+from flashmem.rope import RopeRotator
 from flashmem.store.base import ColdStore
 from flashmem.store.prefetch import Prefetcher
 
@@ -144,11 +144,12 @@ class FlashMemoryCache(Cache):
                 for name, nbytes in layer.resident_bytes().items():
                     tiers[name] += nbytes
         full = sliding = 0
-        for layer in self.layers:
-            if isinstance(layer, FlashLayer) or not layer.is_initialized:
+        for other in self.layers:
+            # plain layers only: DynamicLayer / DynamicSlidingWindowLayer
+            if not isinstance(other, DynamicLayer) or not other.is_initialized:
                 continue
-            nbytes = tensor_bytes(layer.keys) + tensor_bytes(layer.values)
-            if isinstance(layer, DynamicSlidingWindowLayer):
+            nbytes = tensor_bytes(other.keys) + tensor_bytes(other.values)
+            if isinstance(other, DynamicSlidingWindowLayer):
                 sliding += nbytes
             else:
                 full += nbytes
@@ -213,7 +214,7 @@ class FlashMemoryCache(Cache):
     def closed(self) -> bool:
         return not self._finalizer.alive
 
-    def __enter__(self) -> "FlashMemoryCache":
+    def __enter__(self) -> FlashMemoryCache:
         return self
 
     def __exit__(self, *exc: object) -> None:

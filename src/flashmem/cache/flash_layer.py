@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from flashmem.cache.lookahead import predict_next_blocks
-from flashmem.rope import RopeRotator
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
 from flashmem.config import FlashMemoryConfig
@@ -36,6 +34,7 @@ from flashmem.errors import FlashMemError
 from flashmem.index.base import BlockScorer
 from flashmem.index.selection import select_blocks
 from flashmem.memory.budget import RECENT_QUERY_TOKENS
+from flashmem.rope import RopeRotator
 from flashmem.store.base import ColdStore
 from flashmem.store.prefetch import Prefetcher
 
@@ -106,8 +105,9 @@ class FlashLayer(CacheLayerMixin):
         self.valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)  # every position seen
         self.recent_q: torch.Tensor | None = None  # [b, h, n, d]
         self.ws_idx: torch.Tensor | None = None  # last selection [b, h, k]
-        self.ws_k = self.ws_v = None  # [b, h, k*B, d]
-        self.ws_valid = None  # [b, h, k*B]
+        self.ws_k: torch.Tensor | None = None  # [b, h, k*B, d]
+        self.ws_v: torch.Tensor | None = None
+        self.ws_valid: torch.Tensor | None = None  # [b, h, k*B]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -235,6 +235,7 @@ class FlashLayer(CacheLayerMixin):
                 use = ~selected.gather(-1, ids)
                 add(self.csa_k, self.csa_v, _entry_bias(self.csa_cnt, use, cfg.summary_bias, q.dtype))
             if k_sel > 0:
+                assert self.ws_k is not None and self.ws_v is not None and self.ws_valid is not None
                 add(self.ws_k, self.ws_v, torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg))
 
         o0 = S + n * cfg.hca_chunk_size
@@ -290,6 +291,7 @@ class FlashLayer(CacheLayerMixin):
             slot = torch.searchsorted(need, idx).clamp_max(need.numel() - 1)  # [b, h, k]
             new_k, new_v = pool_k[slot, bi, hi], pool_v[slot, bi, hi]  # [b, h, k, B, d]
         if held.any():
+            assert self.ws_k is not None and self.ws_v is not None  # held: a previous working set exists
             d = self.ws_k.shape[-1]
             old_k = self.ws_k.view(b, h, -1, B, d)[bi, hi, src]  # [b, h, k, B, d]
             old_v = self.ws_v.view(b, h, -1, B, d)[bi, hi, src]

@@ -8,7 +8,6 @@ the rows go to --json-out, a table is printed, and --plot writes the figure(s).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -51,13 +50,13 @@ def _ints(text: str, name: str) -> list[int]:
 
 def bench(
     suite: str = typer.Argument(..., help="fidelity | retrieval | memory | speed"),
-    model: Optional[str] = typer.Option(None, "--model", help="smollm2 | gemma3-270m | tiny | HF folder"),
+    model: str | None = typer.Option(None, "--model", help="smollm2 | gemma3-270m | tiny | HF folder"),
     methods: str = typer.Option(
         "full,streaming,snapkv,flashmem", "--methods",
         help="comma list: full, streaming, snapkv, flashmem[:variant], kvpress:<Press>",
     ),
     budgets: str = typer.Option("1/4,1/8,1/16,1/32", "--budgets", help="resident KV / full KV"),
-    lengths: Optional[str] = typer.Option(None, "--lengths", help="context lengths, e.g. 4k,8k"),
+    lengths: str | None = typer.Option(None, "--lengths", help="context lengths, e.g. 4k,8k"),
     seeds: str = typer.Option("0", "--seeds"),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="retrieval: needle depths"),
     tasks: str = typer.Option("passkey,multikey", "--tasks", help="retrieval: passkey, multikey"),
@@ -66,7 +65,7 @@ def bench(
     decode_tokens: int = typer.Option(32, "--decode-tokens", help="speed: decoded tokens timed"),
     threads: int = typer.Option(2, "--threads", help="torch threads"),
     json_out: Path = typer.Option(..., "--json-out", help="results JSON (and .partial.jsonl beside it)"),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG figure (retrieval adds *_heatmap.png)"),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG figure (retrieval adds *_heatmap.png)"),
     no_progress: bool = typer.Option(False, "--no-progress"),
 ) -> None:
     """Run one benchmark suite; resumable."""

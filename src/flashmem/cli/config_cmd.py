@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -18,7 +17,7 @@ config_app = typer.Typer(
 @config_app.command("check")
 def check(
     file: Path = typer.Argument(..., help="YAML config (optionally under 'flash_memory:')"),
-    model: Optional[str] = typer.Option(
+    model: str | None = typer.Option(
         None, "--model", "-m",
         help="also check keep_full_layers against this model's layers "
         "(built-in name, HF folder with config.json, or .gguf file)",

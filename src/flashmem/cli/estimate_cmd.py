@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import typer
 
@@ -23,20 +23,20 @@ the cold-tier bytes.
 
 
 def estimate_command(
-    model: Optional[str] = typer.Option(
+    model: str | None = typer.Option(
         None, "--model", "-m", help="built-in name, HF folder with config.json, or .gguf file"
     ),
     tokens: str = typer.Option(
         ..., "--tokens", "-t", help="tokens per sequence: 131072 (exact), 128K (x1024), 1M (x1048576)"
     ),
     batch: int = typer.Option(1, "--batch", "-b", help="sequences"),
-    layers: Optional[int] = typer.Option(None, "--layers", help="attention layers (without --model)"),
-    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads per layer (without --model)"),
-    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="head dimension (without --model)"),
-    dtype: Optional[str] = typer.Option(
+    layers: int | None = typer.Option(None, "--layers", help="attention layers (without --model)"),
+    kv_heads: int | None = typer.Option(None, "--kv-heads", help="KV heads per layer (without --model)"),
+    head_dim: int | None = typer.Option(None, "--head-dim", help="head dimension (without --model)"),
+    dtype: str | None = typer.Option(
         None, "--dtype", help="K/V element type: bfloat16, float16, float32, float8, int8 (overrides the model's)"
     ),
-    config: Optional[Path] = typer.Option(
+    config: Path | None = typer.Option(
         None, "--config", "-c", help="FlashMemoryConfig YAML: show the device/cold split"
     ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -59,7 +59,7 @@ def estimate_command(
     _print(est)
 
 
-def _print(est) -> None:  # type: ignore[no-untyped-def]
+def _print(est: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 

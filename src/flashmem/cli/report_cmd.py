@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -18,10 +17,10 @@ from flashmem.errors import FlashMemError
 
 def report(
     files: list[Path] = typer.Argument(..., help="result JSONs written by `flashmem bench`"),
-    json_out: Optional[Path] = typer.Option(None, "--json-out", help="write the merged rows (one suite)"),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG figure(s) of the merged rows (one suite)"),
-    markdown: Optional[Path] = typer.Option(None, "--markdown", help="write the tables as markdown"),
-    readme: Optional[Path] = typer.Option(
+    json_out: Path | None = typer.Option(None, "--json-out", help="write the merged rows (one suite)"),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG figure(s) of the merged rows (one suite)"),
+    markdown: Path | None = typer.Option(None, "--markdown", help="write the tables as markdown"),
+    readme: Path | None = typer.Option(
         None, "--readme", help="replace the block between <!-- flashmem-results:begin/end --> in this file"
     ),
 ) -> None:

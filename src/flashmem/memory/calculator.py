@@ -17,7 +17,7 @@ from typing import Any
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
-from flashmem.memory.specs import ModelSpec, from_dims, resolve_model
+from flashmem.memory.specs import MLA, FullAttention, ModelSpec, from_dims, resolve_model
 from flashmem.memory.tiers import codec_bytes_per_element, index_bytes, tier_counts
 from flashmem.memory.units import DTYPE_BYTES, normalize_dtype, parse_tokens
 
@@ -226,6 +226,7 @@ def _flash_split(
             tiers["full_layers"] += b
             continue
         managed.append(i)
+        assert isinstance(layer, FullAttention | MLA)  # the managed kinds
         entry = layer.entry_elems() * eb  # one token-equivalent, K and V (or latent)
         tiers["sinks"] += counts.sinks * entry
         tiers["window"] += counts.window * entry
@@ -234,7 +235,7 @@ def _flash_split(
         tiers["hca_entries"] += counts.hca_entries * entry
         tiers["working_set"] += counts.working_set * entry
         heads, width = layer.index_heads()
-        tiers["index"] += heads * index_bytes(cfg, counts, width, eb)
+        tiers["index"] += heads * index_bytes(cfg, counts, width, eb)  # type: ignore[assignment]
         cold += counts.cold_tokens * layer.entry_elems() * cold_eb
     tiers = {k: v * batch for k, v in tiers.items()}
     return FlashEstimate(

@@ -171,9 +171,8 @@ def _clear_gguf_quantization(model: Any) -> None:
 
 def _convert_gguf(gguf: Path) -> tuple[Any, Any]:
     """Dequantize a GGUF with transformers (fp32). A seam: tests replace it with a tiny fake."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, fname = str(gguf.parent), gguf.name
     try:

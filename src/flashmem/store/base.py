@@ -89,7 +89,7 @@ class ColdStore(ABC):
     def close(self) -> None:
         """Release resources; remove files unless the store was asked to persist."""
 
-    def __enter__(self) -> "ColdStore":
+    def __enter__(self) -> ColdStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -82,7 +82,7 @@ class DiskStore(ColdStore):
     def reopen(
         cls, path: str, *, persist: bool = True, verify: bool = False, sync: bool = True,
         segment_bytes: int = 2**30, max_pending_bytes: int = 256 * 2**20,
-    ) -> "DiskStore":
+    ) -> DiskStore:
         """Open a persisted store folder: every committed record is kept; incomplete or
         garbled trailing records are ignored (verify=True also reads every payload and
         drops records whose checksum fails). New puts go to a new segment."""
@@ -90,7 +90,7 @@ class DiskStore(ColdStore):
         self = cls.__new__(cls)
         self.codec = rec.codec
         self.dtype = rec.dtype
-        self.recovered = rec.report
+        self.recovered = rec.report  # type: ignore[attr-defined]
         try:
             _write_meta(path, rec.codec.name, rec.dtype, persist)
             core = DiskCore(

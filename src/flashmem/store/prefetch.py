@@ -88,7 +88,7 @@ class Prefetcher:
         """Drop ready blocks (all when keys is None); in-flight loads finish and are kept."""
         with self._lock:
             for key in list(self._ready) if keys is None else keys:
-                e = self._ready.pop(tuple(key), None)
+                e = self._ready.pop(tuple(key), None)  # type: ignore[arg-type]
                 if e is not None:
                     self._ready_size -= _size(e)
 
@@ -117,7 +117,7 @@ class Prefetcher:
             self._ready_size = 0
             self._inflight.clear()
 
-    def __enter__(self) -> "Prefetcher":
+    def __enter__(self) -> Prefetcher:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,7 +12,6 @@ element (the range does not widen); the padding is dropped on decode.
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
