@@ -31,8 +31,11 @@ def main() -> None:
     ap.add_argument("--base", default="{}", help="JSON config keys shared by every variant")
     ap.add_argument("--variants", default="[{}]", help="JSON list of config keys laid over --base")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--plain-chunks", action="store_true",
-                    help="ablation: prefill in plain chunks (no separate selection for the prompt's tail)")
+    ap.add_argument(
+        "--plain-chunks",
+        action="store_true",
+        help="ablation: prefill in plain chunks (no separate selection for the prompt's tail)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base, variants = json.loads(args.base), json.loads(args.variants)
@@ -61,14 +64,19 @@ def main() -> None:
         lp = torch.stack(rows).float().log_softmax(-1)
         kl = kl_per_token(full, lp)
         report = cache.memory_report()
-        print(json.dumps({
-            "variant": var,
-            "kl_mean": round(float(kl.mean()), 4),
-            "top1_agree": round(float((lp.argmax(-1) == full.argmax(-1)).float().mean()), 4),
-            "resident_ratio": round(report["device_resident_bytes"] / full_bytes, 4),
-            "prefill_s": round(t_prefill, 1),
-            "decode_ms": round(1000 * t_decode / max(1, N - 1), 1),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "variant": var,
+                    "kl_mean": round(float(kl.mean()), 4),
+                    "top1_agree": round(float((lp.argmax(-1) == full.argmax(-1)).float().mean()), 4),
+                    "resident_ratio": round(report["device_resident_bytes"] / full_bytes, 4),
+                    "prefill_s": round(t_prefill, 1),
+                    "decode_ms": round(1000 * t_decode / max(1, N - 1), 1),
+                }
+            ),
+            flush=True,
+        )
         cache.close()
         model.set_attn_implementation("sdpa")
 

@@ -89,8 +89,12 @@ def decode_phase(model, cache, tok: torch.Tensor, steps: int, prefetch: bool) ->
 
 def run_model(name, model, ids, args, raw) -> list[dict]:
     cfg = flashmem.FlashMemoryConfig(
-        gpu_cache_limit=args.window, prefetch_window=args.window, cold_store="disk", cold_dir=args.dir,
-        cold_codec=args.codec, prefetch_threads=args.threads,
+        gpu_cache_limit=args.window,
+        prefetch_window=args.window,
+        cold_store="disk",
+        cold_dir=args.dir,
+        cold_codec=args.codec,
+        prefetch_threads=args.threads,
     )
     rows = []
     with flashmem.attach(model, cfg) as cache:
@@ -127,8 +131,13 @@ def tiny_llama_long(tokens: int):
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=tokens + 4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=tokens + 4096,
     )
     return LlamaForCausalLM(cfg).eval()
 

@@ -52,6 +52,17 @@ for task, d in [("passkey", 0.3), ("passkey", 0.1)]:
     FORCE.extend(needle)
     gen = H.greedy(model, cache, q, 8, [])
     H.restore_attn(model, impl)
-    print(json.dumps({"mode": mode, "task": task, "depth": d, "needle_blocks": needle, "answer": p.answer,
-                      "out": tok.decode(gen)[:30]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "task": task,
+                "depth": d,
+                "needle_blocks": needle,
+                "answer": p.answer,
+                "out": tok.decode(gen)[:30],
+            }
+        ),
+        flush=True,
+    )
     cache.close()

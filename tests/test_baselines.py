@@ -77,8 +77,9 @@ def test_snapkv_keeps_exactly_budget(model):
         r = H.cache_ratios(model, cache, 256)
         assert r["ratio"] == pytest.approx(b)
         # the observation window (last 64 prompt tokens) is always kept
-        torch.testing.assert_close(cache.layers[0].keys[..., -min(64, keep):, :],
-                                   pre.cache.layers[0].keys[..., -min(64, keep):, :])
+        torch.testing.assert_close(
+            cache.layers[0].keys[..., -min(64, keep) :, :], pre.cache.layers[0].keys[..., -min(64, keep) :, :]
+        )
     # the source cache is untouched and positions continue at 256
     assert pre.cache.layers[0].keys.shape[-2] == 256
     out = model(input_ids=_ids(3, 2), cache=cache, use_cache=True)
@@ -161,8 +162,18 @@ def test_kvpress_runner_in_venv_when_present(tmp_path):
     m.save_pretrained(tmp_path / "hf")
     tiny_tokenizer().save_pretrained(tmp_path / "hf")
     ids = _ids(300)[0].tolist()
-    jobs = [{"cell": f"{r}", "kind": "fidelity", "press": "SnapKVPress", "compression_ratio": r,
-             "context": ids[:256], "cont": ids[256:], "chunk": 16} for r in (0.0, 0.75)]
+    jobs = [
+        {
+            "cell": f"{r}",
+            "kind": "fidelity",
+            "press": "SnapKVPress",
+            "compression_ratio": r,
+            "context": ids[:256],
+            "cont": ids[256:],
+            "chunk": 16,
+        }
+        for r in (0.0, 0.75)
+    ]
     rows = {r["cell"]: r for r in run_jobs(str(tmp_path / "hf"), jobs, tmp_path / "w", threads=1)}
     assert rows["0.0"]["kl_mean"] == pytest.approx(0, abs=1e-7) and rows["0.0"]["ratio"] == 1.0
     assert rows["0.75"]["ratio"] == 0.25 and rows["0.75"]["kl_mean"] > 0

@@ -20,7 +20,11 @@ from flashmem.memory.tiers import tier_counts
 from tiny_models import MODELS, tiny_gemma3, tiny_llama
 
 SMALL = dict(
-    gpu_cache_limit=16, sink_tokens=2, hca_chunk_size=16, csa_chunk_size=4, csa_band_tokens=32,
+    gpu_cache_limit=16,
+    sink_tokens=2,
+    hca_chunk_size=16,
+    csa_chunk_size=4,
+    csa_band_tokens=32,
     prefill_chunk=37,
 )
 ALL_EXACT = dict(SMALL, lsa_keep_ratio=1.0)

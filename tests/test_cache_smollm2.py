@@ -55,7 +55,11 @@ def test_large_window_equals_dynamic_cache(smollm2, reference):
 def test_all_blocks_selected_equals_dynamic_cache(smollm2, reference):
     model, ids = smollm2
     cfg = flashmem.FlashMemoryConfig(
-        gpu_cache_limit=64, sink_tokens=4, hca_chunk_size=32, csa_band_tokens=64, lsa_keep_ratio=1.0,
+        gpu_cache_limit=64,
+        sink_tokens=4,
+        hca_chunk_size=32,
+        csa_band_tokens=64,
+        lsa_keep_ratio=1.0,
         prefill_chunk=100,
     )
     cache = flashmem.attach(model, cfg)

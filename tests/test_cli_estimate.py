@@ -34,8 +34,21 @@ def assert_one_line_error(code: int, err: str, needle: str) -> None:
 
 
 def test_issue_check_exact_json(capsys):
-    code, out, _ = run(capsys, "estimate", "--layers", "61", "--kv-heads", "64", "--head-dim", "128",
-                       "--dtype", "float16", "--tokens", "1000000", "--json")
+    code, out, _ = run(
+        capsys,
+        "estimate",
+        "--layers",
+        "61",
+        "--kv-heads",
+        "64",
+        "--head-dim",
+        "128",
+        "--dtype",
+        "float16",
+        "--tokens",
+        "1000000",
+        "--json",
+    )
     assert code == 0
     d = json.loads(out)
     assert d["bytes_per_token"] == 1998848
@@ -127,11 +140,11 @@ def test_config_check_errors(capsys, tmp_path, text, model, needle):
 def test_entry_point_subprocess():
     """The installed way: a real process, exit 2, one stderr line, no traceback."""
     cmd = [sys.executable, "-c", "from flashmem.cli.main import main; main()"]
-    ok = subprocess.run(cmd + ["estimate", "-m", "deepseek-v3", "-t", "1M", "--json"],
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        cmd + ["estimate", "-m", "deepseek-v3", "-t", "1M", "--json"], capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0 and json.loads(ok.stdout)["full_cache_bytes"] == 70272 * 2**20
-    bad = subprocess.run(cmd + ["estimate", "-m", "gpt5", "-t", "1M"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(cmd + ["estimate", "-m", "gpt5", "-t", "1M"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "unknown model 'gpt5'" in bad.stderr

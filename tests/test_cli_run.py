@@ -28,12 +28,33 @@ def _config(tmp_path, **keys):
 def test_run_generates_reports_memory_and_compares_with_full(tiny_folder, tmp_path, capsys):
     text = tmp_path / "in.txt"
     text.write_text("In the beginning God created the heaven and the earth. " * 40)
-    cfg = _config(tmp_path, gpu_cache_limit=32, hca_chunk_size=16, csa_band_tokens=32, lsa_keep_ratio=1.0,
-                  prefill_chunk=64, prefetch_threads=0)
+    cfg = _config(
+        tmp_path,
+        gpu_cache_limit=32,
+        hca_chunk_size=16,
+        csa_band_tokens=32,
+        lsa_keep_ratio=1.0,
+        prefill_chunk=64,
+        prefetch_threads=0,
+    )
     out = tmp_path / "run.json"
     with pytest.raises(SystemExit) as exc:
-        main(["run", "--model", str(tiny_folder), "--config", str(cfg), "--input", str(text),
-              "--max-new-tokens", "6", "--compare-full", "--json-out", str(out)])
+        main(
+            [
+                "run",
+                "--model",
+                str(tiny_folder),
+                "--config",
+                str(cfg),
+                "--input",
+                str(text),
+                "--max-new-tokens",
+                "6",
+                "--compare-full",
+                "--json-out",
+                str(out),
+            ]
+        )
     assert exc.value.code == 0
     result = json.loads(out.read_text())
     assert result["generated_tokens"] == 6

@@ -31,7 +31,11 @@ def test_seed_yaml_loads_as_written():
     assert cfg.prefetch_window == 16384
     assert cfg.keep_full_layers == [58, 59]
     assert cfg.model_fields_set == {
-        "gpu_cache_limit", "csa_chunk_size", "hca_chunk_size", "prefetch_window", "keep_full_layers"
+        "gpu_cache_limit",
+        "csa_chunk_size",
+        "hca_chunk_size",
+        "prefetch_window",
+        "keep_full_layers",
     }
     # round trip
     assert FlashMemoryConfig.from_yaml_text(cfg.to_yaml()) == cfg
@@ -100,9 +104,7 @@ def test_keep_full_layers_against_model():
     cfg.check_for_model(30)
     with pytest.raises(ConfigError) as exc:
         FlashMemoryConfig(keep_full_layers=[58, 59]).check_for_model(30)
-    assert str(exc.value) == (
-        "keep_full_layers: layer 58 is outside the model's 30 layers; allowed: -30..29"
-    )
+    assert str(exc.value) == ("keep_full_layers: layer 58 is outside the model's 30 layers; allowed: -30..29")
     with pytest.raises(ConfigError, match="layer -31 is outside"):
         FlashMemoryConfig(keep_full_layers=[-31]).check_for_model(30)
     # seed's layers fit a 61-layer model (DeepSeek-V3)
@@ -134,13 +136,16 @@ def _check(make):
 
 _keys = st.one_of(st.sampled_from(list(FlashMemoryConfig.model_fields)), st.text(max_size=12))
 _scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
-    st.text(max_size=20), st.sampled_from(["exact", "int8", "disk", "quest", "memory", "/tmp"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.sampled_from(["exact", "int8", "disk", "quest", "memory", "/tmp"]),
 )
 _values = st.recursive(
     _scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4),
-                            st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
     max_leaves=8,
 )
 _settings = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -170,9 +175,36 @@ def test_random_yaml_text_gives_config_or_one_line_error(text):
 
 
 @_settings
-@given(st.lists(st.sampled_from(["flash_memory:", "  ", "gpu_cache_limit:", " 4", "[", "]", "{", "}",
-                                 "\n", "- ", ": ", "keep_full_layers:", "'", "&a", "*a", "!!int",
-                                 "1e3", "~", ",", "hca_chunk_size: 3", "\t"]), max_size=15))
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "flash_memory:",
+                "  ",
+                "gpu_cache_limit:",
+                " 4",
+                "[",
+                "]",
+                "{",
+                "}",
+                "\n",
+                "- ",
+                ": ",
+                "keep_full_layers:",
+                "'",
+                "&a",
+                "*a",
+                "!!int",
+                "1e3",
+                "~",
+                ",",
+                "hca_chunk_size: 3",
+                "\t",
+            ]
+        ),
+        max_size=15,
+    )
+)
 def test_yamlish_fragments(parts):
     _check(lambda: FlashMemoryConfig.from_yaml_text("".join(parts)))
 

@@ -16,9 +16,19 @@ def loaded():
 
 
 def _args(tmp_path, suite, **kw):
-    base = dict(suite=suite, model="tiny", methods=["full", "streaming", "snapkv"], budgets=[0.25, 0.125],
-                lengths=[256], json_out=tmp_path / f"{suite}.json", n_cont=32, progress=False,
-                depths=[0.0, 1.0], tasks=["passkey", "multikey"], decode_tokens=4)
+    base = dict(
+        suite=suite,
+        model="tiny",
+        methods=["full", "streaming", "snapkv"],
+        budgets=[0.25, 0.125],
+        lengths=[256],
+        json_out=tmp_path / f"{suite}.json",
+        n_cont=32,
+        progress=False,
+        depths=[0.0, 1.0],
+        tasks=["passkey", "multikey"],
+        decode_tokens=4,
+    )
     base.update(kw)
     return BenchArgs(**base)
 
@@ -86,15 +96,26 @@ def test_retrieval_probe_and_suite(tmp_path, loaded, monkeypatch):
     def fake_run_jobs(model_dir, jobs, work, threads=2, python=None, on_row=None):
         seen["jobs"] = jobs
         for j in jobs:
-            on_row({"cell": j["cell"], "generated": tok(" 7", add_special_tokens=False)["input_ids"],
-                    "ratio": 1 - j["compression_ratio"]})
+            on_row(
+                {
+                    "cell": j["cell"],
+                    "generated": tok(" 7", add_special_tokens=False)["input_ids"],
+                    "ratio": 1 - j["compression_ratio"],
+                }
+            )
         return []
 
     import flashmem_eval.baselines.kvpress_env as kp
 
     monkeypatch.setattr(kp, "run_jobs", fake_run_jobs)
-    args = _args(tmp_path, "retrieval", methods=["full", "snapkv", "kvpress:SnapKVPress"], budgets=[0.25],
-                 lengths=[300], tasks=["passkey"])
+    args = _args(
+        tmp_path,
+        "retrieval",
+        methods=["full", "snapkv", "kvpress:SnapKVPress"],
+        budgets=[0.25],
+        lengths=[300],
+        tasks=["passkey"],
+    )
     store = run_suite(args, loaded)
     rows = list(store.rows.values())
     assert len(rows) == 6 and not any(r.get("error") for r in rows)
@@ -138,9 +159,28 @@ def test_cli_runs_tiny(tmp_path):
 
     _register()
     out = tmp_path / "f.json"
-    r = CliRunner().invoke(app, ["bench", "fidelity", "--model", "tiny", "--methods", "full,streaming",
-                                 "--budgets", "1/4", "--lengths", "256", "--n-cont", "16", "--no-progress",
-                                 "--json-out", str(out), "--plot", str(tmp_path / "f.png")])
+    r = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "fidelity",
+            "--model",
+            "tiny",
+            "--methods",
+            "full,streaming",
+            "--budgets",
+            "1/4",
+            "--lengths",
+            "256",
+            "--n-cont",
+            "16",
+            "--no-progress",
+            "--json-out",
+            str(out),
+            "--plot",
+            str(tmp_path / "f.png"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert out.is_file() and (tmp_path / "f.png").is_file() and "streaming" in r.output
 

@@ -14,8 +14,19 @@ from flashmem_eval.tiny import tiny_llama
 
 def _row(method, budget, correct, depth, seed=0, length=2048, task="passkey", **kw):
     cell = f"m={method}|b={budget}|t={task}|L={length}|d={depth}|s={seed}"
-    return {"suite": "retrieval", "model": "m", "method": method, "budget": budget, "task": task,
-            "length": length, "depth": depth, "seed": seed, "cell": cell, "correct": correct, **kw}
+    return {
+        "suite": "retrieval",
+        "model": "m",
+        "method": method,
+        "budget": budget,
+        "task": task,
+        "length": length,
+        "depth": depth,
+        "seed": seed,
+        "cell": cell,
+        "correct": correct,
+        **kw,
+    }
 
 
 def _write(path, rows, runs=()):
@@ -28,7 +39,7 @@ def test_merge_later_file_wins_and_errors_never_replace_rows(tmp_path):
     _write(b, [_row("snapkv", 0.125, True, 0.0), _row("full", 1.0, None, 0.0, error="boom")])
     # an interrupted run: rows only in the partial file, one line cut
     part = tmp_path / "c.json.partial.jsonl"
-    part.write_text(json.dumps(_row("flashmem", 0.125, True, 0.5)) + "\n{\"cut")
+    part.write_text(json.dumps(_row("flashmem", 0.125, True, 0.5)) + '\n{"cut')
     rows, _ = report.load_rows([a, b, tmp_path / "c.json"])
     by = {r["method"]: r for r in rows}
     assert by["snapkv"]["correct"] is True  # b overrides a
@@ -70,10 +81,12 @@ def test_readme_block_is_replaced_between_markers():
 
 def test_report_cli_merges_writes_markdown_and_readme(tmp_path, capsys):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    _write(a, [_row("full", 1.0, True, 0.0), _row("full", 1.0, True, 1.0)],
-           runs=[{"started": "2026-11-30T10:00:00"}])
-    _write(b, [_row("snapkv", 0.125, False, 0.0), _row("snapkv", 0.125, True, 1.0)],
-           runs=[{"started": "2026-11-30T11:00:00"}])
+    _write(a, [_row("full", 1.0, True, 0.0), _row("full", 1.0, True, 1.0)], runs=[{"started": "2026-11-30T10:00:00"}])
+    _write(
+        b,
+        [_row("snapkv", 0.125, False, 0.0), _row("snapkv", 0.125, True, 1.0)],
+        runs=[{"started": "2026-11-30T11:00:00"}],
+    )
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n{report.MARK_BEGIN}\n{report.MARK_END}\n")
     merged = tmp_path / "m.json"
@@ -93,8 +106,14 @@ def test_report_cli_one_line_errors(tmp_path, capsys):
     assert e.value.code == 2
     assert "does not exist" in capsys.readouterr().err
     a = tmp_path / "a.json"
-    a.write_text(json.dumps({"meta": {}, "rows": [_row("full", 1.0, True, 0.0),
-                                                   {**_row("full", 1.0, True, 0.0), "suite": "speed", "cell": "z"}]}))
+    a.write_text(
+        json.dumps(
+            {
+                "meta": {},
+                "rows": [_row("full", 1.0, True, 0.0), {**_row("full", 1.0, True, 0.0), "suite": "speed", "cell": "z"}],
+            }
+        )
+    )
     with pytest.raises(SystemExit) as e:
         main(["report", str(a), "--plot", str(tmp_path / "p.png")])
     assert e.value.code == 2 and "exactly one" in capsys.readouterr().err

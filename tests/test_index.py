@@ -82,7 +82,7 @@ def test_gaussian_prefers_the_spread_a_query_points_at_when_means_tie():
     means = {}
     for name in ("mean_key", "gaussian"):
         sc = SCORERS[name]()
-        summ = torch.stack([sc.summarize(keys[:, :, j * B:(j + 1) * B], valid) for j in range(2)], dim=2)
+        summ = torch.stack([sc.summarize(keys[:, :, j * B : (j + 1) * B], valid) for j in range(2)], dim=2)
         means[name] = sc.score(q[None, None, None], summ, d**-0.5)[0, 0, 0]
     assert means["mean_key"][0].item() == pytest.approx(means["mean_key"][1].item(), abs=1e-4)
     assert means["gaussian"][1] > means["gaussian"][0] + 0.1

@@ -56,8 +56,15 @@ def test_builtin_bytes_per_token(name, bpt):
 
 def test_all_builtins_listed():
     assert set(builtin_names()) >= {
-        "smollm2", "gemma3-270m", "llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b",
-        "deepseek-v3", "deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro",
+        "smollm2",
+        "gemma3-270m",
+        "llama-3.1-8b",
+        "llama-3.1-70b",
+        "qwen2.5-7b",
+        "deepseek-v3",
+        "deepseek-v3.2",
+        "deepseek-v4-flash",
+        "deepseek-v4-pro",
     }
 
 
@@ -124,8 +131,17 @@ def test_lazy_export():
 # ------------------------------------------------------------------ units
 @pytest.mark.parametrize(
     "text,value",
-    [("131072", 131072), ("128K", 131072), ("128k", 131072), ("1M", 2**20), ("1000000", 1_000_000),
-     ("1_000_000", 1_000_000), ("1.5K", 1536), ("2G", 2**31), (4096, 4096)],
+    [
+        ("131072", 131072),
+        ("128K", 131072),
+        ("128k", 131072),
+        ("1M", 2**20),
+        ("1000000", 1_000_000),
+        ("1_000_000", 1_000_000),
+        ("1.5K", 1536),
+        ("2G", 2**31),
+        (4096, 4096),
+    ],
 )
 def test_parse_tokens(text, value):
     assert parse_tokens(text) == value
@@ -169,10 +185,17 @@ def test_bad_input_is_one_line_config_error(kwargs, needle):
 
 
 def test_hf_folder_without_transformers_defaults(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "not-a-known-type", "num_hidden_layers": 4, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "hidden_size": 512,
-    }))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "not-a-known-type",
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 512,
+            }
+        )
+    )
     est = estimate(str(tmp_path), tokens=10)
     assert est.bytes_per_token == 4 * 2 * 64 * 2 * 2
 
@@ -219,8 +242,7 @@ def test_flash_split_uses_tier_counts():
     assert f.device_resident_bytes < est.full_cache_bytes / 10  # about 1/11
     d = est.to_dict()["flashmem"]
     assert {"device_resident_bytes", "cold_bytes", "tiers"} <= set(d)
-    assert set(d["tiers"]) >= {"sinks", "window", "open_block", "csa_entries", "hca_entries",
-                               "index", "working_set"}
+    assert set(d["tiers"]) >= {"sinks", "window", "open_block", "csa_entries", "hca_entries", "index", "working_set"}
 
 
 def test_flash_split_full_layers_negative_and_codec():

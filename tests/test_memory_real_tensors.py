@@ -63,8 +63,12 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
     )
     torch.manual_seed(0)
     return cfg, LlamaForCausalLM(cfg).eval()
@@ -93,8 +97,14 @@ def test_gemma3_sliding_and_global_layers():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
-        hidden_size=64, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, vocab_size=128, sliding_window=8,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=128,
+        sliding_window=8,
     )
     # transformers' default pattern: 5 sliding : 1 full
     assert cfg.layer_types.count("sliding_attention") == 5
@@ -115,11 +125,24 @@ def _tiny_mla(cls_name: str, **extra):
     cfg_cls = getattr(transformers, cls_name + "Config")
     model_cls = getattr(transformers, cls_name + "ForCausalLM")
     cfg = cfg_cls(
-        hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-        vocab_size=128, **extra,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        vocab_size=128,
+        **extra,
     )
     torch.manual_seed(0)
     return cfg, model_cls(cfg).eval()
@@ -148,10 +171,22 @@ def test_deepseek_v4_sliding_csa_hca():
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     cfg = DeepseekV4Config(
-        hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-        head_dim=32, q_lora_rank=32, n_routed_experts=4, num_experts_per_tok=2, vocab_size=128,
-        index_head_dim=16, index_n_heads=2, index_topk=8, sliding_window=8, o_groups=2,
-        o_lora_rank=16, partial_rotary_factor=0.25,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        head_dim=32,
+        q_lora_rank=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_topk=8,
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=16,
+        partial_rotary_factor=0.25,
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
     )
@@ -166,9 +201,11 @@ def test_deepseek_v4_sliding_csa_hca():
         sw, csa, hca = cache.layers
         counted = (
             sw.keys.numel() * 4  # K = V in V4: one copy (see below)
-            + csa.keys.numel() * 4 + csa.compressed_kv["compressor"].numel() * 4
+            + csa.keys.numel() * 4
+            + csa.compressed_kv["compressor"].numel() * 4
             + csa.compressed_kv["indexer"].numel() * 4
-            + hca.keys.numel() * 4 + hca.compressed_kv["compressor"].numel() * 4
+            + hca.keys.numel() * 4
+            + hca.compressed_kv["compressor"].numel() * 4
         )
         assert est.full_cache_bytes == counted
         assert csa.compressed_kv["compressor"].shape[1] == tokens // 4
@@ -198,8 +235,15 @@ def test_flashmem_cache_memory_report_agrees_with_estimate(llama):
         pytest.skip(f"flashmem.attach not importable: {exc}")
     cfg, model = llama
     fc = FlashMemoryConfig(
-        sink_tokens=4, gpu_cache_limit=64, hca_chunk_size=16, csa_chunk_size=4, csa_band_tokens=32,
-        lsa_top_k=2, prefill_chunk=64, keep_full_layers=[-1], prefetch_threads=0,
+        sink_tokens=4,
+        gpu_cache_limit=64,
+        hca_chunk_size=16,
+        csa_chunk_size=4,
+        csa_band_tokens=32,
+        lsa_top_k=2,
+        prefill_chunk=64,
+        keep_full_layers=[-1],
+        prefetch_threads=0,
     )
     cache = attach(model, fc)
     try:

@@ -38,12 +38,15 @@ def test_codec_declares_the_bytes_it_writes(name):
     assert payload.numel() == policies.CODECS[name].bytes_per_element(2) * 2 * k.numel()
 
 
-@pytest.mark.parametrize("registry,field", [
-    (policies.SCORERS, "lsa_scorer"),
-    (policies.FUSION_RULES, "fusion_rule"),
-    (policies.CODECS, "cold_codec"),
-    (policies.COLD_STORES, "cold_store"),
-])
+@pytest.mark.parametrize(
+    "registry,field",
+    [
+        (policies.SCORERS, "lsa_scorer"),
+        (policies.FUSION_RULES, "fusion_rule"),
+        (policies.CODECS, "cold_codec"),
+        (policies.COLD_STORES, "cold_store"),
+    ],
+)
 def test_config_accepts_exactly_the_registered_names(registry, field):
     assert typing.get_args(FlashMemoryConfig.model_fields[field].annotation) == tuple(registry)
     with pytest.raises(ConfigError, match=f"{field}: 'nope' is not allowed"):

@@ -93,8 +93,12 @@ def test_constant_groups_are_exact():
 
 @settings(max_examples=25, deadline=None)
 @given(
-    b=st.integers(1, 2), h=st.integers(1, 3), t=st.integers(1, 70), d=st.integers(1, 70),
-    codec=st.sampled_from(["exact", "int8", "int4"]), seed=st.integers(0, 2**16),
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    t=st.integers(1, 70),
+    d=st.integers(1, 70),
+    codec=st.sampled_from(["exact", "int8", "int4"]),
+    seed=st.integers(0, 2**16),
 )
 def test_any_shape_round_trips(b, h, t, d, codec, seed):
     """Block sizes / head dims that are not multiples of 32 are padded, not refused."""

@@ -198,8 +198,11 @@ def test_cuda_round_trip(tmp_path, codec):
     from flashmem.store import Prefetcher
 
     k, v = (t.cuda() for t in block(0, 0, torch.bfloat16))
-    for s in (MemoryStore(codec=codec), DiskStore(str(tmp_path), codec=codec, dtype=torch.bfloat16),
-              LayeredStore(DiskStore(str(tmp_path), codec=codec, dtype=torch.bfloat16), ram_bytes=1 << 20)):
+    for s in (
+        MemoryStore(codec=codec),
+        DiskStore(str(tmp_path), codec=codec, dtype=torch.bfloat16),
+        LayeredStore(DiskStore(str(tmp_path), codec=codec, dtype=torch.bfloat16), ram_bytes=1 << 20),
+    ):
         with s:
             s.put((0, 0), k, v)
             s.flush()

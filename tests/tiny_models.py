@@ -16,8 +16,13 @@ from transformers import (
 def tiny_llama(layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=1 << 17,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=1 << 17,
     )
     return LlamaForCausalLM(cfg).eval()
 
@@ -25,8 +30,13 @@ def tiny_llama(layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
 def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=8192,
     )
     return Qwen2ForCausalLM(cfg).eval()
 
@@ -35,8 +45,14 @@ def tiny_gemma3(seed: int = 0) -> Gemma3ForCausalLM:
     """Sliding layers (window 16) and global layers, like Gemma3's 5:1 pattern, shrunk."""
     torch.manual_seed(seed)
     cfg = Gemma3TextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, vocab_size=128, sliding_window=16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=128,
+        sliding_window=16,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         max_position_embeddings=8192,
     )

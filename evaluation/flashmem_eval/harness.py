@@ -98,8 +98,7 @@ def prefill_spans(n: int, chunk: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def prefill_full(model: Any, ids: torch.Tensor, obs_window: int = 64,
-                 chunk: int = FULL_PREFILL_CHUNK) -> Prefilled:
+def prefill_full(model: Any, ids: torch.Tensor, obs_window: int = 64, chunk: int = FULL_PREFILL_CHUNK) -> Prefilled:
     """Full-attention prefill into a DynamicCache, recording the last queries per layer.
 
     Prompts longer than `chunk` go in chunks (exact for a DynamicCache): a
@@ -146,8 +145,9 @@ def prefill_flashmem(model: Any, ids: torch.Tensor, cfg: Any) -> tuple[Any, torc
 
 
 @torch.no_grad()
-def teacher_forced(model: Any, cache: Any, first_logits: torch.Tensor, cont: torch.Tensor,
-                   chunk: int = 64) -> torch.Tensor:
+def teacher_forced(
+    model: Any, cache: Any, first_logits: torch.Tensor, cont: torch.Tensor, chunk: int = 64
+) -> torch.Tensor:
     """Log-probs [N, vocab] predicting each continuation token (teacher forcing).
 
     Row 0 comes from the prompt's last logits; the continuation is fed in chunks

@@ -42,9 +42,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     row = H.cache_ratios(loaded.model, cache, L + 8)
     done_local(shared, loaded)
     peak = _peak_rss() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    row.update(rss_model=rss_model, rss_peak=peak, rss_peak_over_model=peak - rss_model,
-               rss_peak_source="VmHWM after clear_refs" if reset else "ru_maxrss (includes model load)",
-               prefill_s=info.get("prefill_s"))
+    row.update(
+        rss_model=rss_model,
+        rss_peak=peak,
+        rss_peak_over_model=peak - rss_model,
+        rss_peak_source="VmHWM after clear_refs" if reset else "ru_maxrss (includes model load)",
+        prefill_s=info.get("prefill_s"),
+    )
     return row
 
 

@@ -16,7 +16,11 @@ COLUMNS = {
 
 
 def _mean(vals: list[Any]) -> float | None:
-    xs = [float(v) for v in vals if isinstance(v, (int, float, bool)) and v is not None and not (isinstance(v, float) and math.isnan(v))]
+    xs = [
+        float(v)
+        for v in vals
+        if isinstance(v, (int, float, bool)) and v is not None and not (isinstance(v, float) and math.isnan(v))
+    ]
     return sum(xs) / len(xs) if xs else None
 
 
@@ -30,8 +34,13 @@ def summarize(rows: list[dict[str, Any]], suite: str) -> list[dict[str, Any]]:
     out = []
     for (method, budget, length), rs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0], -kv[0][1])):
         ok = [r for r in rs if not r.get("error")]
-        s: dict[str, Any] = {"method": method, "budget": budget, "length": length, "n": len(ok),
-                             "errors": len(rs) - len(ok)}
+        s: dict[str, Any] = {
+            "method": method,
+            "budget": budget,
+            "length": length,
+            "n": len(ok),
+            "errors": len(rs) - len(ok),
+        }
         for c in COLUMNS.get(suite, []):
             s[c] = _mean([r.get(c) for r in ok])
         out.append(s)
@@ -79,15 +88,19 @@ def plot(rows: list[dict[str, Any]], suite: str, path: str | Path) -> list[Path]
     methods = sorted({s["method"] for s in summary})
     if suite in ("fidelity", "retrieval"):
         metric = {"fidelity": ["kl_mean", "top1_agree"], "retrieval": ["correct"]}[suite]
-        fig, axes = plt.subplots(len(metric), len(lengths), figsize=(4.5 * len(lengths), 3.6 * len(metric)),
-                                 squeeze=False)
+        fig, axes = plt.subplots(
+            len(metric), len(lengths), figsize=(4.5 * len(lengths), 3.6 * len(metric)), squeeze=False
+        )
         for i, mname in enumerate(metric):
             for j, L in enumerate(lengths):
                 ax = axes[i][j]
                 for meth in methods:
                     # x = measured resident fraction (the nominal budget where none was measured)
-                    pts = sorted((s.get("ratio") or s["budget"], s[mname]) for s in summary
-                                 if s["method"] == meth and s["length"] == L and s[mname] is not None)
+                    pts = sorted(
+                        (s.get("ratio") or s["budget"], s[mname])
+                        for s in summary
+                        if s["method"] == meth and s["length"] == L and s[mname] is not None
+                    )
                     if not pts:
                         continue
                     if meth == "full" and mname == "kl_mean":
@@ -98,8 +111,9 @@ def plot(rows: list[dict[str, Any]], suite: str, path: str | Path) -> list[Path]
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=meth)
                 ax.set_xscale("log", base=2)
                 ax.set_xlabel("measured resident KV / full KV (global layers)")
-                ax.set_ylabel({"kl_mean": "mean KL(full||method)", "top1_agree": "top-1 agreement",
-                               "correct": "accuracy"}[mname])
+                ax.set_ylabel(
+                    {"kl_mean": "mean KL(full||method)", "top1_agree": "top-1 agreement", "correct": "accuracy"}[mname]
+                )
                 if mname == "kl_mean":
                     ax.set_yscale("log")
                 ax.set_title(f"L={L}")
@@ -114,19 +128,29 @@ def plot(rows: list[dict[str, Any]], suite: str, path: str | Path) -> list[Path]
         if suite == "retrieval":
             written += _heatmaps(rows, path, plt)
     else:
-        metric = {"memory": ["bytes_per_token", "rss_peak_over_model"],
-                  "speed": ["prefill_tok_s", "decode_ms_per_token"]}[suite]
+        metric = {
+            "memory": ["bytes_per_token", "rss_peak_over_model"],
+            "speed": ["prefill_tok_s", "decode_ms_per_token"],
+        }[suite]
         fig, axes = plt.subplots(1, len(metric), figsize=(5.5 * len(metric), 4), squeeze=False)
         for j, mname in enumerate(metric):
             ax = axes[0][j]
             for meth in methods:
                 for b in sorted({s["budget"] for s in summary if s["method"] == meth}):
-                    pts = sorted((s["length"], s[mname]) for s in summary
-                                 if s["method"] == meth and s["budget"] == b and s[mname] is not None)
+                    pts = sorted(
+                        (s["length"], s[mname])
+                        for s in summary
+                        if s["method"] == meth and s["budget"] == b and s[mname] is not None
+                    )
                     if pts:
                         lab = meth if meth == "full" else f"{meth} b={b:.3g}"
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab,
-                                ls="--" if meth == "full" else "-")
+                        ax.plot(
+                            [p[0] for p in pts],
+                            [p[1] for p in pts],
+                            marker="o",
+                            label=lab,
+                            ls="--" if meth == "full" else "-",
+                        )
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel(mname)
@@ -150,15 +174,18 @@ def _heatmaps(rows: list[dict[str, Any]], path: Path, plt: Any) -> list[Path]:
     n = len(keys)
     cols = min(4, n)
     nrows = math.ceil(n / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.8 * cols, 1.4 + 0.5 * 5 * nrows), squeeze=False,
-                             constrained_layout=True)
+    fig, axes = plt.subplots(
+        nrows, cols, figsize=(3.8 * cols, 1.4 + 0.5 * 5 * nrows), squeeze=False, constrained_layout=True
+    )
     for k, (meth, b) in enumerate(keys):
         ax = axes[k // cols][k % cols]
         rs = groups[(meth, b)]
         Ls = sorted({int(r["length"]) for r in rs})
         Ds = sorted({float(r["depth"]) for r in rs})
-        grid = [[_mean([r["correct"] for r in rs if int(r["length"]) == L and float(r["depth"]) == d])
-                 for d in Ds] for L in Ls]
+        grid = [
+            [_mean([r["correct"] for r in rs if int(r["length"]) == L and float(r["depth"]) == d]) for d in Ds]
+            for L in Ls
+        ]
         data = [[float("nan") if v is None else v for v in row] for row in grid]
         im = ax.imshow(data, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(Ds)), [f"{d:g}" for d in Ds])
@@ -180,8 +207,7 @@ def markdown_table(rows: list[dict[str, Any]], suite: str, columns: list[str] | 
     """The summary as a GitHub markdown table (for results/README.md)."""
     summary = summarize(rows, suite)
     cols = ["method", "budget", "length", "n", *(columns or COLUMNS.get(suite, []))]
-    out = ["| " + " | ".join(c + " (MB)" if c.startswith("rss_") else c for c in cols) + " |",
-           "|" + "---|" * len(cols)]
+    out = ["| " + " | ".join(c + " (MB)" if c.startswith("rss_") else c for c in cols) + " |", "|" + "---|" * len(cols)]
     for s in summary:
         out.append("| " + " | ".join(_cell(c, s.get(c)) for c in cols) + " |")
     return "\n".join(out)
@@ -262,14 +288,19 @@ def retrieval_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (meth, b, L), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "full", kv[0][0], -kv[0][1], kv[0][2])):
         both = [r for r in rs if _prompt_key(r) in full]
         full_hits = sum(full[_prompt_key(r)] for r in both)
-        out.append({
-            "method": meth, "budget": b, "length": L, "n": len(rs),
-            "correct": sum(bool(r["correct"]) for r in rs),
-            "accuracy": sum(bool(r["correct"]) for r in rs) / len(rs),
-            "ratio": _mean([r.get("ratio") for r in rs]),
-            "full_correct": full_hits if both else None,
-            "vs_full": (sum(bool(r["correct"]) for r in both) / full_hits) if full_hits else None,
-        })
+        out.append(
+            {
+                "method": meth,
+                "budget": b,
+                "length": L,
+                "n": len(rs),
+                "correct": sum(bool(r["correct"]) for r in rs),
+                "accuracy": sum(bool(r["correct"]) for r in rs) / len(rs),
+                "ratio": _mean([r.get("ratio") for r in rs]),
+                "full_correct": full_hits if both else None,
+                "vs_full": (sum(bool(r["correct"]) for r in both) / full_hits) if full_hits else None,
+            }
+        )
     return out
 
 
@@ -324,11 +355,18 @@ MARK_END = "<!-- flashmem-results:end -->"
 def results_markdown(rows: list[dict[str, Any]], files: list[str], runs: list[dict[str, Any]], command: str) -> str:
     """Tables of every suite in `rows`, with the command and the dates of the runs."""
     started = sorted(r["started"][:10] for r in runs if r.get("started"))
-    when = started[0] if started and started[0] == started[-1] else (f"{started[0]} to {started[-1]}" if started else "unknown")
+    when = (
+        started[0]
+        if started and started[0] == started[-1]
+        else (f"{started[0]} to {started[-1]}" if started else "unknown")
+    )
     parts = [f"Generated by `{command}` from {', '.join(f'`{f}`' for f in files)} (runs {when})."]
-    titles = {"fidelity": "Fidelity (mean KL(full || method) / top-1 agreement, per budget)",
-              "retrieval": "Retrieval (correct / prompts; in brackets: correct / full-cache correct on the same prompts)",
-              "memory": "Memory", "speed": "Speed"}
+    titles = {
+        "fidelity": "Fidelity (mean KL(full || method) / top-1 agreement, per budget)",
+        "retrieval": "Retrieval (correct / prompts; in brackets: correct / full-cache correct on the same prompts)",
+        "memory": "Memory",
+        "speed": "Speed",
+    }
     pivots = {"fidelity": fidelity_markdown, "retrieval": retrieval_markdown}
     for suite in ("fidelity", "retrieval", "memory", "speed"):
         rs = [r for r in rows if r.get("suite") == suite]
@@ -346,5 +384,7 @@ def replace_block(text: str, block: str) -> str:
 
     a, b = text.find(MARK_BEGIN), text.find(MARK_END)
     if a < 0 or b < a:
-        raise FlashMemError(f"readme: the markers {MARK_BEGIN} and {MARK_END} are missing; add them where the tables go")
+        raise FlashMemError(
+            f"readme: the markers {MARK_BEGIN} and {MARK_END} are missing; add them where the tables go"
+        )
     return text[: a + len(MARK_BEGIN)] + "\n" + block + text[b:]

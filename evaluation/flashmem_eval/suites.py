@@ -62,21 +62,27 @@ def cells_for(methods: list[Method], budgets: list[float]) -> list[tuple[Method,
     return out
 
 
-def run_suite(args: BenchArgs, loaded: H.Loaded | None = None,
-              store: H.ResultStore | None = None) -> H.ResultStore:
+def run_suite(args: BenchArgs, loaded: H.Loaded | None = None, store: H.ResultStore | None = None) -> H.ResultStore:
     if args.suite not in SUITES:
         raise FlashMemError(f"suite: {args.suite!r} is not known; allowed: {', '.join(SUITES)}")
     methods = [parse_method(m) for m in args.methods]
     torch.set_num_threads(max(1, args.threads))
     store = store or H.ResultStore(args.json_out, meta={"suite": args.suite, "model": args.model})
     store.meta.update({"suite": args.suite, "model": args.model})
-    store.meta.setdefault("runs", []).append({
-        "methods": args.methods, "budgets": args.budgets, "lengths": args.lengths, "seeds": args.seeds,
-        "depths": args.depths if args.suite == "retrieval" else None,
-        "tasks": args.tasks if args.suite == "retrieval" else None,
-        "n_cont": args.n_cont if args.suite == "fidelity" else None, "chunk": args.chunk,
-        "threads": args.threads, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    })
+    store.meta.setdefault("runs", []).append(
+        {
+            "methods": args.methods,
+            "budgets": args.budgets,
+            "lengths": args.lengths,
+            "seeds": args.seeds,
+            "depths": args.depths if args.suite == "retrieval" else None,
+            "tasks": args.tasks if args.suite == "retrieval" else None,
+            "n_cont": args.n_cont if args.suite == "fidelity" else None,
+            "chunk": args.chunk,
+            "threads": args.threads,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+    )
     loaded = loaded or H.load(args.model)
     fn: Callable[..., None] = {
         "fidelity": _fidelity,
@@ -98,8 +104,9 @@ def _cell(args: BenchArgs, m: Method, b: float, **kw: Any) -> str:
     return H.cell_id(suite=args.suite, model=args.model, method=m.name, budget=b, **kw)
 
 
-def local_cache(loaded: H.Loaded, m: Method, b: float, ids: torch.Tensor,
-                 shared: dict[str, Any]) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+def local_cache(
+    loaded: H.Loaded, m: Method, b: float, ids: torch.Tensor, shared: dict[str, Any]
+) -> tuple[Any, torch.Tensor, dict[str, Any]]:
     """(cache after the prompt, logits predicting the next token, timing/config info)."""
     model = loaded.model
     if m.kind in ("full", "eviction"):
@@ -121,7 +128,11 @@ def local_cache(loaded: H.Loaded, m: Method, b: float, ids: torch.Tensor,
         except Exception:
             H.restore_attn(model, impl)
             raise
-        info = {"prefill_s": dt, "config": cfg.model_dump(), "predicted_ratio": predicted_ratio(cfg, int(ids.shape[1]), group)}
+        info = {
+            "prefill_s": dt,
+            "config": cfg.model_dump(),
+            "predicted_ratio": predicted_ratio(cfg, int(ids.shape[1]), group),
+        }
         shared["restore"] = impl
         return cache, logits, info
     raise FlashMemError(f"method {m.name!r} does not run in this process")
@@ -137,9 +148,11 @@ def done_local(shared: dict[str, Any], loaded: H.Loaded) -> None:
 
 def _progress(args: BenchArgs, total: int) -> Any:
     if not args.progress:
+
         class _No:
             def step(self, note: str = "") -> None: ...
             def close(self) -> None: ...
+
         return _No()
     return H.Progress(total, f"{args.suite}:{args.model}")
 
@@ -155,9 +168,15 @@ def _global_layers(model: Any) -> list[int]:
     return [i for i, t in enumerate(types) if t != "sliding_attention"]
 
 
-def _run_kvpress(args: BenchArgs, loaded: H.Loaded, jobs: list[dict[str, Any]],
-                 rows_by_cell: dict[str, dict[str, Any]], store: H.ResultStore,
-                 finish: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]], prog: Any) -> None:
+def _run_kvpress(
+    args: BenchArgs,
+    loaded: H.Loaded,
+    jobs: list[dict[str, Any]],
+    rows_by_cell: dict[str, dict[str, Any]],
+    store: H.ResultStore,
+    finish: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
+    prog: Any,
+) -> None:
     from flashmem_eval.baselines.kvpress_env import run_jobs
 
     if not jobs:
@@ -200,7 +219,9 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
     bases: dict[str, dict[str, Any]] = {}
     for L in args.lengths:
         for seed in args.seeds:
-            todo = [(m, b) for m, b in cells if not store.done(_cell(args, m, b, length=L, seed=seed, n_cont=args.n_cont))]
+            todo = [
+                (m, b) for m, b in cells if not store.done(_cell(args, m, b, length=L, seed=seed, n_cont=args.n_cont))
+            ]
             prog.bar.update(len(cells) - len(todo)) if hasattr(prog, "bar") else None
             if not todo:
                 continue
@@ -215,10 +236,18 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
 
                     row["compression_ratio"] = press_ratio(b)
                     bases[cell] = row
-                    jobs.append({"cell": cell, "kind": "fidelity", "press": m.variant,
-                                 "compression_ratio": press_ratio(b), "context": prompt[0].tolist(),
-                                 "cont": cont[0].tolist(), "chunk": args.chunk,
-                                 "global_layers": _global_layers(model)})
+                    jobs.append(
+                        {
+                            "cell": cell,
+                            "kind": "fidelity",
+                            "press": m.variant,
+                            "compression_ratio": press_ratio(b),
+                            "context": prompt[0].tolist(),
+                            "cont": cont[0].tolist(),
+                            "chunk": args.chunk,
+                            "global_layers": _global_layers(model),
+                        }
+                    )
                     continue
                 t0 = time.perf_counter()
                 try:
@@ -248,11 +277,29 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
 
 
 # ----------------------------------------------------------------------------- retrieval
-KEY_WORDS = ("apple", "river", "candle", "falcon", "garden", "harbor", "lantern", "meadow",
-             "orchid", "pepper", "quartz", "saddle", "thunder", "violet", "walnut", "yonder")
+KEY_WORDS = (
+    "apple",
+    "river",
+    "candle",
+    "falcon",
+    "garden",
+    "harbor",
+    "lantern",
+    "meadow",
+    "orchid",
+    "pepper",
+    "quartz",
+    "saddle",
+    "thunder",
+    "violet",
+    "walnut",
+    "yonder",
+)
 
-PREAMBLE = ("There is an important piece of information hidden inside a lot of irrelevant text. "
-            "Find it and memorize it. I will quiz you about it.\n\n")
+PREAMBLE = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.\n\n"
+)
 
 
 @dataclass
@@ -278,8 +325,10 @@ def make_probe(tok: Any, task: str, length: int, depth: float, seed: int, n_keys
         needles = [(f"One of the special magic numbers for {words[0]} is: {values[0]}.", depth)]
         for w, v, d in zip(words[1:], values[1:], others):
             needles.append((f"One of the special magic numbers for {w} is: {v}.", d))
-        question = (f"\n\nWhat is the special magic number for {words[0]} mentioned in the provided text? "
-                    f"The special magic number for {words[0]} mentioned in the provided text is")
+        question = (
+            f"\n\nWhat is the special magic number for {words[0]} mentioned in the provided text? "
+            f"The special magic number for {words[0]} mentioned in the provided text is"
+        )
         answer = values[0]
     else:
         raise FlashMemError(f"task: {task!r} is not known; allowed: passkey, multikey")
@@ -315,18 +364,37 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
         shared: dict[str, Any] = {}
         for m, b in todo:
             cell = _cell(args, m, b, task=task, length=L, depth=d, seed=s)
-            row = _base_row(args, m, b, task=task, length=L, depth=d, seed=s, cell=cell,
-                            context_tokens=int(ctx.shape[1]), answer=probe.answer)
+            row = _base_row(
+                args,
+                m,
+                b,
+                task=task,
+                length=L,
+                depth=d,
+                seed=s,
+                cell=cell,
+                context_tokens=int(ctx.shape[1]),
+                answer=probe.answer,
+            )
             if m.kind == "kvpress":
                 from flashmem_eval.baselines.kvpress_env import press_ratio
 
                 row["compression_ratio"] = press_ratio(b)
                 bases[cell] = row
                 answers[cell] = probe.answer
-                jobs.append({"cell": cell, "kind": "retrieval", "press": m.variant,
-                             "compression_ratio": press_ratio(b), "context": ctx[0].tolist(),
-                             "question": q[0].tolist(), "max_new": args.max_new, "stop": stop,
-                             "global_layers": _global_layers(model)})
+                jobs.append(
+                    {
+                        "cell": cell,
+                        "kind": "retrieval",
+                        "press": m.variant,
+                        "compression_ratio": press_ratio(b),
+                        "context": ctx[0].tolist(),
+                        "question": q[0].tolist(),
+                        "max_new": args.max_new,
+                        "stop": stop,
+                        "global_layers": _global_layers(model),
+                    }
+                )
                 continue
             t0 = time.perf_counter()
             try:
@@ -371,11 +439,12 @@ def _memory(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.R
                 continue
             row = _base_row(args, m, b, length=L, cell=cell)
             spec = {"model": args.model, "method": m.name, "budget": b, "length": L, "threads": args.threads}
-            res = subprocess.run([sys.executable, "-m", "flashmem_eval.memcell", _json.dumps(spec)],
-                                 capture_output=True, text=True)
+            res = subprocess.run(
+                [sys.executable, "-m", "flashmem_eval.memcell", _json.dumps(spec)], capture_output=True, text=True
+            )
             lines = [x for x in res.stdout.splitlines() if x.startswith("MEMCELL ")]
             if res.returncode == 0 and lines:
-                row.update(_json.loads(lines[-1][len("MEMCELL "):]))
+                row.update(_json.loads(lines[-1][len("MEMCELL ") :]))
             else:
                 row["error"] = f"memcell exited {res.returncode}: {res.stderr.strip()[-500:]}"
             store.add(row)
@@ -414,8 +483,13 @@ def _speed(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.Re
                 steps = H.timed_decode(model, cache, int(logits.argmax()), args.decode_tokens)
                 ms = sorted(1000 * t for t in steps)
                 # median per step: robust to the preemption spikes of a shared machine
-                row.update(prefill_s=t_pre, prefill_tok_s=L / t_pre, decode_ms_per_token=ms[len(ms) // 2],
-                           decode_ms_mean=sum(ms) / len(ms), decode_ms_min=ms[0])
+                row.update(
+                    prefill_s=t_pre,
+                    prefill_tok_s=L / t_pre,
+                    decode_ms_per_token=ms[len(ms) // 2],
+                    decode_ms_mean=sum(ms) / len(ms),
+                    decode_ms_min=ms[0],
+                )
                 row.update(H.cache_ratios(model, cache, L + args.decode_tokens))
                 if m.kind == "full":
                     ref = row

@@ -31,9 +31,7 @@ def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator([load_text()[:200_000]], trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
     return fast
 
 

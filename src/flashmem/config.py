@@ -39,50 +39,32 @@ class FlashMemoryConfig(BaseModel):
 
     # --- resident, exact ---------------------------------------------------
     sink_tokens: int = Field(4, ge=0, description="first tokens kept exact and always attended")
-    gpu_cache_limit: int = Field(
-        32768, ge=1, description="recent window W: last tokens kept exact on the device"
-    )
+    gpu_cache_limit: int = Field(32768, ge=1, description="recent window W: last tokens kept exact on the device")
     # --- sealed history -------------------------------------------------------
-    hca_chunk_size: int = Field(
-        128, ge=1, description="block size B: history unit; one HCA entry per block"
-    )
+    hca_chunk_size: int = Field(128, ge=1, description="block size B: history unit; one HCA entry per block")
     csa_chunk_size: int = Field(4, ge=1, description="tokens fused into one CSA entry")
-    csa_band_tokens: int = Field(
-        1024, ge=0, description="history behind the window kept resident as CSA entries"
-    )
+    csa_band_tokens: int = Field(1024, ge=0, description="history behind the window kept resident as CSA entries")
     fusion_rule: FusionRule = Field(
         "attention_mass", description="how CSA/HCA fusion weights are computed from the data"
     )
     fusion_rope: FusionRope = Field(
         "rerotate", description="un-rotate keys before pooling and re-rotate at the chunk centre"
     )
-    use_summaries: bool = Field(
-        True, description="attend CSA/HCA entries of unselected blocks (false: selection only)"
-    )
+    use_summaries: bool = Field(True, description="attend CSA/HCA entries of unselected blocks (false: selection only)")
     summary_bias: SummaryBias = Field(
         "none", description="logit bias of a fused entry: log(tokens it stands for) or none"
     )
     # --- index and selection ----------------------------------------------------
     lsa_scorer: Scorer = Field("quest", description="block scorer of the index")
-    lsa_keep_ratio: float = Field(
-        0.135, gt=0.0, le=1.0, description="fraction of sealed blocks selected per step"
-    )
-    lsa_top_k: int | None = Field(
-        None, ge=0, description="selected blocks per step; overrides lsa_keep_ratio when set"
-    )
-    lsa_min_blocks: int = Field(
-        1, ge=0, description="at least this many blocks are selected when any are sealed"
-    )
+    lsa_keep_ratio: float = Field(0.135, gt=0.0, le=1.0, description="fraction of sealed blocks selected per step")
+    lsa_top_k: int | None = Field(None, ge=0, description="selected blocks per step; overrides lsa_keep_ratio when set")
+    lsa_min_blocks: int = Field(1, ge=0, description="at least this many blocks are selected when any are sealed")
     # --- cold tier and prefetch ---------------------------------------------------
     cold_store: ColdStoreKind = Field("memory", description="where exact K/V of sealed blocks live")
     cold_dir: str | None = Field(None, description="folder of the disk cold tier")
     cold_codec: ColdCodec = Field("exact", description="coding of K/V in the cold tier")
-    cold_ram_bytes: int = Field(
-        256 * 2**20, ge=0, description="layered store: RAM LRU of blocks in front of the disk"
-    )
-    prefetch_window: int = Field(
-        16384, ge=0, description="tokens around selected blocks that may be prefetched"
-    )
+    cold_ram_bytes: int = Field(256 * 2**20, ge=0, description="layered store: RAM LRU of blocks in front of the disk")
+    prefetch_window: int = Field(16384, ge=0, description="tokens around selected blocks that may be prefetched")
     prefetch_threads: int = Field(2, ge=0, description="background loader threads (0: off)")
     persist: bool = Field(False, description="keep the disk cold tier after the cache closes")
     # --- layers and projections -------------------------------------------------
@@ -91,9 +73,7 @@ class FlashMemoryConfig(BaseModel):
     )
     low_rank_dim: int | None = Field(None, ge=1, description="MLA-style latent dim of K/V")
     # --- execution ------------------------------------------------------------------
-    prefill_chunk: int = Field(
-        512, ge=1, description="prompt tokens per prefill chunk (bounds peak memory)"
-    )
+    prefill_chunk: int = Field(512, ge=1, description="prompt tokens per prefill chunk (bounds peak memory)")
     prefill_split_tail: bool = Field(
         True,
         description="the prompt's last 32 queries, then its last query, select on their own "
@@ -110,13 +90,10 @@ class FlashMemoryConfig(BaseModel):
             )
         if policies.COLD_STORES[self.cold_store].needs_dir and not self.cold_dir:
             raise ValueError(
-                f"cold_dir: required when cold_store is {self.cold_store!r}; "
-                "allowed: a writable folder path"
+                f"cold_dir: required when cold_store is {self.cold_store!r}; " "allowed: a writable folder path"
             )
         if len(set(self.keep_full_layers)) != len(self.keep_full_layers):
-            raise ValueError(
-                f"keep_full_layers: {self.keep_full_layers} repeats a layer; allowed: distinct layers"
-            )
+            raise ValueError(f"keep_full_layers: {self.keep_full_layers} repeats a layer; allowed: distinct layers")
         return self
 
     # ------------------------------------------------------------------ loading
@@ -139,14 +116,10 @@ class FlashMemoryConfig(BaseModel):
         if "flash_memory" in data:
             extra = sorted(str(k) for k in data if k != "flash_memory")
             if extra:
-                raise ConfigError(
-                    f"{source}: unknown top-level key {extra[0]!r}; allowed: 'flash_memory'"
-                )
+                raise ConfigError(f"{source}: unknown top-level key {extra[0]!r}; allowed: 'flash_memory'")
             data = data["flash_memory"] if data["flash_memory"] is not None else {}
             if not isinstance(data, dict):
-                raise ConfigError(
-                    f"{source}: flash_memory is {type(data).__name__}; allowed: a mapping of keys"
-                )
+                raise ConfigError(f"{source}: flash_memory is {type(data).__name__}; allowed: a mapping of keys")
         bad = [k for k in data if not isinstance(k, str)]
         if bad:
             raise ConfigError(f"{source}: key {bad[0]!r} is not a name; allowed: {_allowed()}")
@@ -177,9 +150,7 @@ class FlashMemoryConfig(BaseModel):
             problem = getattr(exc, "problem", None) or "invalid YAML"
             raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
         except Exception as exc:  # PyYAML's constructors raise e.g. IndexError on '!!int'
-            raise ConfigError(
-                f"{source}: not valid YAML: {type(exc).__name__} while reading a tagged value"
-            ) from None
+            raise ConfigError(f"{source}: not valid YAML: {type(exc).__name__} while reading a tagged value") from None
         return cls.from_dict(data, source=source)
 
     @classmethod

@@ -45,9 +45,7 @@ def parse_method(name: str) -> Method:
         from flashmem_eval.baselines.flashmem_adapter import VARIANTS
 
         if variant not in VARIANTS:
-            raise FlashMemError(
-                f"method: {name!r} is not known; allowed flashmem variants: {', '.join(VARIANTS)}"
-            )
+            raise FlashMemError(f"method: {name!r} is not known; allowed flashmem variants: {', '.join(VARIANTS)}")
         return Method(name, "flashmem", variant)
     raise FlashMemError(
         f"method: {name!r} is not known; allowed: full, streaming, snapkv, flashmem[:variant], "

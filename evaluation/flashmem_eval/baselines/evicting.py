@@ -139,8 +139,15 @@ _WINDOW = 0
 
 
 def _capturing(original: Any):
-    def fn(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           attention_mask: Any, *args: Any, **kwargs: Any):
+    def fn(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        *args: Any,
+        **kwargs: Any,
+    ):
         if _CAPTURED is not None:
             idx = getattr(module, "layer_idx", None)
             _CAPTURED[idx] = {

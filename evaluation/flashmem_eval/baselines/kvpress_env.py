@@ -86,8 +86,14 @@ def write_jobs(path: Path, model_dir: str, out: Path, jobs: list[dict[str, Any]]
     path.write_text(json.dumps(spec))
 
 
-def run_jobs(model_dir: str, jobs: list[dict[str, Any]], work: Path, threads: int = 2,
-             python: Path | None = None, on_row: Any = None) -> list[dict[str, Any]]:
+def run_jobs(
+    model_dir: str,
+    jobs: list[dict[str, Any]],
+    work: Path,
+    threads: int = 2,
+    python: Path | None = None,
+    on_row: Any = None,
+) -> list[dict[str, Any]]:
     """Run `jobs` in the kvpress venv; rows are read back as the runner writes them."""
     if not jobs:
         return []
@@ -100,8 +106,9 @@ def run_jobs(model_dir: str, jobs: list[dict[str, Any]], work: Path, threads: in
         out.unlink()
     write_jobs(jobs_file, model_dir, out, jobs, threads)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.Popen(runner_command(py, jobs_file), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        runner_command(py, jobs_file), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     rows: list[dict[str, Any]] = []
     seen = 0
     import time

@@ -73,9 +73,7 @@ def query_chunks(q: int, step: int, split_tail: bool = True) -> list[tuple[int, 
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _new_token_validity(
-    mask: torch.Tensor | None, b: int, start: int, q: int, device: torch.device
-) -> torch.Tensor:
+def _new_token_validity(mask: torch.Tensor | None, b: int, start: int, q: int, device: torch.device) -> torch.Tensor:
     """[b, q] True where a new token is real (not padding).
 
     The mask spans every absolute position (FlashLayer.get_mask_sizes); its last

@@ -244,4 +244,3 @@ def _close_cold_tier(prefetcher: Prefetcher | None, store: ColdStore) -> None:
             prefetcher.close()
     finally:
         store.close()
-

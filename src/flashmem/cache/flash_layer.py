@@ -43,7 +43,6 @@ from flashmem.store.prefetch import Prefetcher
 SelectionHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-
 class FlashLayer(CacheLayerMixin):
     """Cache layer whose attention runs through `flashmem.cache.attention`, which
     calls `take_pending` and then `step` per chunk of queries."""
@@ -236,7 +235,11 @@ class FlashLayer(CacheLayerMixin):
                 add(self.csa_k, self.csa_v, _entry_bias(self.csa_cnt, use, cfg.summary_bias, q.dtype))
             if k_sel > 0:
                 assert self.ws_k is not None and self.ws_v is not None and self.ws_valid is not None
-                add(self.ws_k, self.ws_v, torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg))
+                add(
+                    self.ws_k,
+                    self.ws_v,
+                    torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg),
+                )
 
         o0 = S + n * cfg.hca_chunk_size
         o1 = o0 + self.open_k.shape[-2]
@@ -320,9 +323,7 @@ class FlashLayer(CacheLayerMixin):
         B, n, s = self.cfg.hca_chunk_size, self.num_sealed, self.block_start
         return self.valid[:, s : s + n * B].reshape(self.valid.shape[0], n, B)
 
-    def append(
-        self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, queries: torch.Tensor, group: int
-    ) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, queries: torch.Tensor, group: int) -> None:
         """Add new tokens after attention. k, v: [b, h, q, d]; valid: [b, q];
         queries: [b, h, q*group, d], token-major (a GQA group's queries per KV head)."""
         cfg = self.cfg
@@ -377,9 +378,7 @@ class FlashLayer(CacheLayerMixin):
             self.store.put((self.layer_idx, first + j), kj, vj)
             if band_blocks > 0:
                 sl = slice(j * per, (j + 1) * per)
-                self.csa_blocks.append(
-                    (first + j, csa.keys[:, :, sl], csa.values[:, :, sl], csa.counts[:, sl])
-                )
+                self.csa_blocks.append((first + j, csa.keys[:, :, sl], csa.values[:, :, sl], csa.counts[:, sl]))
         self.summaries = torch.cat([self.summaries, torch.stack(summ, dim=2)], dim=2)
         while len(self.csa_blocks) > band_blocks:
             self.csa_blocks.popleft()  # aged out of the near band: only the HCA entry stays

@@ -52,7 +52,8 @@ def bench(
     suite: str = typer.Argument(..., help="fidelity | retrieval | memory | speed"),
     model: str | None = typer.Option(None, "--model", help="smollm2 | gemma3-270m | tiny | HF folder"),
     methods: str = typer.Option(
-        "full,streaming,snapkv,flashmem", "--methods",
+        "full,streaming,snapkv,flashmem",
+        "--methods",
         help="comma list: full, streaming, snapkv, flashmem[:variant], kvpress:<Press>",
     ),
     budgets: str = typer.Option("1/4,1/8,1/16,1/32", "--budgets", help="resident KV / full KV"),

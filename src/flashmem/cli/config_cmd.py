@@ -18,7 +18,9 @@ config_app = typer.Typer(
 def check(
     file: Path = typer.Argument(..., help="YAML config (optionally under 'flash_memory:')"),
     model: str | None = typer.Option(
-        None, "--model", "-m",
+        None,
+        "--model",
+        "-m",
         help="also check keep_full_layers against this model's layers "
         "(built-in name, HF folder with config.json, or .gguf file)",
     ),

@@ -66,16 +66,20 @@ def _print(est: Any) -> None:
     from flashmem.memory.units import fmt_bytes
 
     con = Console()
-    con.print(f"[bold]{est.model}[/bold]  ({est.source}; {est.layers} layers, {est.dtype}, "
-              f"{est.element_bytes} B/element)")
+    con.print(
+        f"[bold]{est.model}[/bold]  ({est.source}; {est.layers} layers, {est.dtype}, " f"{est.element_bytes} B/element)"
+    )
     con.print(f"layers: {est.layer_summary}")
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column(justify="right")
     t.add_column()
     bpt = est.bytes_per_token
-    t.add_row("bytes per token", f"{bpt:,}" if isinstance(bpt, int) else f"{bpt:,.3f}",
-              "one sequence, each further token at long context")
+    t.add_row(
+        "bytes per token",
+        f"{bpt:,}" if isinstance(bpt, int) else f"{bpt:,.3f}",
+        "one sequence, each further token at long context",
+    )
     if est.fixed_bytes:
         t.add_row("window bytes", f"{est.fixed_bytes:,}", "bounded sliding windows, one sequence")
     t.add_row("tokens x batch", f"{est.tokens:,} x {est.batch}", "")
@@ -96,8 +100,9 @@ def _print(est: Any) -> None:
             if v:
                 tt.add_row(k, f"{v:,}", fmt_bytes(v))
         con.print(tt)
-        con.print(f"managed layers: {len(est.flashmem.managed_layers)}; "
-                  f"full layers: {est.flashmem.full_layers or 'none'}")
+        con.print(
+            f"managed layers: {len(est.flashmem.managed_layers)}; " f"full layers: {est.flashmem.full_layers or 'none'}"
+        )
     ft = Table(title="fits on (KV cache alone, weights not counted)")
     ft.add_column("accelerator")
     ft.add_column("full cache")

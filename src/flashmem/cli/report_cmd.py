@@ -33,12 +33,16 @@ def report(
     rows, runs = R.load_rows(files)
     suites = sorted({str(r.get("suite")) for r in rows})
     if (json_out or plot) and len(suites) != 1:
-        raise FlashMemError(f"--json-out/--plot: the files hold suites {', '.join(suites) or 'none'}; allowed: exactly one")
+        raise FlashMemError(
+            f"--json-out/--plot: the files hold suites {', '.join(suites) or 'none'}; allowed: exactly one"
+        )
     for suite in suites:
         R.print_table(rows, suite)
     if json_out is not None:
-        doc = {"meta": {"suite": suites[0], "runs": runs, "merged_from": [str(f) for f in files], **environment()},
-               "rows": rows}
+        doc = {
+            "meta": {"suite": suites[0], "runs": runs, "merged_from": [str(f) for f in files], **environment()},
+            "rows": rows,
+        }
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(doc, indent=1))
         typer.echo(f"wrote {json_out}")
@@ -47,8 +51,13 @@ def report(
             typer.echo(f"wrote {p}")
     if markdown is not None or readme is not None:
         opts = [("--json-out", json_out), ("--plot", plot), ("--markdown", markdown), ("--readme", readme)]
-        command = " ".join(["flashmem report", *map(shlex.quote, map(str, files)),
-                            *(f"{k} {shlex.quote(str(v))}" for k, v in opts if v is not None)])
+        command = " ".join(
+            [
+                "flashmem report",
+                *map(shlex.quote, map(str, files)),
+                *(f"{k} {shlex.quote(str(v))}" for k, v in opts if v is not None),
+            ]
+        )
         text = R.results_markdown(rows, [str(f) for f in files], runs, command)
         if markdown is not None:
             markdown.write_text(text)

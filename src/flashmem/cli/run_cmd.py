@@ -25,10 +25,14 @@ def register(app: typer.Typer) -> None:
 
 def run(
     model: str = typer.Option("smollm2", "--model", "-m", help="built-in name, HF folder or .gguf file"),
-    config: Path | None = typer.Option(None, "--config", "-c", help="FlashMemory YAML (default: configs/cpu-small.yaml)"),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="FlashMemory YAML (default: configs/cpu-small.yaml)"
+    ),
     input: Path | None = typer.Option(None, "--input", "-i", help="text file to read as the long context"),
     text: str | None = typer.Option(None, "--text", help="packaged text instead of --input (e.g. 'kjv')"),
-    context_tokens: int | None = typer.Option(None, "--context-tokens", min=1, help="keep the last N tokens of the input"),
+    context_tokens: int | None = typer.Option(
+        None, "--context-tokens", min=1, help="keep the last N tokens of the input"
+    ),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="text appended after the input"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1),
     compare_full: bool = typer.Option(False, "--compare-full", help="also run the plain cache and compare"),
@@ -77,7 +81,9 @@ def run(
 
 def _default_config() -> Path:
     if not DEFAULT_CONFIG.is_file():
-        raise FlashMemError("no --config given and configs/cpu-small.yaml is not beside the package; pass --config FILE")
+        raise FlashMemError(
+            "no --config given and configs/cpu-small.yaml is not beside the package; pass --config FILE"
+        )
     return DEFAULT_CONFIG
 
 
@@ -110,7 +116,9 @@ def _encode(tok: Any, source: str, prompt: str | None, context_tokens: int | Non
     return torch.tensor([ctx + tail])
 
 
-def _generate(model: Any, tok: Any, cache: Any, ids: Any, n: int, stream: bool) -> tuple[list[int], list[Any], float, float]:
+def _generate(
+    model: Any, tok: Any, cache: Any, ids: Any, n: int, stream: bool
+) -> tuple[list[int], list[Any], float, float]:
     """Greedy decoding; returns tokens, the logits that chose them, prefill and decode seconds."""
     import torch
 
@@ -181,7 +189,11 @@ def _print_report(r: dict[str, Any]) -> None:
     for name in ("full_layer_bytes", "sliding_layer_bytes"):
         if mem[name]:
             t.add_row(name.removesuffix("_bytes"), f"{mem[name]:,}", f"{mem[name] / full:.2%}")
-    t.add_row("[b]device resident[/b]", f"[b]{mem['device_resident_bytes']:,}[/b]", f"[b]{mem['device_resident_bytes'] / full:.2%}[/b]")
+    t.add_row(
+        "[b]device resident[/b]",
+        f"[b]{mem['device_resident_bytes']:,}[/b]",
+        f"[b]{mem['device_resident_bytes'] / full:.2%}[/b]",
+    )
     t.add_row("cold tier", f"{mem['cold_bytes']:,}", f"{mem['cold_bytes'] / full:.2%}")
     t.add_row("full cache (DynamicCache)", f"{full:,}", "100.00%")
     console = Console()

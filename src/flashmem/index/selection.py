@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def select_blocks(
-    scores: torch.Tensor, block_valid: torch.Tensor, k: int, scaling: float
-) -> torch.Tensor:
+def select_blocks(scores: torch.Tensor, block_valid: torch.Tensor, k: int, scaling: float) -> torch.Tensor:
     """scores: [b, h, nq, n] per query; block_valid: [b, n] bool -> indices [b, h, k].
 
     A GQA group and a prefill chunk pool their queries: each query's softmax over

@@ -84,6 +84,7 @@ def budget_config(
     cands = []
     for k in range(0, 33):
         for band_blocks in range(0, 33):
+
             def make(w: int, k: int = k, band_blocks: int = band_blocks) -> FlashMemoryConfig:
                 return base.model_copy(
                     update={
@@ -118,8 +119,6 @@ def budget_config(
     return min(good, key=lambda c: (shape(c), c[0]))[1]
 
 
-
-
 def full_kv_bytes(model: Any, tokens: int, dtype_bytes: int) -> dict[str, int]:
     """Bytes a plain DynamicCache(config) holds after `tokens` tokens (analytic)."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -135,5 +134,9 @@ def full_kv_bytes(model: Any, tokens: int, dtype_bytes: int) -> dict[str, int]:
             sliding += min(tokens, sw - 1) * per_tok
         else:
             managed += tokens * per_tok
-    return {"managed_bytes": managed, "sliding_bytes": sliding, "total_bytes": managed + sliding,
-            "bytes_per_token_managed": per_tok * sum(t != "sliding_attention" or not sw for t in types)}
+    return {
+        "managed_bytes": managed,
+        "sliding_bytes": sliding,
+        "total_bytes": managed + sliding,
+        "bytes_per_token_managed": per_tok * sum(t != "sliding_attention" or not sw for t in types),
+    }

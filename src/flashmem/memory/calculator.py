@@ -206,9 +206,7 @@ def _load_config(config: Any) -> FlashMemoryConfig | None:
     raise ConfigError(f"--config: {config!r} is not allowed; allowed: a YAML file path")
 
 
-def _flash_split(
-    spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: int, eb: int
-) -> FlashEstimate:
+def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: int, eb: int) -> FlashEstimate:
     cfg.check_for_model(spec.num_layers)
     full_idx = cfg.resolve_full_layers(spec.num_layers)
     counts = tier_counts(cfg, tokens)

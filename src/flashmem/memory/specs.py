@@ -210,10 +210,7 @@ class CompressedV4:
     def describe(self) -> str:
         name = "CSA" if self.index_head_dim else "HCA"
         idx = f" + indexer {self.index_head_dim}" if self.index_head_dim else ""
-        return (
-            f"V4 {name} 1/{self.compress_rate}: {self.head_dim}{idx} per entry, "
-            f"window {self.window}"
-        )
+        return f"V4 {name} 1/{self.compress_rate}: {self.head_dim}{idx} per entry, " f"window {self.window}"
 
 
 LayerSpec = FullAttention | SlidingWindow | MLA | MLAIndexer | CompressedV4
@@ -251,8 +248,9 @@ def _gemma3_270m() -> ModelSpec:
     return ModelSpec("gemma3-270m", layers)
 
 
-def _v4_layers(layer_types: list[str], head_dim: int, window: int, index_head_dim: int,
-               rates: dict[str, int]) -> tuple[LayerSpec, ...]:
+def _v4_layers(
+    layer_types: list[str], head_dim: int, window: int, index_head_dim: int, rates: dict[str, int]
+) -> tuple[LayerSpec, ...]:
     out: list[LayerSpec] = []
     for t in layer_types:
         if t == "sliding_attention":
@@ -279,8 +277,7 @@ def _deepseek_v4_flash() -> ModelSpec:
     # then ratio 4 (CSA) on even and 128 (HCA) on odd layers. Assumption stated: taken
     # from the public model card / config, not from code installed here.
     types = ["sliding_attention"] * 2 + [
-        "compressed_sparse_attention" if i % 2 == 0 else "heavily_compressed_attention"
-        for i in range(2, 43)
+        "compressed_sparse_attention" if i % 2 == 0 else "heavily_compressed_attention" for i in range(2, 43)
     ]
     return ModelSpec("deepseek-v4-flash", _v4_layers(types, 512, 128, 128, _V4_RATES))
 
@@ -293,8 +290,7 @@ def _deepseek_v4_pro() -> ModelSpec:
     # of the interleave) -> 32 HCA + 29 CSA layers.
     n = 61
     types = ["heavily_compressed_attention"] * 2 + [
-        "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
-        for i in range(n - 2)
+        "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(n - 2)
     ]
     return ModelSpec("deepseek-v4-pro", _v4_layers(types, 512, 128, 128, _V4_RATES))
 
@@ -431,14 +427,16 @@ def from_hf_config(cfg: Any, name: str = "config") -> ModelSpec:
             types = [m[r] for r in _get(cfg, "compress_ratios")]
         if types is None:
             types = ["heavily_compressed_attention"] * min(n, 2) + [
-                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
-                for i in range(max(n - 2, 0))
+                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))
             ]
         rates = dict(_V4_RATES)
         rates.update(_get(cfg, "compress_rates", {}) or {})
         layers = _v4_layers(
-            list(types)[:n], int(_get(cfg, "head_dim", 512)), int(_get(cfg, "sliding_window", 128)),
-            int(_get(cfg, "index_head_dim", 128)), rates,
+            list(types)[:n],
+            int(_get(cfg, "head_dim", 512)),
+            int(_get(cfg, "sliding_window", 128)),
+            int(_get(cfg, "index_head_dim", 128)),
+            rates,
         )
         return ModelSpec(name, layers, dtype, source="config")
 

@@ -35,14 +35,7 @@ class TierCounts:
     @property
     def resident_kv(self) -> int:
         """Token-equivalents that carry both K and V on the device."""
-        return (
-            self.sinks
-            + self.window
-            + self.open_block
-            + self.csa_entries
-            + self.hca_entries
-            + self.working_set
-        )
+        return self.sinks + self.window + self.open_block + self.csa_entries + self.hca_entries + self.working_set
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -17,8 +17,7 @@ from flashmem.errors import ConfigError
 TOKEN_SUFFIX = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 _TOKENS_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)\s*$", re.IGNORECASE)
 _TOKENS_HELP = (
-    "an integer like 131072 (exact), or with a binary suffix K = 1024, M = 1048576, "
-    "G = 2**30, like 128K or 1M"
+    "an integer like 131072 (exact), or with a binary suffix K = 1024, M = 1048576, " "G = 2**30, like 128K or 1M"
 )
 
 
@@ -40,9 +39,7 @@ def parse_tokens(text: str | int, flag: str = "--tokens") -> int:
             scaled = int(whole + frac) * mult
             div = 10 ** len(frac)
             if scaled % div:
-                raise ConfigError(
-                    f"{flag}: {str(text)!r} is not a whole number of tokens; allowed: {_TOKENS_HELP}"
-                )
+                raise ConfigError(f"{flag}: {str(text)!r} is not a whole number of tokens; allowed: {_TOKENS_HELP}")
             value = scaled // div
         else:
             value = int(number) * mult

@@ -96,9 +96,7 @@ def resolve(name_or_path: str | os.PathLike[str]) -> _Source:
         if len(ggufs) == 1:
             return _Source("gguf", _slug(ggufs[0].stem), path=ggufs[0].resolve())
         raise FlashMemError(f"{p} has no config.json (nor a single .gguf file); it is not a model folder")
-    looks_like_path = (
-        os.sep in key or "/" in key or key.startswith((".", "~")) or key.lower().endswith(".gguf")
-    )
+    looks_like_path = os.sep in key or "/" in key or key.startswith((".", "~")) or key.lower().endswith(".gguf")
     if looks_like_path:
         raise FlashMemError(f"model path {key} does not exist")
     raise FlashMemError(
@@ -114,9 +112,7 @@ def _slug(s: str) -> str:
 
 
 def _folder_files(folder: Path) -> dict[str, int]:
-    return {
-        p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MARKER
-    }
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != MARKER}
 
 
 def cache_is_complete(folder: Path) -> bool:

@@ -1,10 +1,10 @@
 """Cold tier: where exact (or int8/int4-coded) K/V of sealed blocks live.
 
-    store = open_store(cfg, dtype=torch.bfloat16, name="cache")   # memory | disk | layered
-    store.put((layer, block), k, v)          # k, v: [batch, kv_heads, B, head_dim]
-    k, v = store.get((layer, block), device)
-    pf = open_prefetcher(cfg, store)          # background loads for the next steps
-    pf.request(keys); k, v = pf.get(key, device); pf.stats()
+store = open_store(cfg, dtype=torch.bfloat16, name="cache")   # memory | disk | layered
+store.put((layer, block), k, v)          # k, v: [batch, kv_heads, B, head_dim]
+k, v = store.get((layer, block), device)
+pf = open_prefetcher(cfg, store)          # background loads for the next steps
+pf.request(keys); k, v = pf.get(key, device); pf.stats()
 """
 
 from __future__ import annotations

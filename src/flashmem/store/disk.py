@@ -63,8 +63,12 @@ class DiskStore(ColdStore):
         try:
             _write_meta(folder, self.codec.name, dtype, persist)
             core = DiskCore(
-                folder, self.codec, persist=persist, sync=sync,
-                segment_bytes=segment_bytes, max_pending_bytes=max_pending_bytes,
+                folder,
+                self.codec,
+                persist=persist,
+                sync=sync,
+                segment_bytes=segment_bytes,
+                max_pending_bytes=max_pending_bytes,
             )
         except OSError as exc:
             import shutil
@@ -80,8 +84,14 @@ class DiskStore(ColdStore):
 
     @classmethod
     def reopen(
-        cls, path: str, *, persist: bool = True, verify: bool = False, sync: bool = True,
-        segment_bytes: int = 2**30, max_pending_bytes: int = 256 * 2**20,
+        cls,
+        path: str,
+        *,
+        persist: bool = True,
+        verify: bool = False,
+        sync: bool = True,
+        segment_bytes: int = 2**30,
+        max_pending_bytes: int = 256 * 2**20,
     ) -> DiskStore:
         """Open a persisted store folder: every committed record is kept; incomplete or
         garbled trailing records are ignored (verify=True also reads every payload and
@@ -94,9 +104,15 @@ class DiskStore(ColdStore):
         try:
             _write_meta(path, rec.codec.name, rec.dtype, persist)
             core = DiskCore(
-                os.path.abspath(path), rec.codec, persist=persist, sync=sync,
-                segment_bytes=segment_bytes, max_pending_bytes=max_pending_bytes,
-                index=rec.index, first_segment=rec.next_segment, log_offset=rec.log_length,
+                os.path.abspath(path),
+                rec.codec,
+                persist=persist,
+                sync=sync,
+                segment_bytes=segment_bytes,
+                max_pending_bytes=max_pending_bytes,
+                index=rec.index,
+                first_segment=rec.next_segment,
+                log_offset=rec.log_length,
             )
         except OSError as exc:
             raise store_error(path, "cannot reopen", exc) from None

@@ -98,7 +98,9 @@ class DiskCore:
         self.log_fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT, 0o644)
         if sync:
             fsync_dir(folder)
-        self.thread = threading.Thread(target=self._run, name=f"flashmem-writer-{os.path.basename(folder)}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"flashmem-writer-{os.path.basename(folder)}", daemon=True
+        )
         self.thread.start()
 
     # ------------------------------------------------------------- writing
@@ -155,7 +157,9 @@ class DiskCore:
                 with self.cond:
                     where = os.path.join(self.folder, segment_name(self.seg))
                     self.error = store_error(
-                        where, "background write failed", exc,
+                        where,
+                        "background write failed",
+                        exc,
                         f"{len(self.pending)} blocks not yet written stay readable in memory",
                     )
                     self.queue.clear()

@@ -34,7 +34,9 @@ class Prefetcher:
         self.threads = int(threads)
         self.ready_bytes = int(ready_bytes)
         self._coded = store.coded_reads
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flashmem-prefetch") if self.threads > 0 else None
+        self._pool = (
+            ThreadPoolExecutor(self.threads, thread_name_prefix="flashmem-prefetch") if self.threads > 0 else None
+        )
         self._lock = threading.Lock()
         self._ready: OrderedDict[BlockKey, Entry] = OrderedDict()
         self._ready_size = 0

@@ -67,7 +67,11 @@ def recover(folder: str, *, verify: bool = False) -> Recovered:
         with open(log_path, "r+b") as f:  # later entries must follow the last intact one
             f.truncate(pos)
     return Recovered(
-        codec, dtype, index, pos, max(segs, default=-1) + 1,
+        codec,
+        dtype,
+        index,
+        pos,
+        max(segs, default=-1) + 1,
         {"kept": kept, "dropped": dropped, "torn_log_bytes": torn},
     )
 
@@ -87,7 +91,12 @@ def _check_record(folder: str, e, verify: bool, codec_code: int):
     h = unpack_header(hdr)
     if got < sum(len(b) for b in bufs) or h is None or (h.layer, h.block) != (e.layer, e.block):
         return None, None, False
-    if h.payload_len != e.payload_len or h.payload_sum != e.payload_sum or h.dtype not in DTYPES_BY_CODE or h.codec != codec_code:
+    if (
+        h.payload_len != e.payload_len
+        or h.payload_sum != e.payload_sum
+        or h.dtype not in DTYPES_BY_CODE
+        or h.codec != codec_code
+    ):
         return None, None, False
     if payload is not None and xxh64(payload) != e.payload_sum:
         return None, None, False

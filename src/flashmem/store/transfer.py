@@ -74,7 +74,12 @@ def to_device(t: torch.Tensor, device: torch.device | str | None) -> torch.Tenso
 
 
 def decode_on(
-    codec: Codec, payload: torch.Tensor, shape: Shape, dtype: torch.dtype, device: torch.device | str | None, shared: bool
+    codec: Codec,
+    payload: torch.Tensor,
+    shape: Shape,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+    shared: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Move the coded payload (uint8 [n]) to `device` (pinned -> async) and decode
     there -> (k, v) of `shape`. shared: the payload is kept elsewhere too (a

@@ -53,8 +53,7 @@ def check_pair(k: torch.Tensor, v: torch.Tensor) -> Shape:
         )
     if k.dtype != v.dtype or k.dtype not in DTYPE_CODES:
         raise ValueError(
-            f"cold store block: dtypes {k.dtype}/{v.dtype}; allowed: one of "
-            + ", ".join(str(d) for d in DTYPE_CODES)
+            f"cold store block: dtypes {k.dtype}/{v.dtype}; allowed: one of " + ", ".join(str(d) for d in DTYPE_CODES)
         )
     return tuple(int(s) for s in k.shape)  # type: ignore[return-value]
 
