@@ -194,3 +194,15 @@ def test_flashmem_method_adapter(tmp_path, loaded):
     assert not rows["flashmem"].get("error"), rows["flashmem"].get("error")
     assert 0.15 < rows["flashmem"]["ratio"] < 0.35
     assert loaded.model.config._attn_implementation == impl  # restored for the other methods
+
+
+def test_done_local_closes_the_flashmem_cache():
+    import torch
+
+    loaded = H.load("tiny")
+    shared: dict = {}
+    ids = torch.randint(3, 100, (1, 300))
+    cache, _, _ = suites.local_cache(loaded, parse_method("flashmem"), 0.25, ids, shared)
+    assert not cache.closed
+    suites.done_local(shared, loaded)
+    assert cache.closed

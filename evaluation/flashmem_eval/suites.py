@@ -134,6 +134,7 @@ def local_cache(
             "predicted_ratio": predicted_ratio(cfg, int(ids.shape[1]), group),
         }
         shared["restore"] = impl
+        shared["cache"] = cache  # closed by done_local, not left to the garbage collector
         return cache, logits, info
     raise FlashMemError(f"method {m.name!r} does not run in this process")
 
