@@ -31,6 +31,7 @@ import torch
 
 import flashmem
 from disk_probe import drop_segments, raw_sequential
+from flashmem_eval.tiny import build_llama
 
 
 def drop_store(cache) -> None:
@@ -127,10 +128,8 @@ def run_model(name, model, ids, args, raw) -> list[dict]:
 
 
 def tiny_llama_long(tokens: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    return build_llama(
+        0,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=4,
@@ -139,7 +138,6 @@ def tiny_llama_long(tokens: int):
         vocab_size=1024,
         max_position_embeddings=tokens + 4096,
     )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def main() -> None:

@@ -6,16 +6,17 @@ import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
-    LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
+from flashmem_eval.tiny import build_llama
+
 
 def tiny_llama(layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    return build_llama(
+        seed,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
@@ -24,7 +25,6 @@ def tiny_llama(layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
         vocab_size=128,
         max_position_embeddings=1 << 17,
     )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:

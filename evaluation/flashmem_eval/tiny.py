@@ -35,6 +35,20 @@ def tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> Any:
     return fast
 
 
+def build_llama(seed: int = 0, attn: str | None = None, **config: Any) -> Any:
+    """A random-weight Llama in eval mode: LlamaConfig(**config), weights drawn after
+    torch.manual_seed(seed); attn sets the attention implementation (None: default).
+    The one tiny-model builder of the tests, the harness and the benchmarks."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**config)
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg).eval()
+
+
 def tiny_llama(
     vocab_size: int = TINY_VOCAB,
     layers: int = 2,
@@ -46,11 +60,9 @@ def tiny_llama(
     attn: str = "sdpa",
 ) -> Any:
     """A random-weight Llama (GQA) in eval mode, float32, SDPA attention by default."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    return build_llama(
+        seed,
+        attn,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -63,6 +75,3 @@ def tiny_llama(
         pad_token_id=2,
         tie_word_embeddings=True,
     )
-    cfg._attn_implementation = attn
-    model = LlamaForCausalLM(cfg).eval()
-    return model
