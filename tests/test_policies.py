@@ -22,6 +22,14 @@ from flashmem.store.codecs import CODECS
 @pytest.mark.parametrize("name", sorted(policies.SCORERS))
 def test_scorer_declares_the_summary_width_it_produces(name):
     spec = policies.SCORERS[name]
+    if spec.needs_calibration:  # per-token low-rank keys: 8-token pages, rank 16 of a 16-dim head
+        cfg = FlashMemoryConfig(hca_chunk_size=8, csa_chunk_size=4)
+        cal = {n: torch.randn(2, 16, 16) for n in ("key_basis", "query_proj", "key_proj")}
+        scorer = make_scorer(name, ScorerContext(layer_idx=0, kv_heads=2, head_dim=16, cfg=cfg, calibration=cal))
+        summary = scorer.summarize(torch.randn(1, 2, 8, 16), torch.ones(1, 8, dtype=torch.bool))
+        assert summary.shape == (1, 2, 8, 16)
+        assert spec.index_bytes(cfg, 16, 2).per_token * 8 == summary[0, 0].numel() * 2
+        return
     cfg = FlashMemoryConfig()
     scorer = make_scorer(name, ScorerContext(layer_idx=0, kv_heads=2, head_dim=16, cfg=cfg))
     assert scorer.name == name and scorer.vectors == spec.vectors

@@ -117,12 +117,11 @@ def local_cache(
         cache = H.eviction_cache(m, pre, b)
         return cache, pre.last_logits, {"prefill_s": pre.seconds, "compress_s": time.perf_counter() - t0}
     if m.kind == "flashmem":
-        from flashmem.memory.budget import predicted_ratio
+        from flashmem.memory.budget import model_geometry, predicted_ratio
 
         impl = shared.setdefault("impl", model.config._attn_implementation)
-        tcfg = model.config.get_text_config()
-        group = tcfg.num_attention_heads // (getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads)
-        cfg = FlashMemoryConfig.for_budget(b, int(ids.shape[1]), group=group, variant=m.variant)
+        cfg = FlashMemoryConfig.for_budget(b, int(ids.shape[1]), model, variant=m.variant)
+        geo = model_geometry(model)
         try:
             cache, logits, dt = H.prefill_flashmem(model, ids, cfg)
         except Exception:
@@ -131,7 +130,7 @@ def local_cache(
         info = {
             "prefill_s": dt,
             "config": cfg.model_dump(),
-            "predicted_ratio": predicted_ratio(cfg, int(ids.shape[1]), group),
+            "predicted_ratio": predicted_ratio(cfg, int(ids.shape[1]), **geo),
         }
         shared["restore"] = impl
         shared["cache"] = cache  # closed by done_local, not left to the garbage collector

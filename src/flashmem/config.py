@@ -29,6 +29,7 @@ else:
     ColdStoreKind = Literal[tuple(policies.COLD_STORES)]
     ColdCodec = Literal[tuple(policies.CODECS)]
 SummaryBias = Literal["log_size", "none"]
+IndexDtype = Literal["model", "float16", "int8"]
 FusionRope = Literal["rerotate", "raw"]
 
 
@@ -56,9 +57,27 @@ class FlashMemoryConfig(BaseModel):
     )
     # --- index and selection ----------------------------------------------------
     lsa_scorer: Scorer = Field("quest", description="block scorer of the index")
-    lsa_keep_ratio: float = Field(0.135, gt=0.0, le=1.0, description="fraction of sealed blocks selected per step")
-    lsa_top_k: int | None = Field(None, ge=0, description="selected blocks per step; overrides lsa_keep_ratio when set")
-    lsa_min_blocks: int = Field(1, ge=0, description="at least this many blocks are selected when any are sealed")
+    lsa_keep_ratio: float = Field(
+        0.135, gt=0.0, le=1.0, description="fraction of sealed blocks selected per step"
+    )
+    lsa_top_k: int | None = Field(
+        None, ge=0, description="selected blocks per step; overrides lsa_keep_ratio when set"
+    )
+    lsa_min_blocks: int = Field(
+        1, ge=0, description="at least this many blocks are selected when any are sealed"
+    )
+    lsa_page_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="scoring and selection unit in tokens (divides hca_chunk_size); null: the block. "
+        "lsa_top_k / lsa_keep_ratio then count pages",
+    )
+    lsa_index_dtype: IndexDtype = Field(
+        "model", description="precision of resident index vectors: model dtype, float16 or int8"
+    )
+    calibration: str | None = Field(
+        None, description="folder written by `flashmem calibrate` (lowrank and learned scorers)"
+    )
     # --- cold tier and prefetch ---------------------------------------------------
     cold_store: ColdStoreKind = Field("memory", description="where exact K/V of sealed blocks live")
     cold_dir: str | None = Field(None, description="folder of the disk cold tier")
@@ -87,6 +106,17 @@ class FlashMemoryConfig(BaseModel):
                 f"hca_chunk_size: {self.hca_chunk_size} is not a multiple of csa_chunk_size "
                 f"({self.csa_chunk_size}); allowed: a multiple such as "
                 f"{self.csa_chunk_size * max(1, round(self.hca_chunk_size / self.csa_chunk_size))}"
+            )
+        page = self.page_tokens
+        if self.hca_chunk_size % page or page % self.csa_chunk_size:
+            raise ValueError(
+                f"lsa_page_tokens: {page} must divide hca_chunk_size ({self.hca_chunk_size}) and be a "
+                f"multiple of csa_chunk_size ({self.csa_chunk_size}); allowed: e.g. 16 with 64-token blocks"
+            )
+        if page != self.hca_chunk_size and not policies.SCORERS[self.lsa_scorer].scores_pages:
+            raise ValueError(
+                f"lsa_page_tokens: {self.lsa_scorer!r} ranks blocks by their HCA entry and cannot score "
+                f"pages; allowed: null (or {self.hca_chunk_size}) with it, or another lsa_scorer"
             )
         if policies.COLD_STORES[self.cold_store].needs_dir and not self.cold_dir:
             raise ValueError(
@@ -155,15 +185,35 @@ class FlashMemoryConfig(BaseModel):
 
     @classmethod
     def for_budget(
-        cls, budget: float, tokens: int, *, group: int = 1, variant: str = "default", **overrides: Any
+        cls,
+        budget: float,
+        tokens: int,
+        model: Any = None,
+        *,
+        variant: str = "default",
+        group: int | None = None,
+        head_dim: int | None = None,
+        dtype_bytes: int | None = None,
+        **overrides: Any,
     ) -> FlashMemoryConfig:
-        """The config whose predicted device-resident KV bytes at `tokens` tokens are
-        about `budget` x the full cache's (0 < budget <= 1). group: query heads per
-        KV head; variant: a recipe of flashmem.memory.budget.VARIANTS; overrides:
-        config keys laid over it. See flashmem.memory.budget.budget_config."""
-        from flashmem.memory.budget import budget_config
+        """The best measured recipe at `budget` x the full cache's device-resident KV bytes
+        after `tokens` tokens (0 < budget <= 1): 16-token pages scored by their mean key
+        (int8), 64-token blocks, the split of window / selected pages searched to fit.
 
-        return budget_config(budget, tokens, variant, group, **overrides)
+        model: a transformers model (or its config) to read the GQA group, head dim and
+        dtype from; without it give group / head_dim / dtype_bytes (defaults 1 / 64 / 4).
+        variant: a recipe of flashmem.memory.budget.VARIANTS; overrides: config keys laid
+        over it. See flashmem.memory.budget.budget_config and docs/measurements.md.
+        """
+        from flashmem.memory.budget import budget_config, model_geometry
+
+        geo = model_geometry(model) if model is not None else {}
+        geo = {
+            "group": group or geo.get("group", 1),
+            "head_dim": head_dim or geo.get("head_dim", 64),
+            "dtype_bytes": dtype_bytes or geo.get("dtype_bytes", 4),
+        }
+        return budget_config(budget, tokens, variant, **geo, **overrides)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump({"flash_memory": self.model_dump()}, sort_keys=False)
@@ -194,8 +244,25 @@ class FlashMemoryConfig(BaseModel):
         """Newest sealed blocks that keep their CSA entries resident (the near band)."""
         return self.csa_band_tokens // self.hca_chunk_size
 
+    @property
+    def keeps_hca_entries(self) -> bool:
+        """HCA entries stay resident: attended as summaries, or read by the scorer.
+        Without summaries (`use_summaries: false`) the CSA band, the HCA entries and the
+        fusion rule's query buffer are not kept at all: their bytes go to selection."""
+        return self.use_summaries or policies.SCORERS[self.lsa_scorer].reads_hca_entries
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens per scoring/selection unit (a page; the whole block unless set)."""
+        return self.lsa_page_tokens or self.hca_chunk_size
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.hca_chunk_size // self.page_tokens
+
     def blocks_to_select(self, num_sealed: int) -> int:
-        """How many sealed blocks the selection attends exactly this step."""
+        """How many selection units (sealed blocks, or pages with `lsa_page_tokens`) the
+        selection attends exactly this step, out of `num_sealed` such units."""
         if num_sealed <= 0:
             return 0
         if self.lsa_top_k is not None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from flashmem import policies
 from flashmem.cache import attention
 from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.config import FlashMemoryConfig
@@ -22,13 +25,18 @@ def register() -> None:
     AttentionMaskInterface.register(attention.NAME, sdpa_mask)
 
 
-def attach(model: PreTrainedModel, cfg: FlashMemoryConfig | None = None, **overrides) -> FlashMemoryCache:
+def attach(
+    model: PreTrainedModel, cfg: FlashMemoryConfig | None = None, *, tokenizer: Any = None, **overrides: Any
+) -> FlashMemoryCache:
     """Switch `model` to flashmem attention and return a fresh cache for one batch.
 
     Pass the cache to `model.generate(..., cache=cache)` or to manual forwards
     (`model(input_ids, cache=cache, use_cache=True)`). Layers that the cache
     does not manage run plain SDPA attention, so the model keeps working with
-    other caches too.
+    other caches too. A scorer that needs a calibration (`lowrank`, `learned`)
+    reads `cfg.calibration`, else the one cached for this model by
+    `flashmem calibrate`; with `tokenizer` given, a missing one is built once
+    and cached (`flashmem.calibrate.cached_calibration`).
     """
     cfg = cfg if cfg is not None else FlashMemoryConfig()
     if overrides:
@@ -41,4 +49,13 @@ def attach(model: PreTrainedModel, cfg: FlashMemoryConfig | None = None, **overr
     head_dim = geometry.head_dim(text_cfg) or 0
     kinds = set(geometry.layer_types(text_cfg, text_cfg.num_hidden_layers, infer_sliding=False))
     rotators: dict[str | None, RopeRotator | None] = {kind: find_rotator(model, kind, head_dim) for kind in kinds}
-    return FlashMemoryCache(model.config, cfg, rotators=rotators, dtype=model.dtype)
+    calibration = None
+    if policies.SCORERS[cfg.lsa_scorer].needs_calibration:
+        from flashmem.calibrate import cached_calibration, load_calibration
+
+        if cfg.calibration is not None:
+            calibration = load_calibration(cfg.calibration)
+            calibration.check_model(model)
+        else:
+            calibration = cached_calibration(model, tokenizer)
+    return FlashMemoryCache(model.config, cfg, rotators=rotators, dtype=model.dtype, calibration=calibration)

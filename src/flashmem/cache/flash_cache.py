@@ -46,7 +46,9 @@ class FlashMemoryCache(Cache):
         rotators: dict[str | None, RopeRotator | None] | None = None,
         store: ColdStore | None = None,
         dtype: torch.dtype = torch.float32,
+        calibration: Any | None = None,
     ) -> None:
+        """calibration: a `flashmem.calibrate.Calibration` (scorers that need one)."""
         text_cfg = model_config.get_text_config(decoder=True)
         n_layers = text_cfg.num_hidden_layers
         full = cfg.resolve_full_layers(n_layers)
@@ -80,7 +82,8 @@ class FlashMemoryCache(Cache):
             elif i in full:
                 layers.append(DynamicLayer())
             else:
-                ctx = ScorerContext(layer_idx=i, kv_heads=kv_heads, head_dim=head_dim, cfg=cfg)
+                layer_cal = calibration.layer(i) if calibration is not None else None
+                ctx = ScorerContext(layer_idx=i, kv_heads=kv_heads, head_dim=head_dim, cfg=cfg, calibration=layer_cal)
                 layers.append(
                     FlashLayer(
                         i,

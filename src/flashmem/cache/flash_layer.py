@@ -33,6 +33,7 @@ from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
 from flashmem.index.base import BlockScorer
 from flashmem.index.selection import select_blocks
+from flashmem.index.vectors import IndexVectors
 from flashmem.memory.budget import RECENT_QUERY_TOKENS
 from flashmem.rope import RopeRotator
 from flashmem.store.base import ColdStore
@@ -94,19 +95,21 @@ class FlashLayer(CacheLayerMixin):
         self.sink_k, self.sink_v = empty(0), empty(0)
         self.win_k, self.win_v = empty(0), empty(0)
         self.open_k, self.open_v = empty(0), empty(0)
-        self.hca_k, self.hca_v = empty(0), empty(0)
+        self.hca_k, self.hca_v = empty(0), empty(0)  # empty unless cfg.keeps_hca_entries
+        self.sealed = 0
         self.hca_cnt = torch.zeros(b, 0, dtype=torch.long, device=dev)
         self.csa_blocks: deque[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = deque()
         self.csa_k, self.csa_v = empty(0), empty(0)
         self.csa_cnt = torch.zeros(b, 0, dtype=torch.long, device=dev)
-        self.csa_block_ids = torch.zeros(0, dtype=torch.long, device=dev)
-        self.summaries = torch.zeros(b, h, 0, self.scorer.vectors, d, dtype=dt, device=dev)
+        self.csa_page_ids = torch.zeros(0, dtype=torch.long, device=dev)
+        width = self.scorer.width or d
+        self.index = IndexVectors(b, h, self.scorer.vectors, width, self.cfg.lsa_index_dtype, dt, dev)
         self.valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)  # every position seen
         self.recent_q: torch.Tensor | None = None  # [b, h, n, d]
-        self.ws_idx: torch.Tensor | None = None  # last selection [b, h, k]
-        self.ws_k: torch.Tensor | None = None  # [b, h, k*B, d]
+        self.ws_idx: torch.Tensor | None = None  # last selection of pages [b, h, k]
+        self.ws_k: torch.Tensor | None = None  # [b, h, k*P, d]
         self.ws_v: torch.Tensor | None = None
-        self.ws_valid: torch.Tensor | None = None  # [b, h, k*B]
+        self.ws_valid: torch.Tensor | None = None  # [b, h, k*P]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -176,11 +179,12 @@ class FlashLayer(CacheLayerMixin):
         self.peak_resident_bytes = max(self.peak_resident_bytes, sum(self.resident_bytes().values()))
         return out
 
-    def _select(self, qg: torch.Tensor, block_valid: torch.Tensor, k_sel: int, scaling: float) -> torch.Tensor:
-        """Top `k_sel` sealed blocks per KV head for queries qg [b, h, nq, d] -> [b, h, k] sorted."""
-        summaries = self.summaries if self.scorer.vectors else self.hca_k[:, :, :, None]
-        scores = self.scorer.score(qg, summaries, scaling)  # [b, h, nq, n]
-        idx = select_blocks(scores, block_valid, k_sel, scaling)
+    def _select(self, qg: torch.Tensor, page_valid: torch.Tensor, k_sel: int, scaling: float) -> torch.Tensor:
+        """Top `k_sel` pages (blocks unless `lsa_page_tokens`) per KV head for queries
+        qg [b, h, nq, d]; page_valid: [b, n_pages] -> page ids [b, h, k] sorted."""
+        summaries = self.hca_k[:, :, :, None] if self.scorer.uses_hca_entries else self.index.read(qg.dtype)
+        scores = self.scorer.score(qg, summaries, scaling)  # [b, h, nq, n_pages]
+        idx = select_blocks(scores, page_valid, k_sel, scaling)
         if self.selection_hook is not None:
             idx = self.selection_hook(self.layer_idx, idx, scores)
         return idx
@@ -214,23 +218,26 @@ class FlashLayer(CacheLayerMixin):
 
         n = self.num_sealed
         if n > 0:
-            block_tokens_valid = self.block_valid_tokens()  # [b, n, B]
-            k_sel = cfg.blocks_to_select(n)
-            selected = torch.zeros(b, hkv, n, dtype=torch.bool, device=q.device)
+            ppb = cfg.pages_per_block
+            page_tokens_valid = self.block_valid_tokens().reshape(b, n * ppb, cfg.page_tokens)  # [b, pages, P]
+            k_sel = cfg.blocks_to_select(n * ppb)
+            selected = torch.zeros(b, hkv, n * ppb, dtype=torch.bool, device=q.device)  # per page
             if k_sel > 0:
-                idx = self._select(qg, block_tokens_valid.any(-1), k_sel, scaling)  # [b, h, k]
+                idx = self._select(qg, page_tokens_valid.any(-1), k_sel, scaling)  # [b, h, k] page ids
                 selected.scatter_(-1, idx, True)
-                self._gather_working_set(idx, block_tokens_valid)
-                self.look_ahead(idx)  # prefetch for the next step
+                self._gather_working_set(idx, page_tokens_valid)
+                self.look_ahead(idx // ppb)  # prefetch for the next step
             else:
                 self.ws_idx = self.ws_k = self.ws_v = self.ws_valid = None
-            # Far blocks (out of the near band) are represented by their HCA entry.
+            # Far blocks (out of the near band) are represented by their HCA entry, unless a
+            # page of theirs is attended exactly (the entry stands for the whole block).
+            touched = selected.view(b, hkv, n, ppb).any(-1)
             band_start = n - len(self.csa_blocks)
             far = torch.arange(n, device=q.device) < band_start
             if cfg.use_summaries:
-                add(self.hca_k, self.hca_v, _entry_bias(self.hca_cnt, far & ~selected, cfg.summary_bias, q.dtype))
+                add(self.hca_k, self.hca_v, _entry_bias(self.hca_cnt, far & ~touched, cfg.summary_bias, q.dtype))
             if cfg.use_summaries and self.csa_k.shape[-2]:
-                ids = self.csa_block_ids.expand(b, hkv, -1)
+                ids = self.csa_page_ids.expand(b, hkv, -1)
                 use = ~selected.gather(-1, ids)
                 add(self.csa_k, self.csa_v, _entry_bias(self.csa_cnt, use, cfg.summary_bias, q.dtype))
             if k_sel > 0:
@@ -266,8 +273,10 @@ class FlashLayer(CacheLayerMixin):
         V = torch.cat(values, dim=-2) if len(values) > 1 else values[0]
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
 
-    def _gather_working_set(self, idx: torch.Tensor, block_tokens_valid: torch.Tensor) -> None:
-        """Bring the selected blocks' exact K/V to the device. idx: [b, h, k] sorted.
+    def _gather_working_set(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor) -> None:
+        """Bring the selected pages' exact K/V to the device. idx: [b, h, k] page ids, sorted;
+        page_tokens_valid: [b, n_pages, P]. The cold tier stores whole blocks: each
+        needed block is read once and its selected pages are cut out of it.
 
         Reused as is when the selection did not change since the last step.
         """
@@ -277,8 +286,8 @@ class FlashLayer(CacheLayerMixin):
         b, h, k = idx.shape
         bi = torch.arange(b, device=idx.device)[:, None, None]
         hi = torch.arange(h, device=idx.device)[None, :, None]
-        B = self.cfg.hca_chunk_size
-        # A (row, head) keeps the blocks it already holds; only the rest is fetched.
+        P, ppb = self.cfg.page_tokens, self.cfg.pages_per_block
+        # A (row, head) keeps the pages it already holds; only the rest is fetched.
         if prev is not None and prev.shape[:2] == idx.shape[:2]:
             match = idx[..., :, None] == prev[..., None, :]  # [b, h, k, k_prev]
             held = match.any(-1)
@@ -286,33 +295,37 @@ class FlashLayer(CacheLayerMixin):
         else:
             held = torch.zeros_like(idx, dtype=torch.bool)
             src = torch.zeros_like(idx)
-        need = torch.unique(idx[~held])
+        need = torch.unique(idx[~held] // ppb)  # blocks to read
         if need.numel():
             blocks = [self.fetch_block(int(j)) for j in need.tolist()]
             pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
             pool_v = torch.stack([bv for _, bv in blocks])
-            slot = torch.searchsorted(need, idx).clamp_max(need.numel() - 1)  # [b, h, k]
-            new_k, new_v = pool_k[slot, bi, hi], pool_v[slot, bi, hi]  # [b, h, k, B, d]
+            u, d = pool_k.shape[0], pool_k.shape[-1]
+            pool_k = pool_k.view(u, b, h, ppb, P, d)
+            pool_v = pool_v.view(u, b, h, ppb, P, d)
+            slot = torch.searchsorted(need, idx // ppb).clamp_max(need.numel() - 1)  # [b, h, k]
+            within = idx % ppb
+            new_k, new_v = pool_k[slot, bi, hi, within], pool_v[slot, bi, hi, within]  # [b, h, k, P, d]
         if held.any():
             assert self.ws_k is not None and self.ws_v is not None  # held: a previous working set exists
             d = self.ws_k.shape[-1]
-            old_k = self.ws_k.view(b, h, -1, B, d)[bi, hi, src]  # [b, h, k, B, d]
-            old_v = self.ws_v.view(b, h, -1, B, d)[bi, hi, src]
+            old_k = self.ws_k.view(b, h, -1, P, d)[bi, hi, src]  # [b, h, k, P, d]
+            old_v = self.ws_v.view(b, h, -1, P, d)[bi, hi, src]
             if need.numel():
                 keep = held[..., None, None]
                 new_k, new_v = torch.where(keep, old_k, new_k), torch.where(keep, old_v, new_v)
             else:
                 new_k, new_v = old_k, old_v
         d = new_k.shape[-1]
-        self.ws_k = new_k.reshape(b, h, k * B, d)
-        self.ws_v = new_v.reshape(b, h, k * B, d)
-        self.ws_valid = block_tokens_valid[bi, idx].reshape(b, h, k * B)
+        self.ws_k = new_k.reshape(b, h, k * P, d)
+        self.ws_v = new_v.reshape(b, h, k * P, d)
+        self.ws_valid = page_tokens_valid[bi, idx].reshape(b, h, k * P)
         self.ws_idx = idx
 
     # ------------------------------------------------------------------- tiers
     @property
     def num_sealed(self) -> int:
-        return self.hca_k.shape[-2]
+        return self.sealed
 
     @property
     def block_start(self) -> int:
@@ -328,7 +341,8 @@ class FlashLayer(CacheLayerMixin):
         queries: [b, h, q*group, d], token-major (a GQA group's queries per KV head)."""
         cfg = self.cfg
         self.valid = torch.cat([self.valid, valid], dim=-1)
-        self.recent_q = _keep_last(self.recent_q, queries, RECENT_QUERY_TOKENS * group)
+        if cfg.use_summaries:  # the fusion rule reads them; nothing else does
+            self.recent_q = _keep_last(self.recent_q, queries, RECENT_QUERY_TOKENS * group)
         take = min(cfg.sink_tokens - self.sink_k.shape[-2], k.shape[-2])
         if take > 0:
             self.sink_k = torch.cat([self.sink_k, k[:, :, :take]], dim=-2)
@@ -361,28 +375,40 @@ class FlashLayer(CacheLayerMixin):
         start = self.block_start + first * B
         pos = torch.arange(start, start + T, device=k.device)
         valid = self.valid[:, start : start + T]
-        ctx = FusionContext(self.recent_q, self.scaling)
-        logimp = self.rule.log_importance(k, ctx)  # [b, h, T]
-        hca = fuse_chunks(k, v, logimp, valid, pos, B, self.rotator)
-        csa = fuse_chunks(k, v, logimp, valid, pos, c, self.rotator)
-        self.hca_k = torch.cat([self.hca_k, hca.keys], dim=-2)
-        self.hca_v = torch.cat([self.hca_v, hca.values], dim=-2)
-        self.hca_cnt = torch.cat([self.hca_cnt, hca.counts], dim=-1)
         per = cfg.csa_per_block
-        band_blocks = cfg.csa_band_blocks
-        summ = []
+        band_blocks = cfg.csa_band_blocks if cfg.use_summaries else 0
+        if cfg.keeps_hca_entries:
+            ctx = FusionContext(self.recent_q, self.scaling)
+            logimp = self.rule.log_importance(k, ctx)  # [b, h, T]
+            hca = fuse_chunks(k, v, logimp, valid, pos, B, self.rotator)
+            self.hca_k = torch.cat([self.hca_k, hca.keys], dim=-2)
+            self.hca_v = torch.cat([self.hca_v, hca.values], dim=-2)
+            self.hca_cnt = torch.cat([self.hca_cnt, hca.counts], dim=-1)
+            if band_blocks > 0:
+                csa = fuse_chunks(k, v, logimp, valid, pos, c, self.rotator)
+        self.sealed += nb
+        self.index.extend(self._summarize_pages(k, valid))
         for j in range(nb):
             kj, vj = k[:, :, j * B : (j + 1) * B], v[:, :, j * B : (j + 1) * B]
-            vj_valid = valid[:, j * B : (j + 1) * B]
-            summ.append(self.scorer.summarize(kj, vj_valid))
             self.store.put((self.layer_idx, first + j), kj, vj)
             if band_blocks > 0:
                 sl = slice(j * per, (j + 1) * per)
-                self.csa_blocks.append((first + j, csa.keys[:, :, sl], csa.values[:, :, sl], csa.counts[:, sl]))
-        self.summaries = torch.cat([self.summaries, torch.stack(summ, dim=2)], dim=2)
+                self.csa_blocks.append(
+                    (first + j, csa.keys[:, :, sl], csa.values[:, :, sl], csa.counts[:, sl])
+                )
         while len(self.csa_blocks) > band_blocks:
             self.csa_blocks.popleft()  # aged out of the near band: only the HCA entry stays
         self._rebuild_band()
+
+    def _summarize_pages(self, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Index summaries of every page of new blocks: k [b, h, T, d], valid [b, T]
+        -> [b, h, T // P, vectors, d]. Pages go through the scorer as one batch."""
+        b, h, T, d = k.shape
+        P = self.cfg.page_tokens
+        m = T // P
+        pages = k.view(b, h, m, P, d).transpose(1, 2).reshape(b * m, h, P, d)
+        summ = self.scorer.summarize(pages, valid.reshape(b * m, P))  # [b*m, h, vectors, d]
+        return summ.view(b, m, h, *summ.shape[2:]).transpose(1, 2)
 
     def _rebuild_band(self) -> None:
         blocks = list(self.csa_blocks)
@@ -390,14 +416,17 @@ class FlashLayer(CacheLayerMixin):
         if not blocks:
             self.csa_k = self.csa_v = self.hca_k[:, :, :0]
             self.csa_cnt = self.hca_cnt[:, :0]
-            self.csa_block_ids = torch.zeros(0, dtype=torch.long, device=dev)
+            self.csa_page_ids = torch.zeros(0, dtype=torch.long, device=dev)
             return
         self.csa_k = torch.cat([blk[1] for blk in blocks], dim=-2)
         self.csa_v = torch.cat([blk[2] for blk in blocks], dim=-2)
         self.csa_cnt = torch.cat([blk[3] for blk in blocks], dim=-1)
-        per = self.cfg.csa_per_block
+        cfg = self.cfg
+        per = cfg.csa_per_block
         ids = torch.tensor([blk[0] for blk in blocks], dtype=torch.long, device=dev)
-        self.csa_block_ids = ids.repeat_interleave(per)
+        # The page each CSA entry lies in (pages are whole multiples of CSA chunks).
+        within = torch.arange(per, device=dev) * cfg.csa_chunk_size // cfg.page_tokens
+        self.csa_page_ids = (ids[:, None] * cfg.pages_per_block + within[None]).reshape(-1)
 
     def fetch_block(self, block_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact (or codec-decoded) K/V of a sealed block, on this layer's device. [b, h, B, d] each.
@@ -454,7 +483,7 @@ class FlashLayer(CacheLayerMixin):
             "open_block": nb(self.open_k) + nb(self.open_v),
             "csa_entries": nb(self.csa_k) + nb(self.csa_v),
             "hca_entries": nb(self.hca_k) + nb(self.hca_v),
-            "index": nb(self.summaries),
+            "index": self.index.nbytes(),
             "working_set": nb(self.ws_k) + nb(self.ws_v),
             "query_buffer": nb(self.recent_q),
         }

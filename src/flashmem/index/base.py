@@ -30,17 +30,23 @@ class ScorerContext:
 
 class BlockScorer(ABC):
     name: str
-    vectors: int  # key-sized vectors per block in `summarize`'s output
+    vectors: int  # vectors per page (or block) in `summarize`'s output
+    uses_hca_entries = False  # True: scores the resident HCA entries instead of summaries
 
     def __init__(self, ctx: ScorerContext | None = None) -> None:
         self.ctx = ctx
 
+    @property
+    def width(self) -> int | None:
+        """Elements per summary vector; None: the head dim (key-sized vectors)."""
+        return None
+
     @abstractmethod
     def summarize(self, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """keys: [b, h, B, d], valid: [b, B] bool -> summary [b, h, vectors, d]."""
+        """keys: [b, h, P, d] (one page, or block), valid: [b, P] bool -> summary [b, h, vectors, width]."""
 
     @abstractmethod
     def score(self, queries: torch.Tensor, summaries: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """queries: [b, h, nq, d] (a GQA group's queries under their KV head);
-        summaries: [b, h, n_blocks, vectors, d] -> scores [b, h, nq, n_blocks]
+        summaries: [b, h, n_pages, vectors, width] -> scores [b, h, nq, n_pages]
         on the scale of q.k (before the attention scaling `scaling`, d**-0.5 if None)."""

@@ -13,7 +13,8 @@ from flashmem.index.base import BlockScorer
 
 class HcaKeyScorer(BlockScorer):
     name = "hca_key"
-    vectors = 0  # reads the HCA entries: summaries: [b, h, n, 1, d] views of them
+    vectors = 0
+    uses_hca_entries = True  # reads the HCA entries: summaries: [b, h, n, 1, d] views of them
 
     def summarize(self, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         return keys.new_zeros(keys.shape[0], keys.shape[1], 0, keys.shape[-1])

@@ -15,7 +15,7 @@ from typing import Any
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
-from flashmem.memory.tiers import tier_counts
+from flashmem.memory.tiers import index_bytes, tier_counts
 from flashmem.models import geometry
 
 # Recent query positions each managed layer keeps for the attention-mass fusion
@@ -26,7 +26,13 @@ RECENT_QUERY_TOKENS = 8
 # The default recipe is configs/cpu-small.yaml's: 64-token blocks, mean-key
 # index, no CSA band, most of the budget on exact selected blocks (measured best
 # on SmolLM2 at 8K, docs/measurements.md, "Design choices, measured").
-RECIPE: dict[str, Any] = {"hca_chunk_size": 64, "lsa_scorer": "mean_key", "summary_bias": "none"}
+RECIPE: dict[str, Any] = {
+    "hca_chunk_size": 64,
+    "lsa_scorer": "mean_key",
+    "lsa_page_tokens": 16,
+    "lsa_index_dtype": "int8",
+    "summary_bias": "none",
+}
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": dict(RECIPE),
     "quest": {**RECIPE, "lsa_scorer": "quest"},
@@ -38,6 +44,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "int8": {**RECIPE, "cold_codec": "int8"},
     "int4": {**RECIPE, "cold_codec": "int4"},
     "b128": {**RECIPE, "hca_chunk_size": 128},
+    "block": {**RECIPE, "lsa_page_tokens": None, "lsa_index_dtype": "model"},
+    "lowrank": {**RECIPE, "lsa_scorer": "lowrank"},
+    "learned": {**RECIPE, "lsa_scorer": "learned"},
 }
 # Target shares of the resident budget: window, selected blocks, CSA band.
 SHAPE = (0.08, 0.7, 0.0)
@@ -46,20 +55,30 @@ SHAPES: dict[str, tuple[float, float, float]] = {"balanced": (0.4, 0.4, 0.0), "w
 VARIANTS.update({name: dict(RECIPE) for name in SHAPES})
 
 
-def predicted_ratio(cfg: FlashMemoryConfig, tokens: int, group: int = 1) -> float:
+def predicted_ratio(
+    cfg: FlashMemoryConfig, tokens: int, group: int = 1, head_dim: int = 64, dtype_bytes: int = 4
+) -> float:
     """Resident token-equivalents / tokens, per managed layer and KV head.
 
-    K+V entries count 1; index vectors are keys only (1/2); the cache also keeps
-    the last RECENT_QUERY_TOKENS queries of each of the `group` query heads per
-    KV head (for the fusion weights): 8 * group key-sized vectors.
+    K+V entries count 1; the index counts its declared bytes over the bytes of
+    one token's K+V (2 * head_dim * dtype_bytes); the cache also keeps the last
+    RECENT_QUERY_TOKENS queries of each of the `group` query heads per KV head
+    (for the fusion weights): 8 * group key-sized vectors.
     """
     c = tier_counts(cfg, tokens)
-    qbuf = 0.5 * RECENT_QUERY_TOKENS * group if tokens > 0 else 0.0
-    return (c.resident_kv + 0.5 * c.index_key_vectors + qbuf) / max(1, tokens)
+    qbuf = 0.5 * RECENT_QUERY_TOKENS * group if tokens > 0 and cfg.use_summaries else 0.0
+    index = index_bytes(cfg, c, head_dim, dtype_bytes) / (2 * head_dim * dtype_bytes)
+    return (c.resident_kv + index + qbuf) / max(1, tokens)
 
 
 def budget_config(
-    budget: float, tokens: int, variant: str = "default", group: int = 1, **overrides: Any
+    budget: float,
+    tokens: int,
+    variant: str = "default",
+    group: int = 1,
+    head_dim: int = 64,
+    dtype_bytes: int = 4,
+    **overrides: Any,
 ) -> FlashMemoryConfig:
     """A config whose predicted device-resident fraction at `tokens` is about `budget`.
 
@@ -82,7 +101,7 @@ def budget_config(
     step = 8
     target = budget * tokens
     cands = []
-    for k in range(0, 33):
+    for k in range(0, 65):
         for band_blocks in range(0, 33):
 
             def make(w: int, k: int = k, band_blocks: int = band_blocks) -> FlashMemoryConfig:
@@ -98,25 +117,38 @@ def budget_config(
             lo, hi = 1, max(1, tokens // step)
             while lo < hi:  # smallest W (in steps) whose ratio reaches the budget
                 mid = (lo + hi) // 2
-                if predicted_ratio(make(mid * step), tokens, group) >= budget:
+                if predicted_ratio(make(mid * step), tokens, group, head_dim, dtype_bytes) >= budget:
                     hi = mid
                 else:
                     lo = mid + 1
             for ws in {max(1, lo - 1), lo}:
                 cfg = make(ws * step)
-                r = predicted_ratio(cfg, tokens, group)
+                r = predicted_ratio(cfg, tokens, group, head_dim, dtype_bytes)
                 cands.append((abs(r - budget) / budget, cfg, r))
     good = [c for c in cands if c[0] <= 0.03] or [min(cands, key=lambda c: c[0])]
 
     def shape(c: tuple[float, FlashMemoryConfig, float]) -> float:
         cfg = c[1]
         w = cfg.gpu_cache_limit / target
-        sel = (cfg.lsa_top_k or 0) * B / target
+        sel = (cfg.lsa_top_k or 0) * cfg.page_tokens / target
         csa = cfg.csa_band_tokens / cfg.csa_chunk_size / target
         sw, ss, sc = SHAPES.get(variant, SHAPE)
         return (w - sw) ** 2 + (sel - ss) ** 2 + (csa - sc) ** 2
 
     return min(good, key=lambda c: (shape(c), c[0]))[1]
+
+
+def model_geometry(model: Any) -> dict[str, int]:
+    """group (query heads per KV head), head_dim and dtype_bytes of a model (or config)."""
+    config = getattr(model, "config", model)
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kvh = geometry.kv_heads(cfg) or 1
+    dtype = getattr(model, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    return {
+        "group": max(1, cfg.num_attention_heads // kvh),
+        "head_dim": geometry.head_dim(cfg) or 64,
+        "dtype_bytes": int(getattr(dtype, "itemsize", 4) or 4),
+    }
 
 
 def full_kv_bytes(model: Any, tokens: int, dtype_bytes: int) -> dict[str, int]:

@@ -57,17 +57,17 @@ def tier_counts(cfg: FlashMemoryConfig, tokens: int) -> TierCounts:
     history = rest - window
     sealed = history // B
     open_block = history - sealed * B
-    band_blocks = min(sealed, cfg.csa_band_blocks)
+    band_blocks = min(sealed, cfg.csa_band_blocks) if cfg.use_summaries else 0
     csa = band_blocks * cfg.csa_per_block
-    selected = cfg.blocks_to_select(sealed)
+    selected = cfg.blocks_to_select(sealed * cfg.pages_per_block)  # pages (blocks unless paged)
     return TierCounts(
         sinks=sinks,
         window=window,
         open_block=open_block,
         csa_entries=csa,
-        hca_entries=sealed,
-        working_set=selected * B,
-        index_key_vectors=sealed * INDEX_KEY_VECTORS[cfg.lsa_scorer],
+        hca_entries=sealed if cfg.keeps_hca_entries else 0,
+        working_set=selected * cfg.page_tokens,
+        index_key_vectors=sealed * cfg.pages_per_block * INDEX_KEY_VECTORS[cfg.lsa_scorer],
         sealed_blocks=sealed,
         cold_tokens=sealed * B,
     )

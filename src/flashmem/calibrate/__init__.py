@@ -1,0 +1,151 @@
+"""`flashmem calibrate`: fit the index's low-rank keys and learned indexer from a model's own attention.
+
+    cal = flashmem.calibrate(model, tokenizer, text="pydoc", tokens=4096, out="calib/")
+    cfg = FlashMemoryConfig(lsa_scorer="learned", calibration="calib/")
+
+The model runs over calibration text (never the text a benchmark evaluates on)
+in sequences of `seq_tokens`; per calibrated layer (every layer that is not
+sliding-window) and KV head, `fit.fit_layer` fits the PCA key basis and the
+trained dual encoder. Saved as safetensors + a JSON manifest (`artifact`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashmem.calibrate.artifact import FORMAT, Calibration, load_calibration, model_fingerprint
+from flashmem.calibrate.capture import capture_qk
+from flashmem.calibrate.fit import fit_layer
+from flashmem.calibrate.texts import calibration_text
+
+__all__ = ["Calibration", "cached_calibration", "calibrate", "default_folder", "load_calibration", "model_fingerprint"]
+
+
+# What `attach(..., tokenizer=tok)` builds when no calibration is cached: `calibrate`'s
+# defaults (a few minutes on a 2-core CPU for SmolLM2 / Gemma3-270m).
+AUTO_SETTINGS: dict[str, Any] = {}
+
+
+def default_folder(model: Any) -> Path:
+    """Where `flashmem calibrate` keeps a model's default calibration and `attach` looks
+    for it: `calibrations/<model fingerprint>` under the model cache
+    (`$FLASHMEM_CACHE_DIR` or `~/.cache/flashmem/models`)."""
+    from flashmem.models.registry import cache_root
+
+    return cache_root() / "calibrations" / model_fingerprint(model)
+
+
+def cached_calibration(model: Any, tokenizer: Any = None) -> Calibration:
+    """This model's default calibration: read from `default_folder(model)`, or built
+    there once (with the defaults of `calibrate`) when a tokenizer is given."""
+    folder = default_folder(model)
+    if (folder / "manifest.json").is_file():
+        cal = load_calibration(folder)
+        cal.check_model(model)
+        return cal
+    if tokenizer is None:
+        from flashmem.errors import ConfigError
+
+        raise ConfigError(
+            f"calibration: none cached for this model at {folder}; allowed: run `flashmem calibrate --model M` "
+            "once, pass tokenizer= to flashmem.attach to build it, or set `calibration:` to a folder"
+        )
+    return calibrate(model, tokenizer, out=folder, **AUTO_SETTINGS)
+
+
+def calibrate(
+    model: Any,
+    tokenizer: Any,
+    *,
+    text: str = "pydoc",
+    tokens: int = 4096,
+    seq_tokens: int = 2048,
+    rank: int = 16,
+    page_tokens: int = 16,
+    window: int = 64,
+    sinks: int = 4,
+    steps: int = 150,
+    layers: list[int] | None = None,
+    out: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> Calibration:
+    """Fit the calibration of `model` on `tokens` tokens of `text` (a built-in name or a file)."""
+    t0 = time.perf_counter()
+    cfg = model.config.get_text_config(decoder=True)
+    if layers is None:
+        kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+        layers = [i for i, k in enumerate(kinds) if k not in ("sliding_attention", "chunked_attention")]
+    body, source = calibration_text(text)
+    seq_tokens = min(seq_tokens, tokens)
+    n_seq = max(1, tokens // seq_tokens)
+    # Tokenize only what is needed (English BPE: well under 12 characters a token).
+    ids = tokenizer(body[: 12 * n_seq * seq_tokens + 4096], add_special_tokens=False)["input_ids"]
+    if len(ids) < n_seq * seq_tokens:
+        from flashmem.errors import ConfigError
+
+        raise ConfigError(
+            f"calibration text {text!r}: {len(ids)} tokens, fewer than the {n_seq * seq_tokens} asked for; "
+            "allowed: --tokens up to the text's length, or a longer --text FILE"
+        )
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
+    bar = _bar(progress, n_seq + len(layers))
+    device = next(model.parameters()).device
+    with capture_qk(model, set(layers)) as cap, torch.no_grad():
+        for s in range(n_seq):
+            chunk = bos + ids[s * seq_tokens : (s + 1) * seq_tokens - len(bos)]
+            model(input_ids=torch.tensor([chunk], device=device), use_cache=False)
+            bar.update(1)
+    tensors: dict[str, torch.Tensor] = {}
+    kl: dict[str, list[float]] = {}
+    for i in layers:
+        fit = fit_layer(cap.queries[i], cap.keys[i], cap.scaling[i], rank=rank, page=page_tokens,
+                        window=window, sinks=sinks, steps=steps)
+        tensors[f"layer.{i}.key_basis"] = fit.key_basis
+        tensors[f"layer.{i}.query_proj"] = fit.query_proj
+        tensors[f"layer.{i}.key_proj"] = fit.key_proj
+        kl[str(i)] = fit.train_kl
+        bar.update(1)
+    bar.close()
+    manifest = {
+        "format": FORMAT,
+        "model": getattr(model.config, "name_or_path", "") or cfg.model_type,
+        "model_fingerprint": model_fingerprint(model),
+        "text": source,
+        "tokens": n_seq * seq_tokens,
+        "seq_tokens": seq_tokens,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "rank": min(rank, int(next(iter(tensors.values())).shape[-1])) if tensors else rank,
+        "page_tokens": page_tokens,
+        "window": window,
+        "sinks": sinks,
+        "steps": steps,
+        "layers": layers,
+        "indexer_kl": kl,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    cal = Calibration(manifest, tensors)
+    if out is not None:
+        cal.save(Path(out))
+    return cal
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _bar(on: bool, total: int) -> Any:
+    if not on:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is in the bench extra; the bar is optional
+        return _NoBar()
+    return tqdm(total=total, desc="calibrate", unit="step")

@@ -1,0 +1,50 @@
+"""Resident index vectors in the configured precision (`lsa_index_dtype`).
+
+A scorer's summaries (`[b, h, pages, vectors, width]`) are the one part of the
+index that grows with the context, so they are what low precision saves:
+`model` keeps the model dtype, `float16` halves fp32, `int8` stores one byte
+per element plus one fp16 absmax scale per vector (symmetric; a scorer's
+ranking changes little, measured in docs/measurements.md). Vectors are
+dequantized for scoring only; nothing dequantized is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class IndexVectors:
+    def __init__(
+        self, batch: int, heads: int, vectors: int, width: int, precision: str, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.precision = precision
+        store = {"int8": torch.int8, "float16": torch.float16}.get(precision, dtype)
+        self.codes = torch.zeros(batch, heads, 0, vectors, width, dtype=store, device=device)
+        self.scales: torch.Tensor | None = None
+        if precision == "int8":
+            self.scales = torch.zeros(batch, heads, 0, vectors, dtype=torch.float16, device=device)
+
+    @property
+    def count(self) -> int:
+        """Pages (or blocks) indexed."""
+        return self.codes.shape[2]
+
+    def extend(self, summaries: torch.Tensor) -> None:
+        """Append summaries [b, h, m, vectors, width] of m new pages."""
+        if self.scales is None:
+            self.codes = torch.cat([self.codes, summaries.to(self.codes.dtype)], dim=2)
+            return
+        s = summaries.float()
+        scale = (s.abs().amax(dim=-1) / 127.0).clamp_min(1e-12)  # [b, h, m, vectors]
+        codes = (s / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+        self.codes = torch.cat([self.codes, codes], dim=2)
+        self.scales = torch.cat([self.scales, scale.to(torch.float16)], dim=2)
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        """All summaries [b, h, n, vectors, width] in `dtype` (dequantized if coded)."""
+        if self.scales is None:
+            return self.codes.to(dtype)
+        return (self.codes.to(torch.float32) * self.scales.to(torch.float32)[..., None]).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes + (0 if self.scales is None else self.scales.nbytes)
