@@ -10,9 +10,9 @@ from tiny_models import tiny_llama
 from test_cache import ALL_EXACT, SMALL, reference, run
 
 import flashmem
-import flashmem.calibrate
-from flashmem.calibrate import calibrate, load_calibration
-from flashmem.calibrate.fit import key_pca, qk_init
+import flashmem.calibration
+from flashmem.calibration import calibrate, load_calibration
+from flashmem.calibration.fit import key_pca, qk_init
 from flashmem.errors import ConfigError
 from flashmem.index.lowrank import LowRankScorer
 from flashmem.index.base import ScorerContext
@@ -147,8 +147,8 @@ def test_calibrated_scorers_are_exact_when_every_page_is_selected(scorer, calib_
 
 def test_missing_calibration_says_how_to_make_one(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHMEM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setitem(flashmem.calibrate.AUTO_SETTINGS, "tokens", 512)
-    monkeypatch.setitem(flashmem.calibrate.AUTO_SETTINGS, "steps", 3)
+    monkeypatch.setitem(flashmem.calibration.AUTO_SETTINGS, "tokens", 512)
+    monkeypatch.setitem(flashmem.calibration.AUTO_SETTINGS, "steps", 3)
     with pytest.raises(ConfigError, match="flashmem calibrate"):
         flashmem.attach(tiny_llama(), flashmem.FlashMemoryConfig(**SMALL, lsa_scorer="lowrank"))
     cache = flashmem.attach(tiny_llama(), flashmem.FlashMemoryConfig(**SMALL, lsa_scorer="lowrank"), tokenizer=_Tok())

@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "FlashMemError",
     "attach",
+    "calibrate",
     "estimate",
     "load_model",
 ]
@@ -23,6 +24,7 @@ _LAZY = {
     "attach": ("flashmem.cache.attach", "attach"),
     "FlashMemoryCache": ("flashmem.cache.flash_cache", "FlashMemoryCache"),
     "estimate": ("flashmem.memory.calculator", "estimate"),
+    "calibrate": ("flashmem.calibration", "calibrate"),
     "load_model": ("flashmem.models.loading", "load_model"),
 }
 

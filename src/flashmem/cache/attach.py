@@ -36,7 +36,7 @@ def attach(
     other caches too. A scorer that needs a calibration (`lowrank`, `learned`)
     reads `cfg.calibration`, else the one cached for this model by
     `flashmem calibrate`; with `tokenizer` given, a missing one is built once
-    and cached (`flashmem.calibrate.cached_calibration`).
+    and cached (`flashmem.calibration.cached_calibration`).
     """
     cfg = cfg if cfg is not None else FlashMemoryConfig()
     if overrides:
@@ -51,7 +51,7 @@ def attach(
     rotators: dict[str | None, RopeRotator | None] = {kind: find_rotator(model, kind, head_dim) for kind in kinds}
     calibration = None
     if policies.SCORERS[cfg.lsa_scorer].needs_calibration:
-        from flashmem.calibrate import cached_calibration, load_calibration
+        from flashmem.calibration import cached_calibration, load_calibration
 
         if cfg.calibration is not None:
             calibration = load_calibration(cfg.calibration)

@@ -48,7 +48,7 @@ class FlashMemoryCache(Cache):
         dtype: torch.dtype = torch.float32,
         calibration: Any | None = None,
     ) -> None:
-        """calibration: a `flashmem.calibrate.Calibration` (scorers that need one)."""
+        """calibration: a `flashmem.calibration.Calibration` (scorers that need one)."""
         text_cfg = model_config.get_text_config(decoder=True)
         n_layers = text_cfg.num_hidden_layers
         full = cfg.resolve_full_layers(n_layers)

@@ -18,9 +18,9 @@ app = typer.Typer(
 
 def _register() -> None:
     # Imported here so `flashmem --help` stays fast and each command owns its file.
-    from flashmem.cli import bench_cmd, config_cmd, estimate_cmd, report_cmd, run_cmd
+    from flashmem.cli import bench_cmd, calibrate_cmd, config_cmd, estimate_cmd, report_cmd, run_cmd
 
-    for mod in (estimate_cmd, config_cmd, run_cmd, bench_cmd, report_cmd):
+    for mod in (estimate_cmd, config_cmd, run_cmd, calibrate_cmd, bench_cmd, report_cmd):
         mod.register(app)
 
 

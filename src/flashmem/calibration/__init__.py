@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from flashmem.calibrate.artifact import FORMAT, Calibration, load_calibration, model_fingerprint
-from flashmem.calibrate.capture import capture_qk
-from flashmem.calibrate.fit import fit_layer
-from flashmem.calibrate.texts import calibration_text
+from flashmem.calibration.artifact import FORMAT, Calibration, load_calibration, model_fingerprint
+from flashmem.calibration.capture import capture_qk
+from flashmem.calibration.fit import fit_layer
+from flashmem.calibration.texts import calibration_text
 
 __all__ = ["Calibration", "cached_calibration", "calibrate", "default_folder", "load_calibration", "model_fingerprint"]
 
