@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from flashmem import policies
-
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.index import SCORERS
 from flashmem.index.selection import select_blocks

@@ -6,16 +6,16 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_llama
-from test_cache import ALL_EXACT, SMALL, reference, run
 
 import flashmem
 import flashmem.calibration
 from flashmem.calibration import calibrate, load_calibration
 from flashmem.calibration.fit import key_pca, qk_init
 from flashmem.errors import ConfigError
-from flashmem.index.lowrank import LowRankScorer
 from flashmem.index.base import ScorerContext
+from flashmem.index.lowrank import LowRankScorer
+from test_cache import ALL_EXACT, SMALL, reference, run
+from tiny_models import tiny_llama
 
 
 class _Tok:
@@ -41,7 +41,9 @@ def test_pages_all_selected_equal_dynamic_cache(page, precision):
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 200))
     ref = reference(model, ids, 24)
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**ALL_EXACT, lsa_page_tokens=page, lsa_index_dtype=precision))
+    cache = flashmem.attach(
+        model, flashmem.FlashMemoryConfig(**ALL_EXACT, lsa_page_tokens=page, lsa_index_dtype=precision)
+    )
     out = run(model, cache, ids, 24)
     assert (out - ref).abs().max() <= 1e-4
 
@@ -63,8 +65,12 @@ def test_int8_index_is_smaller_and_ranks_like_the_exact_one():
     ids = torch.randint(0, 128, (1, 300))
     reports = {}
     for precision in ("model", "int8"):
-        cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SMALL, lsa_scorer="mean_key", lsa_top_k=3,
-                                                                  lsa_page_tokens=8, lsa_index_dtype=precision))
+        cache = flashmem.attach(
+            model,
+            flashmem.FlashMemoryConfig(
+                **SMALL, lsa_scorer="mean_key", lsa_top_k=3, lsa_page_tokens=8, lsa_index_dtype=precision
+            ),
+        )
         run(model, cache, ids, 1)
         layer = cache.flash_layers[0]
         reports[precision] = (cache.memory_report()["tiers"]["index"], layer.ws_idx.clone())
@@ -121,8 +127,12 @@ def test_calibration_round_trip_gives_the_same_scores(calib_dir, tmp_path):
     ids = torch.randint(0, 128, (1, 160))
     outs = []
     for folder in (calib_dir, tmp_path / "copy"):
-        cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SMALL, lsa_scorer="learned", lsa_top_k=2,
-                                                                  lsa_page_tokens=4, calibration=str(folder)))
+        cache = flashmem.attach(
+            model,
+            flashmem.FlashMemoryConfig(
+                **SMALL, lsa_scorer="learned", lsa_top_k=2, lsa_page_tokens=4, calibration=str(folder)
+            ),
+        )
         outs.append(run(model, cache, ids, 3))
     assert torch.equal(outs[0], outs[1])
 

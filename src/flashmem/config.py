@@ -57,15 +57,9 @@ class FlashMemoryConfig(BaseModel):
     )
     # --- index and selection ----------------------------------------------------
     lsa_scorer: Scorer = Field("quest", description="block scorer of the index")
-    lsa_keep_ratio: float = Field(
-        0.135, gt=0.0, le=1.0, description="fraction of sealed blocks selected per step"
-    )
-    lsa_top_k: int | None = Field(
-        None, ge=0, description="selected blocks per step; overrides lsa_keep_ratio when set"
-    )
-    lsa_min_blocks: int = Field(
-        1, ge=0, description="at least this many blocks are selected when any are sealed"
-    )
+    lsa_keep_ratio: float = Field(0.135, gt=0.0, le=1.0, description="fraction of sealed blocks selected per step")
+    lsa_top_k: int | None = Field(None, ge=0, description="selected blocks per step; overrides lsa_keep_ratio when set")
+    lsa_min_blocks: int = Field(1, ge=0, description="at least this many blocks are selected when any are sealed")
     lsa_page_tokens: int | None = Field(
         None,
         ge=1,

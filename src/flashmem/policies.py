@@ -31,7 +31,7 @@ class IndexBytes:
     per_token: float = 0  # int 0 keeps integer byte counts integers
 
 
-def vector_bytes(cfg: "FlashMemoryConfig", width: int, dtype_bytes: int) -> float:
+def vector_bytes(cfg: FlashMemoryConfig, width: int, dtype_bytes: int) -> float:
     """Bytes of one resident index vector of `width` elements under `lsa_index_dtype`
     (int8: one byte per element plus an fp16 scale per vector)."""
     if cfg.lsa_index_dtype == "int8":
@@ -39,11 +39,11 @@ def vector_bytes(cfg: "FlashMemoryConfig", width: int, dtype_bytes: int) -> floa
     return width * (2 if cfg.lsa_index_dtype == "float16" else dtype_bytes)
 
 
-def key_vectors(n: int) -> Callable[["FlashMemoryConfig", int, int], IndexBytes]:
+def key_vectors(n: int) -> Callable[[FlashMemoryConfig, int, int], IndexBytes]:
     """The index bytes of a scorer that keeps `n` key-sized vectors per page (per block
     unless `lsa_page_tokens` is set)."""
 
-    def index_bytes(cfg: "FlashMemoryConfig", head_dim: int, dtype_bytes: int) -> IndexBytes:
+    def index_bytes(cfg: FlashMemoryConfig, head_dim: int, dtype_bytes: int) -> IndexBytes:
         return IndexBytes(per_block=n * cfg.pages_per_block * vector_bytes(cfg, head_dim, dtype_bytes))
 
     return index_bytes
@@ -56,7 +56,7 @@ class ScorerSpec:
     # key-sized vectors per sealed block and KV head (0: none, e.g. reads HCA entries);
     # the summary tensor's width. Scorers with another layout set index_bytes.
     vectors: int
-    index_bytes: Callable[["FlashMemoryConfig", int, int], IndexBytes]
+    index_bytes: Callable[[FlashMemoryConfig, int, int], IndexBytes]
     needs_calibration: bool = False  # reads projections fitted by `flashmem calibrate`
     scores_pages: bool = True  # False: ranks whole blocks only (lsa_page_tokens must be unset)
     reads_hca_entries: bool = False  # scores the HCA entries (kept resident even without summaries)
@@ -80,7 +80,7 @@ class PolicySpec:
     needs_dir: bool = False  # cold stores: requires cold_dir
 
 
-def low_rank_tokens(cfg: "FlashMemoryConfig", head_dim: int, dtype_bytes: int) -> IndexBytes:
+def low_rank_tokens(cfg: FlashMemoryConfig, head_dim: int, dtype_bytes: int) -> IndexBytes:
     """Per-token low-rank keys: `low_rank_dim` numbers per token (16 when unset: the
     calibration's default rank)."""
     return IndexBytes(per_block=0, per_token=vector_bytes(cfg, cfg.low_rank_dim or 16, dtype_bytes))
@@ -95,8 +95,14 @@ SCORERS: dict[str, ScorerSpec] = {
     for s in (
         _scorer("quest", "flashmem.index.quest:QuestScorer", 2),
         _scorer("mean_key", "flashmem.index.mean_key:MeanKeyScorer", 1),
-        ScorerSpec("hca_key", "flashmem.index.hca_key:HcaKeyScorer", 0, key_vectors(0), scores_pages=False,
-                   reads_hca_entries=True),
+        ScorerSpec(
+            "hca_key",
+            "flashmem.index.hca_key:HcaKeyScorer",
+            0,
+            key_vectors(0),
+            scores_pages=False,
+            reads_hca_entries=True,
+        ),
         _scorer("gaussian", "flashmem.index.gaussian:GaussianScorer", 2),
         ScorerSpec("lowrank", "flashmem.index.lowrank:LowRankScorer", 0, low_rank_tokens, needs_calibration=True),
         ScorerSpec("learned", "flashmem.index.learned:LearnedScorer", 0, low_rank_tokens, needs_calibration=True),

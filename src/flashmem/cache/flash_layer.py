@@ -393,9 +393,7 @@ class FlashLayer(CacheLayerMixin):
             self.store.put((self.layer_idx, first + j), kj, vj)
             if band_blocks > 0:
                 sl = slice(j * per, (j + 1) * per)
-                self.csa_blocks.append(
-                    (first + j, csa.keys[:, :, sl], csa.values[:, :, sl], csa.counts[:, sl])
-                )
+                self.csa_blocks.append((first + j, csa.keys[:, :, sl], csa.values[:, :, sl], csa.counts[:, sl]))
         while len(self.csa_blocks) > band_blocks:
             self.csa_blocks.popleft()  # aged out of the near band: only the HCA entry stays
         self._rebuild_band()

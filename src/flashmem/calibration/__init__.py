@@ -104,8 +104,16 @@ def calibrate(
     tensors: dict[str, torch.Tensor] = {}
     kl: dict[str, list[float]] = {}
     for i in layers:
-        fit = fit_layer(cap.queries[i], cap.keys[i], cap.scaling[i], rank=rank, page=page_tokens,
-                        window=window, sinks=sinks, steps=steps)
+        fit = fit_layer(
+            cap.queries[i],
+            cap.keys[i],
+            cap.scaling[i],
+            rank=rank,
+            page=page_tokens,
+            window=window,
+            sinks=sinks,
+            steps=steps,
+        )
         tensors[f"layer.{i}.key_basis"] = fit.key_basis
         tensors[f"layer.{i}.query_proj"] = fit.query_proj
         tensors[f"layer.{i}.key_proj"] = fit.key_proj
@@ -119,7 +127,7 @@ def calibrate(
         "text": source,
         "tokens": n_seq * seq_tokens,
         "seq_tokens": seq_tokens,
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "rank": min(rank, int(next(iter(tensors.values())).shape[-1])) if tensors else rank,
         "page_tokens": page_tokens,
         "window": window,

@@ -33,8 +33,16 @@ def model_fingerprint(model: Any) -> str:
     cfg = model.config.get_text_config(decoder=True)
     arch = {
         k: getattr(cfg, k, None)
-        for k in ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "head_dim", "hidden_size", "vocab_size", "rope_theta")
+        for k in (
+            "model_type",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "hidden_size",
+            "vocab_size",
+            "rope_theta",
+        )
     }
     h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():

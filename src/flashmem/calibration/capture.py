@@ -35,8 +35,15 @@ class Captured:
 _ACTIVE: Captured | None = None
 
 
-def _capturing_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs: Any):
+def _capturing_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: Any,
+):
     cap, idx = _ACTIVE, getattr(module, "layer_idx", None)
     if cap is not None and idx in cap.layers:
         cap.queries[idx].append(query[0].detach().float().cpu())  # [Hq, T, d]

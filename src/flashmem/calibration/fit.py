@@ -150,6 +150,7 @@ def fit_layer(
         qp.append(a0)
         kp.append(b0)
     seqs = [(q.reshape(hkv, group, *q.shape[1:]), k) for q, k in zip(queries, keys)]
-    a, b, kl = train_indexer(seqs, torch.stack(qp), torch.stack(kp), scaling, page=page, window=window,
-                             sinks=sinks, steps=steps)
+    a, b, kl = train_indexer(
+        seqs, torch.stack(qp), torch.stack(kp), scaling, page=page, window=window, sinks=sinks, steps=steps
+    )
     return LayerFit(torch.stack(basis), a, b, kl)

@@ -24,9 +24,13 @@ def calibration_text(text: str) -> tuple[str, str]:
         return "\n\n".join(topics.topics[k] for k in sorted(topics.topics)), "pydoc (pydoc_data.topics)"
     path = Path(text)
     if not path.is_file():
-        raise ConfigError(f"calibration text: {text!r} is neither a built-in text nor a file; allowed: {', '.join(NAMES)} or a text file")
+        raise ConfigError(
+            f"calibration text: {text!r} is neither a built-in text nor a file; allowed: {', '.join(NAMES)} or a text file"
+        )
     if path.stat().st_size > MAX_FILE_BYTES:
-        raise ConfigError(f"calibration text: {text} is larger than {MAX_FILE_BYTES >> 20} MiB; allowed: a smaller text file")
+        raise ConfigError(
+            f"calibration text: {text} is larger than {MAX_FILE_BYTES >> 20} MiB; allowed: a smaller text file"
+        )
     try:
         return path.read_text(encoding="utf-8"), f"file {path.name}"
     except (OSError, UnicodeDecodeError) as exc:

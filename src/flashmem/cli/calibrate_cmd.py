@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -25,7 +24,7 @@ def calibrate_command(
     tokens: int = typer.Option(4096, "--tokens", min=256, max=1 << 20, help="calibration tokens"),
     rank: int = typer.Option(16, "--rank", min=1, max=1024, help="low-rank dimension r"),
     steps: int = typer.Option(150, "--steps", min=0, max=100000, help="indexer training steps per layer"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="output folder"),
+    out: Path | None = typer.Option(None, "--out", "-o", help="output folder"),
     threads: int = typer.Option(0, "--threads", min=0, help="torch threads (0: torch's default)"),
 ) -> None:
     import torch
