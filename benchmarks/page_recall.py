@@ -1,0 +1,142 @@
+"""Index recall by page: where each scorer ranks the page holding a needle's answer.
+
+Two steps, so the slow part (full-cache prefills) runs once:
+
+    python benchmarks/page_recall.py dump 4096 100 passkey,multikey,locker_kjv,locker_pydoc n4k.pt
+    python benchmarks/page_recall.py rank n4k.pt --calibration CAL_DIR
+
+`dump` prefills Gemma3-270m prompts with the full cache (5 depths per format)
+and saves, per global layer, the post-RoPE keys and the last 32 queries, plus
+the answer's token positions. Formats: the retrieval benchmark's `passkey` and
+`multikey` (KJV haystack), and a needle the benchmark does not use ("the locker
+code assigned to NAME is CODE", question "Answer: ...") in the KJV text
+(`locker_kjv`) and in the Python reference (`locker_pydoc`).
+
+`rank` scores 4-sink-offset pages of P tokens (P = 16 and 64) with the last
+query (the one whose logits emit the first answer token; every decode step
+selects alone), pooled over the GQA group as the cache pools (softmax over pages
+per query head, then the mean), and prints per layer and scorer how often the
+needle's page is within the top 1/2/4/8: `exact` (log-sum-exp of the true
+scores), `mean` / `mean8` (mean key, fp32 / int8), `quest` (min/max bound),
+`lowrank` / `learned` (per-token projections of a `flashmem calibrate` folder,
+int8 keys, log-sum-exp per page).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+
+import pydoc_data.topics as topics
+import torch
+
+from flashmem.calibration import load_calibration
+from flashmem.texts import haystack, insert_needles
+
+SINKS, QUERIES = 4, 32
+
+
+def pydoc_text() -> str:
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+
+
+def probe(tok, fmt: str, length: int, depth: float, seed: int) -> tuple[str, str, str]:
+    from flashmem_eval.suites import make_probe
+
+    if fmt in ("passkey", "multikey"):
+        p = make_probe(tok, fmt, length, depth, seed)
+        return p.context, p.question, p.answer
+    rng = random.Random(f"{fmt}{seed}{depth}")
+    name = rng.choice(["Maria", "Tomas", "Ingrid", "Kwame", "Yuki"])
+    code = str(rng.randint(100000, 999999))
+    needle = f"Note from the archivist: the locker code assigned to {name} is {code}."
+    question = f"\n\nQuestion: what is the locker code assigned to {name}? Answer: the locker code assigned to {name} is"
+    if fmt == "locker_pydoc":
+        text = pydoc_text()
+        start = rng.randrange(0, len(text) - length * 6)
+        ids = tok(text[start : start + length * 5], add_special_tokens=False)["input_ids"][: length - 80]
+        hay = tok.decode(ids)
+    else:
+        hay = haystack(tok, length - 80, seed=rng.randrange(10**6))
+    return insert_needles(hay, [(needle, depth)], own_paragraph=True), question, code
+
+
+def dump(length: int, seeds: list[int], fmts: list[str], out: str) -> None:
+    from flashmem_eval import harness as H
+    from flashmem_eval.suites import _global_layers
+
+    torch.set_num_threads(1)
+    ld = H.load("gemma3-270m")
+    tok, model = ld.tokenizer, ld.model
+    rows = []
+    for seed in seeds:
+        for fmt in fmts:
+            for depth in (0.1, 0.3, 0.5, 0.7, 0.9):
+                context, question, answer = probe(tok, fmt, length, depth, seed)
+                enc = tok(context, add_special_tokens=True, return_offsets_mapping=True)
+                ctx, q = enc["input_ids"], tok(question, add_special_tokens=False)["input_ids"]
+                at = context.find(answer)
+                ntok = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < at + len(answer) and b > at]
+                pre = H.prefill_full(model, torch.tensor([ctx + q]), obs_window=QUERIES)
+                layers = {
+                    li: {
+                        "K": pre.cache.layers[li].keys[0].half().clone(),  # [Hkv, T, d]
+                        "Q": pre.captured[li]["query"][0].half().clone(),  # [Hq, 32, d]
+                        "s": pre.captured[li]["scaling"],
+                    }
+                    for li in _global_layers(model)
+                }
+                rows.append({"fmt": fmt, "seed": seed, "depth": depth, "ntok": ntok, "nctx": len(ctx), "layers": layers})
+                print(fmt, seed, depth, len(ctx), flush=True)
+    torch.save(rows, out)
+
+
+def q8(x: torch.Tensor) -> torch.Tensor:
+    s = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 127
+    return (x / s).round().clamp(-127, 127) * s
+
+
+def rank(files: list[str], calibration: str | None) -> None:
+    rows = sum((torch.load(f) for f in files), [])
+    cal = load_calibration(calibration) if calibration else None
+    res: dict[tuple, list[int]] = {}
+    for row in rows:
+        for li, lay in row["layers"].items():
+            K, Q, s = lay["K"][0].float(), lay["Q"].float(), lay["s"]  # one KV head (Gemma3)
+            Kh = K[SINKS : row["nctx"]]
+            for P in (16, 64):
+                n = Kh.shape[0] // P
+                needle = sorted({(t - SINKS) // P for t in row["ntok"] if SINKS <= t and (t - SINKS) // P < n})
+                if not needle:
+                    continue
+                pages = Kh[: n * P].reshape(n, P, -1)
+
+                def rec(name: str, logits: torch.Tensor) -> None:  # [Hq, nq, n] page logits
+                    mass = torch.softmax(logits[:, -1:], -1).mean(1).sum(0)
+                    res.setdefault((li, P, name), []).append(int((mass > mass[needle].max()).sum()))
+
+                tokens = (Q @ Kh[: n * P].T * s).reshape(*Q.shape[:2], n, P)
+                rec("exact", torch.logsumexp(tokens, -1))
+                rec("mean", Q @ pages.mean(1).T * s)
+                rec("mean8", Q @ q8(pages.mean(1)).T * s)
+                lo, hi = pages.amin(1), pages.amax(1)
+                rec("quest", torch.maximum(Q[..., None, :] * lo, Q[..., None, :] * hi).sum(-1) * s)
+                layer = cal.layer(li) if cal is not None else None
+                if layer is not None:
+                    for name, qk, kk in (("lowrank", "key_basis", "key_basis"), ("learned", "query_proj", "key_proj")):
+                        a, b = layer[qk][0], layer[kk][0]
+                        tok = ((Q @ a.T) @ q8(Kh[: n * P] @ b.T).T * s).reshape(*Q.shape[:2], n, P)
+                        rec(name, torch.logsumexp(tok, -1))
+    for key in sorted(res):
+        v = res[key]
+        tops = " ".join(f"top{k} {sum(x < k for x in v)}" for k in (1, 2, 4, 8))
+        print(f"layer {key[0]:2d} page {key[1]:2d} {key[2]:8s} median {statistics.median(v):5.1f} {tops} of {len(v)}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "dump":
+        dump(int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")], sys.argv[4].split(","), sys.argv[5])
+    else:
+        cal = sys.argv[sys.argv.index("--calibration") + 1] if "--calibration" in sys.argv else None
+        rank([f for f in sys.argv[2:] if f.endswith(".pt")], cal)
