@@ -24,11 +24,11 @@ int8 keys, log-sum-exp per page).
 
 from __future__ import annotations
 
+import pydoc_data.topics as topics
 import random
 import statistics
 import sys
 
-import pydoc_data.topics as topics
 import torch
 
 from flashmem.calibration import load_calibration
@@ -51,7 +51,9 @@ def probe(tok, fmt: str, length: int, depth: float, seed: int) -> tuple[str, str
     name = rng.choice(["Maria", "Tomas", "Ingrid", "Kwame", "Yuki"])
     code = str(rng.randint(100000, 999999))
     needle = f"Note from the archivist: the locker code assigned to {name} is {code}."
-    question = f"\n\nQuestion: what is the locker code assigned to {name}? Answer: the locker code assigned to {name} is"
+    question = (
+        f"\n\nQuestion: what is the locker code assigned to {name}? Answer: the locker code assigned to {name} is"
+    )
     if fmt == "locker_pydoc":
         text = pydoc_text()
         start = rng.randrange(0, len(text) - length * 6)
@@ -87,7 +89,9 @@ def dump(length: int, seeds: list[int], fmts: list[str], out: str) -> None:
                     }
                     for li in _global_layers(model)
                 }
-                rows.append({"fmt": fmt, "seed": seed, "depth": depth, "ntok": ntok, "nctx": len(ctx), "layers": layers})
+                rows.append(
+                    {"fmt": fmt, "seed": seed, "depth": depth, "ntok": ntok, "nctx": len(ctx), "layers": layers}
+                )
                 print(fmt, seed, depth, len(ctx), flush=True)
     torch.save(rows, out)
 
@@ -112,7 +116,8 @@ def rank(files: list[str], calibration: str | None) -> None:
                     continue
                 pages = Kh[: n * P].reshape(n, P, -1)
 
-                def rec(name: str, logits: torch.Tensor) -> None:  # [Hq, nq, n] page logits
+                def rec(name: str, logits: torch.Tensor, li: int = li, P: int = P, needle: list = needle) -> None:
+                    """logits: [Hq, nq, n] page scores; the last query's pooled page mass ranks."""
                     mass = torch.softmax(logits[:, -1:], -1).mean(1).sum(0)
                     res.setdefault((li, P, name), []).append(int((mass > mass[needle].max()).sum()))
 
