@@ -41,13 +41,14 @@ def pydoc_text() -> str:
     return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
 
 
-def probe(tok, fmt: str, length: int, depth: float, seed: int) -> tuple[str, str, str]:
+def probe(tok, fmt: str, length: int, depth: float, seed: int, salt: str = "") -> tuple[str, str, str]:
+    """(context, question, answer); `salt` varies the held-out prompts' random draws."""
     from flashmem_eval.suites import make_probe
 
     if fmt in ("passkey", "multikey"):
         p = make_probe(tok, fmt, length, depth, seed)
         return p.context, p.question, p.answer
-    rng = random.Random(f"{fmt}{seed}{depth}")
+    rng = random.Random(f"{fmt}{seed}{depth}{salt}")
     name = rng.choice(["Maria", "Tomas", "Ingrid", "Kwame", "Yuki"])
     code = str(rng.randint(100000, 999999))
     needle = f"Note from the archivist: the locker code assigned to {name} is {code}."
