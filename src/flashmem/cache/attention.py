@@ -41,6 +41,21 @@ def flashmem_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    try:
+        return _layer_step(layer, pending, query, attention_mask, scaling)
+    except BaseException as exc:
+        if layer.guard is not None:  # the layers before this one took the step, the rest did not
+            layer.guard.fail(exc)
+        raise
+
+
+def _layer_step(
+    layer: FlashLayer,
+    pending: tuple[torch.Tensor, torch.Tensor],
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+) -> tuple[torch.Tensor, None]:
     k_new, v_new = pending
     b, _, q, d = query.shape
     scaling = d**-0.5 if scaling is None else scaling

@@ -25,6 +25,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
+from flashmem.cache.guard import StepGuard
 from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
 from flashmem.index import ScorerContext, make_scorer
@@ -67,6 +68,7 @@ class FlashMemoryCache(Cache):
             raise
         # Synchronous reads when prefetch is off: each is a miss and its time a stall.
         self._fetch_counts: dict[str, float] = {"misses": 0, "stall_s": 0.0}
+        self._guard = StepGuard()
         self._finalizer = weakref.finalize(self, _close_cold_tier, self.prefetcher, self.store)
         rotators = rotators or {}
         sliding = [geometry.keeps_window(kind, text_cfg) for kind in layer_types]
@@ -97,6 +99,7 @@ class FlashMemoryCache(Cache):
                         lookahead_bytes=share,
                     )
                 )
+                layers[-1].guard = self._guard
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------ hooks
@@ -208,9 +211,29 @@ class FlashMemoryCache(Cache):
         }
 
     # ------------------------------------------------------------ lifecycle
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' per-layer update, refused with one line when the cache is closed,
+        was left half-updated by a failed step, or is given another batch size."""
+        self._guard.check(int(key_states.shape[0]))
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException as exc:
+            self._guard.fail(exc)
+            raise
+
+    def reset(self) -> None:
+        """Start a new sequence: every layer empties, and nothing keyed by (layer, block)
+        from the previous sequence (prefetched blocks included) is served to the next."""
+        super().reset()
+        self._guard.reset()
+
     def close(self) -> None:
         """Stop prefetching, then release the cold tier (its files too, unless the config
-        asked to persist). Idempotent; garbage collection does the same."""
+        asked to persist). Idempotent; garbage collection does the same. Any later step
+        is a one-line ColdStoreError."""
+        self._guard.closed = True
         self._finalizer()
 
     @property

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from flashmem.cache.lookahead import predict_next_blocks
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
 from flashmem.config import FlashMemoryConfig
-from flashmem.errors import FlashMemError
+from flashmem.errors import ColdStoreError, FlashMemError
 from flashmem.index.base import BlockScorer
 from flashmem.index.selection import select_blocks
 from flashmem.index.vectors import IndexVectors
@@ -38,6 +39,9 @@ from flashmem.memory.budget import RECENT_QUERY_TOKENS
 from flashmem.rope import RopeRotator
 from flashmem.store.base import ColdStore
 from flashmem.store.prefetch import Prefetcher
+
+if TYPE_CHECKING:
+    from flashmem.cache.guard import StepGuard
 
 # (layer_idx, selected block ids [b, h, k] sorted, index scores [b, h, nq, n]) -> block ids
 # [b, h, k] sorted: a diagnostic override of the selection (see FlashMemoryCache.selection_hook).
@@ -52,6 +56,8 @@ class FlashLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     selection_hook: SelectionHook | None = None
+    # The cache's StepGuard (None for a layer used alone): told when a step fails half-way.
+    guard: StepGuard | None = None
 
     def __init__(
         self,
@@ -142,9 +148,15 @@ class FlashLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        """A new sequence: block keys (layer, block) now name other blocks, so the
+        prefetcher moves this layer to a fresh generation (nothing loaded for the old
+        sequence is served to the new one) and shape-derived sizes are recomputed."""
         self.is_initialized = False
         self.tokens_seen = 0
         self._pending = None
+        self._pf_block_bytes = None
+        if self.prefetcher is not None:
+            self.prefetcher.new_sequence(self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise FlashMemError("flashmem cache cannot be cropped (assisted decoding is not supported)")
@@ -361,12 +373,18 @@ class FlashLayer(CacheLayerMixin):
         B = cfg.hca_chunk_size
         nb = self.open_k.shape[-2] // B
         if nb > 0:
-            self._seal(self.open_k[:, :, : nb * B], self.open_v[:, :, : nb * B])
+            failure = self._seal(self.open_k[:, :, : nb * B], self.open_v[:, :, : nb * B])
             self.open_k = self.open_k[:, :, nb * B :]
             self.open_v = self.open_v[:, :, nb * B :]
+            if failure is not None:
+                raise failure  # reported once every tier of the layer is consistent again
 
-    def _seal(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Seal nb full blocks. k, v: [b, h, nb*B, d], the oldest unsealed history."""
+    def _seal(self, k: torch.Tensor, v: torch.Tensor) -> ColdStoreError | None:
+        """Seal nb full blocks. k, v: [b, h, nb*B, d], the oldest unsealed history.
+
+        All-or-nothing: a store that reports a write error from `put` has kept the
+        block (readable from memory), so the seal completes and the error is returned
+        for the caller to raise once the layer's tiers agree again."""
         cfg = self.cfg
         B, c = cfg.hca_chunk_size, cfg.csa_chunk_size
         b, h, T, d = k.shape
@@ -388,15 +406,20 @@ class FlashLayer(CacheLayerMixin):
                 csa = fuse_chunks(k, v, logimp, valid, pos, c, self.rotator)
         self.sealed += nb
         self.index.extend(self._summarize_pages(k, valid))
+        failure: ColdStoreError | None = None
         for j in range(nb):
             kj, vj = k[:, :, j * B : (j + 1) * B], v[:, :, j * B : (j + 1) * B]
-            self.store.put((self.layer_idx, first + j), kj, vj)
+            try:
+                self.store.put((self.layer_idx, first + j), kj, vj)
+            except ColdStoreError as exc:  # the store kept the block; raised once the layer is consistent
+                failure = failure or exc
             if band_blocks > 0:
                 sl = slice(j * per, (j + 1) * per)
                 self.csa_blocks.append((first + j, csa.keys[:, :, sl], csa.values[:, :, sl], csa.counts[:, sl]))
         while len(self.csa_blocks) > band_blocks:
             self.csa_blocks.popleft()  # aged out of the near band: only the HCA entry stays
         self._rebuild_band()
+        return failure
 
     def _summarize_pages(self, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Index summaries of every page of new blocks: k [b, h, T, d], valid [b, T]

@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 import torch
 
+from flashmem.errors import ColdStoreError
 from flashmem.store.base import BlockKey, ColdStore, StoreStats
 from flashmem.store.codecs.base import Shape, check_pair
 from flashmem.store.disk import DiskStore
@@ -29,6 +30,7 @@ class LayeredStore(ColdStore):
         self._lru: OrderedDict[BlockKey, tuple[torch.Tensor, Shape, torch.dtype]] = OrderedDict()
         self._lru_bytes = 0
         self._lock = threading.Lock()
+        self._closed = False
         self.ram = StoreStats()  # RAM tier counters (hits, misses, evictions in extra)
         self.stats = StoreStats()  # the store as a whole, as the cache sees it
 
@@ -41,6 +43,7 @@ class LayeredStore(ColdStore):
         payload = ensure_host(self.codec.encode(k.detach(), v.detach()))  # uint8 [n] host
         key = (int(key[0]), int(key[1]))
         with self._lock:
+            self._check_open("put")
             self.stats.puts += 1
             self.stats.bytes_written += payload.numel()
             self.ram.puts += 1
@@ -53,6 +56,7 @@ class LayeredStore(ColdStore):
 
     def get_coded(self, key: BlockKey) -> tuple[torch.Tensor, Shape, torch.dtype, bool]:
         with self._lock:
+            self._check_open("get")
             hit = self._lru.get(key)
             if hit is not None:
                 self._lru.move_to_end(key)
@@ -108,8 +112,13 @@ class LayeredStore(ColdStore):
     def flush(self) -> None:
         self.disk.flush()
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ColdStoreError(f"cold store {self.disk.path}: {what} after close; allowed: a new store")
+
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._lru.clear()
             self._lru_bytes = 0
         self.disk.close()

@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from flashmem.errors import ColdStoreError
 from flashmem.store.base import BlockKey, ColdStore, StoreStats
 from flashmem.store.codecs import get_codec
 from flashmem.store.codecs.base import check_pair
@@ -27,6 +28,7 @@ class MemoryStore(ColdStore):
         self._blocks: dict[BlockKey, tuple] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        self._closed = False
         self.stats = StoreStats()
 
     def put(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -39,6 +41,7 @@ class MemoryStore(ColdStore):
             entry = (payload, shape, k.dtype)
             n = payload.numel()
         with self._lock:
+            self._check_open("put")
             old = self._blocks.get(key)
             if old is not None:
                 self._bytes -= self._entry_bytes(old)
@@ -49,6 +52,7 @@ class MemoryStore(ColdStore):
 
     def get(self, key: BlockKey, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
+            self._check_open("get")
             entry = self._blocks[key]
             self.stats.gets += 1
             self.stats.bytes_read += self._entry_bytes(entry)
@@ -69,9 +73,15 @@ class MemoryStore(ColdStore):
         return self._bytes
 
     def close(self) -> None:
+        """Drop every block; any later put or get is a one-line ColdStoreError."""
         with self._lock:
+            self._closed = True
             self._blocks.clear()
             self._bytes = 0
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ColdStoreError(f"cold store (memory): {what} after close; allowed: a new store")
 
     def _entry_bytes(self, entry: tuple) -> int:
         if self.codec.name == "exact":

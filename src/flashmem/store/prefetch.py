@@ -9,6 +9,12 @@ store can hand them out, so int4 blocks are decoded on the target device; for a
 layered store the load also fills its RAM tier). `get` takes a block out of
 the ready buffer. threads=0: `request` does nothing and every `get` is a
 synchronous load (counted as a miss). Thread-safe.
+
+Blocks are keyed (layer, block) by the cache, but the same key names another
+block once a layer starts a new sequence: `new_sequence(layer)` moves the layer
+to a fresh generation, and every ready or in-flight load is keyed by the
+generation it was requested in, so a load of the previous sequence can never be
+handed out again (it is dropped when it lands).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from flashmem.store.transfer import decode_on
 
 # a loaded block: ("coded", payload uint8 [n], shape, dtype, shared) or ("kv", k, v)
 Entry = tuple
+# (layer, block, generation of the layer's sequence when the load was asked for)
+Scoped = tuple[int, int, int]
 
 
 class Prefetcher:
@@ -38,9 +46,10 @@ class Prefetcher:
             ThreadPoolExecutor(self.threads, thread_name_prefix="flashmem-prefetch") if self.threads > 0 else None
         )
         self._lock = threading.Lock()
-        self._ready: OrderedDict[BlockKey, Entry] = OrderedDict()
+        self._ready: OrderedDict[Scoped, Entry] = OrderedDict()
         self._ready_size = 0
-        self._inflight: dict[BlockKey, Future] = {}
+        self._inflight: dict[Scoped, Future] = {}
+        self._generation: dict[int, int] = {}  # layer -> its current sequence's generation
         self._closed = False
         self._c = {"hits": 0, "misses": 0, "late": 0, "requested": 0, "loaded": 0, "evicted": 0, "errors": 0}
         self._stall_s = 0.0
@@ -57,9 +66,10 @@ class Prefetcher:
                 return 0
             for key in keys:
                 key = (int(key[0]), int(key[1]))
-                if key in self._ready or key in self._inflight or key not in self.store:
+                sk = self._scoped(key)
+                if sk in self._ready or sk in self._inflight or key not in self.store:
                     continue
-                self._inflight[key] = self._pool.submit(self._background, key)
+                self._inflight[sk] = self._pool.submit(self._background, sk)
                 n += 1
             self._c["requested"] += n
         return n
@@ -69,13 +79,14 @@ class Prefetcher:
         key = (int(key[0]), int(key[1]))
         t0 = time.perf_counter()
         with self._lock:
-            entry = self._ready.pop(key, None)
+            sk = self._scoped(key)
+            entry = self._ready.pop(sk, None)
             fut = None
             if entry is not None:
                 self._ready_size -= _size(entry)
                 self._c["hits"] += 1
             else:
-                fut = self._inflight.pop(key, None)  # claimed: the loader will not park it
+                fut = self._inflight.pop(sk, None)  # claimed: the loader will not park it
         if entry is None:
             try:
                 entry = fut.result() if fut is not None else self._load(key)
@@ -89,10 +100,19 @@ class Prefetcher:
     def discard(self, keys: Iterable[BlockKey] | None = None) -> None:
         """Drop ready blocks (all when keys is None); in-flight loads finish and are kept."""
         with self._lock:
-            for key in list(self._ready) if keys is None else keys:
-                e = self._ready.pop(tuple(key), None)  # type: ignore[arg-type]
-                if e is not None:
-                    self._ready_size -= _size(e)
+            scoped = list(self._ready) if keys is None else [self._scoped(k) for k in keys]
+            for sk in scoped:
+                self._drop_ready(sk)
+
+    def new_sequence(self, layer: int) -> None:
+        """`layer` starts a new sequence: nothing loaded or asked for before is served to it."""
+        with self._lock:
+            layer = int(layer)
+            self._generation[layer] = self._generation.get(layer, 0) + 1
+            for sk in [sk for sk in self._ready if sk[0] == layer]:
+                self._drop_ready(sk)
+            for sk in [sk for sk in self._inflight if sk[0] == layer]:
+                del self._inflight[sk]  # its loader drops the block when it lands
 
     def stats(self) -> dict[str, float]:
         """hits, misses (late: in flight when asked), stall_s, requested, loaded, evicted,
@@ -126,6 +146,14 @@ class Prefetcher:
         self.close()
 
     # ------------------------------------------------------------ internals
+    def _scoped(self, key: BlockKey) -> Scoped:
+        return (key[0], key[1], self._generation.get(key[0], 0))
+
+    def _drop_ready(self, sk: Scoped) -> None:
+        e = self._ready.pop(sk, None)
+        if e is not None:
+            self._ready_size -= _size(e)
+
     def _load(self, key: BlockKey) -> Entry:
         t0 = time.perf_counter()
         if self._coded:
@@ -137,18 +165,19 @@ class Prefetcher:
             self._c["loaded"] += 1
         return entry
 
-    def _background(self, key: BlockKey) -> Entry:
+    def _background(self, sk: Scoped) -> Entry:
         try:
-            entry = self._load(key)
+            entry = self._load((sk[0], sk[1]))
         except BaseException:
             with self._lock:
-                self._inflight.pop(key, None)
+                self._inflight.pop(sk, None)
                 self._c["errors"] += 1
             raise  # kept in the future; an unclaimed failure is retried by a synchronous get
         with self._lock:
-            if self._inflight.get(key) is not None and not self._closed:
-                del self._inflight[key]
-                self._ready[key] = entry
+            # parked only while still wanted: not claimed by `get`, not of an ended sequence
+            if self._inflight.get(sk) is not None and not self._closed:
+                del self._inflight[sk]
+                self._ready[sk] = entry
                 self._ready_size += _size(entry)
                 while self._ready_size > self.ready_bytes and len(self._ready) > 1:
                     _, old = self._ready.popitem(last=False)
