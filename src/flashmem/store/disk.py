@@ -10,10 +10,8 @@ recovers a persisted folder. Layout: see `flashmem.store.format`.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import socket
 import uuid
 import weakref
 
@@ -26,6 +24,9 @@ from flashmem.store.codecs.base import Shape, check_pair
 from flashmem.store.disk_core import DiskCore, Pending
 from flashmem.store.disk_io import store_error
 from flashmem.store.format import FORMAT_VERSION
+from flashmem.store.locking import lock_folder, unlock
+from flashmem.store.meta import write_meta
+from flashmem.store.private_fs import check_own_folder, make_private_dir, make_private_dirs, tighten
 from flashmem.store.recovery import recover
 from flashmem.store.transfer import decode_on, ensure_host
 
@@ -33,6 +34,8 @@ from flashmem.store.transfer import decode_on, ensure_host
 class DiskStore(ColdStore):
     tier = "disk"
     coded_reads = True
+    recovered: dict[str, int]  # set by reopen: kept, dropped, torn_log_bytes, corrupt_log_entries, ...
+    problems: list[str]  # set by reopen: one line per corruption found (also warned)
 
     def __init__(
         self,
@@ -54,12 +57,11 @@ class DiskStore(ColdStore):
         folder = os.path.join(os.path.abspath(cold_dir), f"{stem}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         hint = "allowed: cold_dir a writable folder (created if missing)"
         try:
-            os.makedirs(cold_dir, exist_ok=True)
-            if not os.path.isdir(cold_dir):
-                raise NotADirectoryError(20, "Not a directory")
-            os.mkdir(folder)
+            make_private_dirs(cold_dir)
+            make_private_dir(folder)
         except OSError as exc:
             raise store_error(str(cold_dir), "cannot create the store folder", exc, hint) from None
+        lock = lock_folder(folder)
         try:
             _write_meta(folder, self.codec.name, dtype, persist)
             core = DiskCore(
@@ -69,18 +71,20 @@ class DiskStore(ColdStore):
                 sync=sync,
                 segment_bytes=segment_bytes,
                 max_pending_bytes=max_pending_bytes,
+                lock_fd=lock,
             )
         except OSError as exc:
             import shutil
 
             shutil.rmtree(folder, ignore_errors=True)
+            unlock(lock)
             raise store_error(folder, "cannot write the store folder", exc, hint) from None
         self._attach(core)
 
     def _attach(self, core: DiskCore) -> None:
         self._core = core
         self.stats: StoreStats = core.stats
-        self._finalizer = weakref.finalize(self, core.close)
+        self._finalizer = weakref.finalize(self, _close_unattended, core)
 
     @classmethod
     def reopen(
@@ -93,29 +97,42 @@ class DiskStore(ColdStore):
         segment_bytes: int = 2**30,
         max_pending_bytes: int = 256 * 2**20,
     ) -> DiskStore:
-        """Open a persisted store folder: every committed record is kept; incomplete or
-        garbled trailing records are ignored (verify=True also reads every payload and
-        drops records whose checksum fails). New puts go to a new segment."""
-        rec = recover(path, verify=verify)
-        self = cls.__new__(cls)
-        self.codec = rec.codec
-        self.dtype = rec.dtype
-        self.recovered = rec.report  # type: ignore[attr-defined]
+        """Open a persisted store folder: every committed record is kept. A torn tail of
+        the commit log is cut off; a damaged entry before intact ones is corruption: it
+        is reported (`self.problems`, one warning line each) and the intact entries after
+        it are kept. verify=True also reads every payload and drops records whose
+        checksum fails. New puts go to a new segment. The folder must be a real folder
+        owned by this user and not open elsewhere (ColdStoreError otherwise)."""
+        path = os.path.abspath(path)
+        check_own_folder(path)
+        lock = lock_folder(path)
         try:
-            _write_meta(path, rec.codec.name, rec.dtype, persist)
-            core = DiskCore(
-                os.path.abspath(path),
-                rec.codec,
-                persist=persist,
-                sync=sync,
-                segment_bytes=segment_bytes,
-                max_pending_bytes=max_pending_bytes,
-                index=rec.index,
-                first_segment=rec.next_segment,
-                log_offset=rec.log_length,
-            )
-        except OSError as exc:
-            raise store_error(path, "cannot reopen", exc) from None
+            rec = recover(path, verify=verify)
+            self = cls.__new__(cls)
+            self.codec = rec.codec
+            self.dtype = rec.dtype
+            self.recovered = rec.report
+            self.problems = rec.problems
+            try:
+                tighten(path)
+                _write_meta(path, rec.codec.name, rec.dtype, persist)
+                core = DiskCore(
+                    path,
+                    rec.codec,
+                    persist=persist,
+                    sync=sync,
+                    segment_bytes=segment_bytes,
+                    max_pending_bytes=max_pending_bytes,
+                    index=rec.index,
+                    first_segment=rec.next_segment,
+                    log_offset=rec.log_length,
+                    lock_fd=lock,
+                )
+            except OSError as exc:
+                raise store_error(path, "cannot reopen", exc) from None
+        except BaseException:
+            unlock(lock)
+            raise
         self._attach(core)
         return self
 
@@ -175,12 +192,17 @@ class DiskStore(ColdStore):
             raise ColdStoreError(str(core.error))
 
     def close(self) -> None:
-        """Persisting stores drain their writes first; otherwise the folder is removed."""
+        """Persisting stores drain their writes first; otherwise the folder is removed.
+        ColdStoreError (one line) naming what could not be removed, if anything."""
         try:
             if self._core.persist and not self._core.closed:
                 self.flush()
         finally:
-            self._finalizer()
+            self._finalizer.detach()
+            self._core.close()
+        leftover, self._core.leftover = self._core.leftover, None
+        if leftover:
+            raise ColdStoreError(leftover)
 
     def _raise_once(self) -> None:
         core = self._core
@@ -189,18 +211,14 @@ class DiskStore(ColdStore):
             raise ColdStoreError(str(core.error))
 
 
+def _close_unattended(core: DiskCore) -> None:
+    """Close run by garbage collection or at exit: nobody to raise to, so say it on stderr."""
+    core.close()
+    if core.leftover:
+        import warnings
+
+        warnings.warn(core.leftover, RuntimeWarning, stacklevel=1)
+
+
 def _write_meta(folder: str, codec: str, dtype: torch.dtype, persist: bool) -> None:
-    meta = {
-        "format": FORMAT_VERSION,
-        "codec": codec,
-        "dtype": str(dtype).removeprefix("torch."),
-        "persist": persist,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-    }
-    tmp = os.path.join(folder, "meta.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, "meta.json"))
+    write_meta(folder, FORMAT_VERSION, codec, dtype, persist)

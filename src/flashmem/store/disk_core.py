@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
 from collections import deque
@@ -22,7 +23,7 @@ from flashmem.errors import ChecksumError, ColdStoreError
 from flashmem.store.base import BlockKey, StoreStats
 from flashmem.store.codecs import DTYPE_CODES, Codec
 from flashmem.store.codecs.base import Shape
-from flashmem.store.disk_io import pread_into, pwrite_all, store_error
+from flashmem.store.disk_io import describe, pread_into, pwrite_all, store_error
 from flashmem.store.format import (
     HEADER_SIZE,
     CommitEntry,
@@ -33,6 +34,8 @@ from flashmem.store.format import (
     unpack_header,
     xxh64,
 )
+from flashmem.store.locking import unlock
+from flashmem.store.private_fs import open_private, open_read
 from flashmem.store.transfer import host_buffer
 
 BATCH_BLOCKS = 64
@@ -67,8 +70,11 @@ class DiskCore:
         index: dict[BlockKey, Loc] | None = None,
         first_segment: int = 0,
         log_offset: int = 0,
+        lock_fd: int = -1,
     ) -> None:
         self.folder = folder
+        self.lock_fd = lock_fd  # held for the store's life: one writer per folder
+        self.leftover: str | None = None  # what close() could not remove, one line
         self.codec = codec
         self.persist = persist
         self.sync = sync
@@ -95,7 +101,7 @@ class DiskCore:
         self.seg_fd = -1  # opened lazily by the writer
         self.log_path = os.path.join(folder, "commit.log")
         self.log_off = log_offset
-        self.log_fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.log_fd = open_private(self.log_path, os.O_RDWR | os.O_CREAT)
         if sync:
             fsync_dir(folder)
         self.thread = threading.Thread(
@@ -206,7 +212,7 @@ class DiskCore:
         if self.seg_fd >= 0:
             self.seg += 1
         path = os.path.join(self.folder, segment_name(self.seg))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         if self.sync:
             fsync_dir(self.folder)  # the new file's name must survive a crash too
         with self.lock:
@@ -254,7 +260,7 @@ class DiskCore:
     def _read_fd(self, seg: int) -> int:
         fd = self.read_fds.get(seg)
         if fd is None:
-            fd = os.open(os.path.join(self.folder, segment_name(seg)), os.O_RDONLY)
+            fd = open_read(os.path.join(self.folder, segment_name(seg)))
             self.read_fds[seg] = fd
         return fd
 
@@ -292,11 +298,34 @@ class DiskCore:
             except OSError:
                 pass
         if not self.persist:
-            shutil.rmtree(self.folder, ignore_errors=True)
+            self.leftover = remove_folder(self.folder)
+        unlock(self.lock_fd)
+        self.lock_fd = -1
+
+
+def remove_folder(folder: str) -> str | None:
+    """rmtree that says what it could not remove: None, or one line for the user."""
+    failed: list[str] = []
+
+    def note(_func: object, path: str, exc: object) -> None:
+        err = exc if isinstance(exc, BaseException) else exc[1]  # type: ignore[index]  # onerror: exc_info
+        if not isinstance(err, FileNotFoundError):
+            failed.append(f"{path}: {describe(err) if isinstance(err, OSError) else err}")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(folder, onexc=note)
+    else:
+        shutil.rmtree(folder, onerror=note)
+    if not failed:
+        return None
+    return (
+        f"cold store {folder}: could not remove {len(failed)} path(s) (first: {failed[0]}); "
+        "the folder holds KV blocks: remove it by hand"
+    )
 
 
 def fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
