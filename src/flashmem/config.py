@@ -160,13 +160,11 @@ class FlashMemoryConfig(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | Path) -> FlashMemoryConfig:
         """Load a YAML file; errors name the file and the key."""
+        from flashmem.user_files import MiB, read_user_text
+
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such file; allowed: a YAML config file") from None
-        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: cannot be read ({type(exc).__name__})") from None
+        # a regular file of at most 1 MiB: /dev/zero or a FIFO must not hang or fill memory
+        text = read_user_text(path, "config", MiB, ConfigError)
         return cls.from_yaml_text(text, source=str(path))
 
     @classmethod

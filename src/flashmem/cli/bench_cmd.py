@@ -43,8 +43,25 @@ def _ints(text: str, name: str) -> list[int]:
         mult = 1024 if part.endswith("k") else 1
         try:
             out.append(int(float(part.rstrip("k")) * mult))
-        except ValueError:
+        except (ValueError, OverflowError):
             raise FlashMemError(f"{name}: {part!r} is not an integer; allowed: e.g. 4096,8k") from None
+    return out
+
+
+def _depths(text: str) -> list[float]:
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            d = float(part)
+        except ValueError:
+            raise FlashMemError(
+                f"--depths: {part!r} is not a number; allowed: depths from 0 to 1, e.g. 0,0.5,1"
+            ) from None
+        if not 0 <= d <= 1:
+            raise FlashMemError(f"--depths: {part!r} is not allowed; allowed: depths from 0 to 1, e.g. 0,0.5,1")
+        out.append(d)
     return out
 
 
@@ -70,11 +87,13 @@ def bench(
     no_progress: bool = typer.Option(False, "--no-progress"),
 ) -> None:
     """Run one benchmark suite; resumable."""
+    from flashmem.cli.inputs import check_output_path
     from flashmem_eval import report
     from flashmem_eval.suites import DEFAULT_LENGTHS, DEFAULT_MODEL, SUITES, BenchArgs, run_suite
 
     if suite not in SUITES:
         raise FlashMemError(f"suite: {suite!r} is not known; allowed: {', '.join(SUITES)}")
+    check_output_path(json_out, "--json-out")
     args = BenchArgs(
         suite=suite,
         model=model or DEFAULT_MODEL[suite],
@@ -83,7 +102,7 @@ def bench(
         lengths=_ints(lengths, "--lengths") if lengths else list(DEFAULT_LENGTHS[suite]),
         json_out=json_out,
         seeds=_ints(seeds, "--seeds"),
-        depths=[float(d) for d in depths.split(",") if d.strip()],
+        depths=_depths(depths),
         tasks=[t.strip() for t in tasks.split(",") if t.strip()],
         n_cont=n_cont,
         chunk=chunk,

@@ -101,7 +101,8 @@ def _print(est: Any) -> None:
                 tt.add_row(k, f"{v:,}", fmt_bytes(v))
         con.print(tt)
         con.print(
-            f"managed layers: {len(est.flashmem.managed_layers)}; " f"full layers: {est.flashmem.full_layers or 'none'}"
+            f"managed layers: {est.flashmem.managed_layers.count}; "
+            f"full layers: {est.flashmem.full_layers or 'none'}"
         )
     ft = Table(title="fits on (KV cache alone, weights not counted)")
     ft.add_column("accelerator")

@@ -27,9 +27,14 @@ def report(
     """Merge result files; print every suite's table."""
     import json
 
+    from flashmem.cli.inputs import check_output_path, check_results_file
     from flashmem_eval import report as R
     from flashmem_eval.harness import environment
 
+    for f in files:
+        check_results_file(f)
+    for path, flag in ((json_out, "--json-out"), (markdown, "--markdown")):
+        check_output_path(path, flag)
     rows, runs = R.load_rows(files)
     suites = sorted({str(r.get("suite")) for r in rows})
     if (json_out or plot) and len(suites) != 1:

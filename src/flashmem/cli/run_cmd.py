@@ -44,9 +44,11 @@ def run(
     from rich.console import Console
 
     import flashmem
+    from flashmem.cli.inputs import check_output_path
     from flashmem.config import FlashMemoryConfig
 
     console = Console(stderr=True)
+    check_output_path(json_out, "--json-out")  # before minutes of work, not after
     if threads:
         torch.set_num_threads(threads)
     cfg = FlashMemoryConfig.from_yaml(config or _default_config())
@@ -57,6 +59,18 @@ def run(
     console.print(f"[dim]context: {ids.shape[1]} tokens; config: {config or _default_config()}[/dim]")
 
     cache = flashmem.attach(mdl, cfg)
+    try:
+        result = _measure(mdl, tok, cache, ids, max_new_tokens, model, cfg, compare_full)
+    finally:
+        cache.close()  # also on SIGTERM (main turns it into SystemExit): no store folder is left
+    _print_report(result)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2, default=str))
+
+
+def _measure(
+    mdl: Any, tok: Any, cache: Any, ids: Any, max_new_tokens: int, model: str, cfg: Any, compare_full: bool
+) -> dict[str, Any]:
     gen, logits, t_prefill, t_decode = _generate(mdl, tok, cache, ids, max_new_tokens, stream=True)
     report = cache.memory_report()
     result: dict[str, Any] = {
@@ -73,10 +87,7 @@ def run(
     result["full_cache_bytes"] = full_bytes
     if compare_full:
         result["compare_full"] = _compare(mdl, ids, gen, logits)
-    cache.close()
-    _print_report(result)
-    if json_out:
-        json_out.write_text(json.dumps(result, indent=2, default=str))
+    return result
 
 
 def _default_config() -> Path:
@@ -91,12 +102,9 @@ def _read_input(path: Path | None, text: str | None) -> str:
     if path is not None and text is not None:
         raise FlashMemError("--input and --text both given; allowed: one of them")
     if path is not None:
-        try:
-            return path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise FlashMemError(f"--input {path}: no such file") from None
-        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-            raise FlashMemError(f"--input {path}: cannot be read as UTF-8 text ({type(exc).__name__})") from None
+        from flashmem.cli.inputs import read_input_text
+
+        return read_input_text(path)
     from flashmem.texts import load_text
 
     return load_text(text or "default")

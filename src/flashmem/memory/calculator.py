@@ -10,6 +10,7 @@ layers stay as the model has them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -43,6 +44,34 @@ TIER_KEYS = (
 )
 
 
+class ManagedLayers:
+    """Indices of the managed layers, held as ranges (a model may have 10**20 layers):
+    len() is arithmetic; iteration and JSON list them only when there are few."""
+
+    LISTED = 4096
+
+    def __init__(self, ranges: list[range], excluded: frozenset[int], count: int) -> None:
+        self._ranges, self._excluded, self._count = ranges, excluded, count
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(i for r in self._ranges for i in r if i not in self._excluded))
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, ManagedLayers)) else NotImplemented
+
+    def to_json(self) -> list[int] | str:
+        if self._count <= self.LISTED:
+            return list(self)
+        return f"{self._count} layers: all managed-kind layers not in full_layers"
+
+
 @dataclass
 class FlashEstimate:
     """Device-resident and cold-tier bytes under a FlashMemoryConfig (whole batch)."""
@@ -51,7 +80,7 @@ class FlashEstimate:
     cold_bytes: int
     cold_codec: str
     tiers: dict[str, int]
-    managed_layers: list[int]
+    managed_layers: ManagedLayers
     full_layers: list[int]
     tier_counts: dict[str, int]  # per managed layer, per sequence (token-equivalents)
     fits: dict[str, bool] = field(default_factory=dict)  # device-resident bytes vs accelerators
@@ -62,7 +91,7 @@ class FlashEstimate:
             "cold_bytes": self.cold_bytes,
             "cold_codec": self.cold_codec,
             "tiers": dict(self.tiers),
-            "managed_layers": list(self.managed_layers),
+            "managed_layers": self.managed_layers.to_json(),
             "full_layers": list(self.full_layers),
             "tier_counts_per_layer": dict(self.tier_counts),
             "fits": dict(self.fits),
@@ -143,11 +172,12 @@ def estimate(
     per_token = Fraction(0)
     fixed = 0
     total = 0
-    for layer in spec.layers:
-        b = layer.cache_bytes(n_tokens, eb)
+    for layer, where in spec.layer_positions():  # arithmetic per layer kind, not per layer
+        n = _count(where)
+        b = layer.cache_bytes(n_tokens, eb) * n
         per_kind[layer.kind] = per_kind.get(layer.kind, 0) + b * batch
-        per_token += layer.bytes_per_token(eb)
-        fixed += layer.fixed_bytes(eb)
+        per_token += layer.bytes_per_token(eb) * n
+        fixed += layer.fixed_bytes(eb) * n
         total += b
     full = total * batch
 
@@ -171,6 +201,11 @@ def estimate(
         fits=_fits(full),
         flashmem=flash,
     )
+
+
+def _count(r: range) -> int:
+    """len(r) without len(): a range of more than 2**63 layers is still counted."""
+    return max(0, (r.stop - r.start + r.step - 1) // r.step)
 
 
 def _fits(nbytes: int) -> dict[str, bool]:
@@ -212,36 +247,40 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
     counts = tier_counts(cfg, tokens)
     cold_eb = codec_bytes_per_element(cfg.cold_codec, eb)
     tiers = {k: 0 for k in TIER_KEYS}
-    cold = 0.0
-    managed: list[int] = []
-    for i, layer in enumerate(spec.layers):
+    cold = Fraction(0)
+    managed: list[range] = []
+    n_managed = 0
+    for layer, where in spec.layer_positions():  # arithmetic per layer kind, not per layer
         b = layer.cache_bytes(tokens, eb)
         if not layer.managed:
             key = "sliding_layers" if layer.kind == "sliding" else "native_compressed_layers"
-            tiers[key] += b
+            tiers[key] += b * _count(where)
             continue
-        if i in full_idx:
-            tiers["full_layers"] += b
+        n_full = sum(1 for i in full_idx if i in where)
+        tiers["full_layers"] += b * n_full
+        n = _count(where) - n_full
+        if n == 0:
             continue
-        managed.append(i)
+        managed.append(where)
+        n_managed += n
         assert isinstance(layer, FullAttention | MLA)  # the managed kinds
         entry = layer.entry_elems() * eb  # one token-equivalent, K and V (or latent)
-        tiers["sinks"] += counts.sinks * entry
-        tiers["window"] += counts.window * entry
-        tiers["open_block"] += counts.open_block * entry
-        tiers["csa_entries"] += counts.csa_entries * entry
-        tiers["hca_entries"] += counts.hca_entries * entry
-        tiers["working_set"] += counts.working_set * entry
+        tiers["sinks"] += counts.sinks * entry * n
+        tiers["window"] += counts.window * entry * n
+        tiers["open_block"] += counts.open_block * entry * n
+        tiers["csa_entries"] += counts.csa_entries * entry * n
+        tiers["hca_entries"] += counts.hca_entries * entry * n
+        tiers["working_set"] += counts.working_set * entry * n
         heads, width = layer.index_heads()
-        tiers["index"] += heads * index_bytes(cfg, counts, width, eb)  # type: ignore[assignment]
-        cold += counts.cold_tokens * layer.entry_elems() * cold_eb
+        tiers["index"] += heads * index_bytes(cfg, counts, width, eb) * n  # type: ignore[assignment]
+        cold += Fraction(counts.cold_tokens * layer.entry_elems()) * Fraction(cold_eb) * n
     tiers = {k: v * batch for k, v in tiers.items()}
     return FlashEstimate(
         device_resident_bytes=sum(tiers.values()),
         cold_bytes=int(round(cold * batch)),
         cold_codec=cfg.cold_codec,
         tiers=tiers,
-        managed_layers=managed,
+        managed_layers=ManagedLayers(managed, full_idx, n_managed),
         full_layers=sorted(full_idx),
         tier_counts=counts.as_dict(),
     )

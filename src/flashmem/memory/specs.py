@@ -222,16 +222,24 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     dtype: str = "bfloat16"
     source: str = "built-in"
+    # `layers` repeated this many times: a model given by dimensions is one layer kind
+    # times a count that may be huge, sized by arithmetic, never one object per layer
+    repeat: int = 1
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        return len(self.layers) * self.repeat
+
+    def layer_positions(self) -> list[tuple[LayerSpec, range]]:
+        """Each distinct layer entry with the layer indices it stands for."""
+        step = len(self.layers)
+        return [(layer, range(j, self.num_layers, step)) for j, layer in enumerate(self.layers)]
 
     def summary(self) -> str:
         groups: dict[str, int] = {}
         for layer in self.layers:
             d = layer.describe()
-            groups[d] = groups.get(d, 0) + 1
+            groups[d] = groups.get(d, 0) + self.repeat
         return "; ".join(f"{n} x {d}" for d, n in groups.items())
 
 
@@ -368,15 +376,20 @@ def _model_help() -> str:
     return ", ".join(BUILTIN_MODELS) + ", a folder with config.json, or a .gguf file"
 
 
+# Sizes stay exact integers; beyond this a byte count no longer fits a float for GB/GiB.
+MAX_DIM = 10**24
+
+
 def from_dims(layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16") -> ModelSpec:
     for flag, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{flag}: {v!r} is not allowed; allowed: an integer >= 1")
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_DIM:
+            raise ConfigError(f"{flag}: {v!r} is not allowed; allowed: an integer from 1 to 10**24")
     return ModelSpec(
         f"{layers} layers x {kv_heads} KV heads x {head_dim}",
-        (FullAttention(kv_heads, head_dim),) * layers,
+        (FullAttention(kv_heads, head_dim),),
         dtype=dtype,
         source="dimensions",
+        repeat=layers,
     )
 
 
@@ -396,7 +409,7 @@ def from_hf_folder(folder: Path, config_file: Path | None = None) -> ModelSpec:
     except Exception:  # unknown model_type or odd file: fall back to the raw dict
         cfg = data
     spec = from_hf_config(cfg, name=str(folder))
-    return ModelSpec(spec.name, spec.layers, spec.dtype, source=str(config_file))
+    return ModelSpec(spec.name, spec.layers, spec.dtype, source=str(config_file), repeat=spec.repeat)
 
 
 _get = geometry.get
