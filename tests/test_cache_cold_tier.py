@@ -70,7 +70,12 @@ def test_exact_codec_equals_dynamic_cache(model_and_ref, tmp_path, kind, threads
         assert cache.memory_report()["cold_bytes"] > 0
     assert (out - ref).abs().max() <= 1e-4
     assert st["prefetch"] is (threads > 0)
-    assert st["hits"] + st["misses"] > 0 and st["bytes_written"] > 0 and st["bytes_read"] > 0
+    assert st["hits"] + st["misses"] > 0 and st["bytes_written"] > 0
+    # reads come from the files, or from memory while the background write is pending (timing)
+    pending = sum(t.get("pending_hits", 0) for t in st["tiers"].values())
+    assert st["bytes_read"] > 0 or pending > 0 or kind == "memory"
+    if kind == "lmdb":
+        assert set(st["tiers"]) == {"prefetch", "lmdb"} and st["tiers"]["lmdb"]["bytes_written"] > 0
     if kind == "layered":
         assert set(st["tiers"]) == {"prefetch", "ram", "disk"}
         assert st["tiers"]["disk"]["bytes_written"] > 0
@@ -81,7 +86,7 @@ def test_exact_codec_equals_dynamic_cache(model_and_ref, tmp_path, kind, threads
 
 # measured max |error|: int8 ~3e-4, int4 ~6e-3 (logits ~0.5)
 @pytest.mark.parametrize("codec,tol", [("int8", 5e-3), ("int4", 5e-2)])
-@pytest.mark.parametrize("kind", ["disk", "layered"])
+@pytest.mark.parametrize("kind", ["disk", "layered", "lmdb"])
 def test_lossy_codecs_stay_close(model_and_ref, tmp_path, codec, tol, kind):
     model, ids, ref = model_and_ref
     with flashmem.attach(model, cfg(tmp_path, cold_store=kind, cold_codec=codec)) as cache:

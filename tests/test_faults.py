@@ -14,13 +14,14 @@ import pytest
 import torch
 
 import flashmem
+from flashmem import policies
 from flashmem.errors import ColdStoreError, ConfigError, FlashMemError
 from test_cache import SMALL
 from tiny_models import tiny_llama
 
 torch.set_num_threads(1)
 
-STORES = ["memory", "disk", "layered"]
+STORES = sorted(policies.COLD_STORES)  # every registered cold store
 
 
 def cfg(tmp_path, **kw) -> flashmem.FlashMemoryConfig:

@@ -18,6 +18,7 @@ import torch
 from flashmem.errors import ChecksumError, ColdStoreError
 from flashmem.store import DiskStore
 from flashmem.store.format import COMMIT_SIZE
+from flashmem.store.lmdb_store import LmdbStore
 
 SHAPE = (1, 2, 16, 8)
 
@@ -27,7 +28,7 @@ def block(layer: int, idx: int):
     return torch.randn(SHAPE, generator=g), torch.randn(SHAPE, generator=g)
 
 
-BACKENDS = {"disk": DiskStore}
+BACKENDS = {"disk": DiskStore, "lmdb": LmdbStore}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -87,7 +88,7 @@ def test_reopen_tightens_an_older_world_readable_folder(backend, tmp_path):
 
 
 # ------------------------------------------------------------------ 3. links and owners
-@pytest.mark.parametrize("name", ["commit.log", "meta.json", "meta.json.tmp", "lock"])
+@pytest.mark.parametrize("name", ["commit.log", "meta.json", "meta.json.tmp", "lock", "data.mdb", "lock.mdb"])
 def test_planted_symlink_never_redirects_a_write(backend, tmp_path, name):
     """Issue 11 item 3: a link planted in the folder neither truncates nor overwrites its target."""
     path = persisted(backend, tmp_path, 3)
@@ -216,6 +217,153 @@ def test_flipped_payload_bit_is_a_checksum_error(backend, tmp_path):
             r.get((0, 3))
         assert "(layer 0, block 3)" in one_line(err.value)
         assert torch.equal(r.get((0, 4))[0], block(0, 4)[0])
+
+
+# ------------------------------------------------------------------ random damage
+FUZZ = """
+import os, random, shutil, sys, warnings
+sys.path[:0] = [{tests!r}, {src!r}]
+import torch
+from test_faults_disk import block, BACKENDS
+from flashmem.errors import ChecksumError, ColdStoreError
+warnings.simplefilter("ignore")
+cls = BACKENDS[{name!r}]
+for seed in range(6):
+    dst = {path!r} + "-" + str(seed)
+    shutil.copytree({path!r}, dst)
+    rng = random.Random(seed)
+    files = [os.path.join(dst, n) for n in sorted(os.listdir(dst)) if n.endswith((".dat", ".log", ".mdb")) and n != "lock.mdb"]
+    for _ in range(12):
+        f = rng.choice(files)
+        raw = bytearray(open(f, "rb").read())
+        i = rng.randrange(len(raw)); raw[i] ^= 1 << rng.randrange(8)
+        open(f, "wb").write(raw)
+    try:
+        r = cls.reopen(dst, persist=False)
+    except ColdStoreError as e:
+        assert "\\n" not in str(e); print("refused", seed); shutil.rmtree(dst); continue
+    good = bad = 0
+    for key in r.keys():
+        try:
+            k, v = r.get(key)
+        except ChecksumError:
+            bad += 1
+            continue
+        assert torch.equal(k, block(*key)[0]) and torch.equal(v, block(*key)[1]), key
+        good += 1
+    r.close()
+    print("ok", seed, good, bad)
+"""
+
+
+def test_random_bit_flips_never_return_wrong_data(backend, tmp_path):
+    """Whatever bytes are damaged: a block comes back bit-exact, or a ChecksumError, or
+    the folder is refused in one line; never wrong data, a traceback or a crash."""
+    import subprocess
+    import sys
+
+    path = persisted(backend, tmp_path, 60)
+    name = next(k for k, v in BACKENDS.items() if v is backend)
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = FUZZ.format(tests=here, src=os.path.join(here, "..", "src"), name=name, path=path)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert len(p.stdout.splitlines()) == 6
+
+
+# ------------------------------------------------------------------ crashes and write errors
+CHILD = """
+import sys, torch
+sys.path[:0] = [{tests!r}, {src!r}]
+from test_faults_disk import block, BACKENDS
+s = BACKENDS[{name!r}]({root!r}, persist=True)
+print("PATH", s.path, flush=True)
+i = 0
+while True:
+    s.put((0, i), *block(0, i))
+    i += 1
+    if i % 4 == 0:
+        s.flush()
+        print("DURABLE", i, flush=True)
+"""
+
+
+def test_kill_9_mid_write_keeps_every_flushed_block(backend, tmp_path):
+    """A writer killed mid-write: every block flushed before is back, bit-exact."""
+    import signal
+    import subprocess
+    import sys
+
+    name = next(k for k, v in BACKENDS.items() if v is backend)
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = CHILD.format(tests=here, src=os.path.join(here, "..", "src"), name=name, root=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        path = proc.stdout.readline().split()[1]
+        durable = 0
+        while durable < 40:
+            line = proc.stdout.readline()
+            assert line, "writer exited early"
+            durable = int(line.split()[1])
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+    with backend.reopen(path, persist=False, verify=True) as r:
+        keys = set(r.keys())
+        assert {(0, i) for i in range(durable)} <= keys
+        for key in keys:
+            k, v = r.get(key)
+            assert torch.equal(k, block(*key)[0]) and torch.equal(v, block(*key)[1])
+
+
+def test_background_write_error_is_raised_once_and_loses_nothing(backend, tmp_path, monkeypatch):
+    """After a write error every block stays readable; the error is one line, raised once."""
+    if backend is DiskStore:
+        import flashmem.store.disk_core as dc
+
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(dc, "pwrite_all", full)
+        s = backend(str(tmp_path))
+    else:
+        s = backend(str(tmp_path), map_size=256 * 1024)  # a map that fills up
+    with s:
+        raised = []
+        for i in range(200):
+            try:
+                s.put((0, i), *block(0, i))
+            except ColdStoreError as exc:
+                raised.append(one_line(exc))
+            if i == 0:
+                s._core.wait_durable()
+        assert len(raised) == 1 and ("ENOSPC" in raised[0] or "MapFull" in raised[0])
+        for i in range(200):
+            assert torch.equal(s.get((0, i))[0], block(0, i)[0])
+
+
+def test_truncated_lmdb_file_is_one_line_not_a_crash(tmp_path):
+    """LMDB maps its file: a truncated data.mdb would fault (SIGBUS) on read; refused on open."""
+    import subprocess
+    import sys
+
+    path = persisted(LmdbStore, tmp_path, 20)
+    data = os.path.join(path, "data.mdb")
+    os.truncate(data, os.path.getsize(data) // 2)
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.join(here, '..', 'src')!r})\n"
+        "from flashmem.store.lmdb_store import LmdbStore\nfrom flashmem.errors import ColdStoreError\n"
+        f"try:\n    r = LmdbStore.reopen({path!r}); [r.get(k) for k in r.keys()]\n"
+        "except ColdStoreError as e:\n    print('ERR', e)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("ERR ") and "truncated" in p.stdout, (
+        p.returncode,
+        p.stderr[-500:],
+    )
 
 
 # ------------------------------------------------------------------ 5. commit log (DiskStore's own format)

@@ -11,6 +11,7 @@ import torch
 from flashmem.config import FlashMemoryConfig
 from flashmem.memory.tiers import codec_bytes_per_element
 from flashmem.store import DiskStore, LayeredStore, MemoryStore, open_store
+from flashmem.store.lmdb_store import LmdbStore
 
 SHAPE = (1, 2, 64, 32)
 
@@ -151,7 +152,9 @@ def test_memory_store_with_codec():
     assert same(e.get((0, 0))[0], block(0, 0)[0]) and e.nbytes() == 2 * torch.Size(SHAPE).numel() * 4
 
 
-@pytest.mark.parametrize("kind,cls", [("memory", MemoryStore), ("disk", DiskStore), ("layered", LayeredStore)])
+@pytest.mark.parametrize(
+    "kind,cls", [("memory", MemoryStore), ("disk", DiskStore), ("layered", LayeredStore), ("lmdb", LmdbStore)]
+)
 def test_open_store_factory(tmp_path, kind, cls):
     cfg = FlashMemoryConfig(cold_store=kind, cold_dir=str(tmp_path), cold_codec="int8", cold_ram_bytes=10**6)
     with open_store(cfg, dtype=torch.bfloat16, name="layer cache/0") as s:

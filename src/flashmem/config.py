@@ -116,10 +116,11 @@ class FlashMemoryConfig(BaseModel):
             raise ValueError(
                 f"cold_dir: required when cold_store is {self.cold_store!r}; " "allowed: a writable folder path"
             )
-        if self.persist and self.cold_store == "memory":
+        if self.persist and not policies.COLD_STORES[self.cold_store].needs_dir:
+            with_files = ", ".join(repr(n) for n, p in policies.COLD_STORES.items() if p.needs_dir)
             raise ValueError(
-                "persist: true keeps the cold tier's files, but cold_store 'memory' has none; "
-                "allowed: persist with cold_store 'disk' or 'layered' (and cold_dir), or persist: false"
+                f"persist: true keeps the cold tier's files, but cold_store {self.cold_store!r} has none; "
+                f"allowed: persist with cold_store {with_files} (and cold_dir), or persist: false"
             )
         if len(set(self.keep_full_layers)) != len(self.keep_full_layers):
             raise ValueError(f"keep_full_layers: {self.keep_full_layers} repeats a layer; allowed: distinct layers")

@@ -135,6 +135,7 @@ COLD_STORES: dict[str, PolicySpec] = {
         PolicySpec("memory", "flashmem.store:open_memory"),
         PolicySpec("disk", "flashmem.store:open_disk", needs_dir=True),
         PolicySpec("layered", "flashmem.store:open_layered", needs_dir=True),
+        PolicySpec("lmdb", "flashmem.store:open_lmdb", needs_dir=True),
     )
 }
 

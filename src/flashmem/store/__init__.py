@@ -1,6 +1,6 @@
 """Cold tier: where exact (or int8/int4-coded) K/V of sealed blocks live.
 
-store = open_store(cfg, dtype=torch.bfloat16, name="cache")   # memory | disk | layered
+store = open_store(cfg, dtype=torch.bfloat16, name="cache")   # memory | disk | layered | lmdb
 store.put((layer, block), k, v)          # k, v: [batch, kv_heads, B, head_dim]
 k, v = store.get((layer, block), device)
 pf = open_prefetcher(cfg, store)          # background loads for the next steps
@@ -24,7 +24,7 @@ from flashmem.store.prefetch import Prefetcher
 def open_store(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> ColdStore:
     """The cold store `cfg` asks for (cold_store, cold_dir, cold_codec, cold_ram_bytes, persist).
 
-    Disk and layered stores create their own folder `<cold_dir>/<name>-<pid>-<uuid>`;
+    Disk, layered and lmdb stores create their own folder `<cold_dir>/<name>-<pid>-<uuid>`;
     ColdStoreError (one line) when cold_dir cannot be used.
     """
     get_codec(cfg.cold_codec)
@@ -44,6 +44,13 @@ def open_disk(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = 
 
 def open_layered(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> LayeredStore:
     return LayeredStore(open_disk(cfg, dtype=dtype, name=name), ram_bytes=cfg.cold_ram_bytes)
+
+
+def open_lmdb(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> ColdStore:
+    from flashmem.store.lmdb_store import LmdbStore  # imported only when chosen
+
+    assert cfg.cold_dir is not None  # the config validator requires it
+    return LmdbStore(cfg.cold_dir, codec=cfg.cold_codec, dtype=dtype, name=name, persist=cfg.persist)
 
 
 def open_prefetcher(cfg: FlashMemoryConfig, store: ColdStore) -> Prefetcher:
