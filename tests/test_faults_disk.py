@@ -141,6 +141,34 @@ def test_one_writer_per_folder_also_in_process(backend, tmp_path):
             backend.reopen(path)
 
 
+def test_one_writer_per_folder_across_processes(backend, tmp_path):
+    """A live store in another process makes a reopen here a one-line refusal; once that
+    process is killed (no clean close), the kernel drops its lock and the reopen works."""
+    import subprocess
+    import sys
+
+    path = persisted(backend, tmp_path, 3)
+    name = next(k for k, v in BACKENDS.items() if v is backend)
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        f"import sys, time; sys.path[:0] = [{here!r}, {os.path.join(here, '..', 'src')!r}]\n"
+        f"from test_faults_disk import BACKENDS\ns = BACKENDS[{name!r}].reopen({path!r})\n"
+        "print('OPEN', flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "OPEN"
+        with pytest.raises(ColdStoreError) as err:
+            backend.reopen(path)
+        assert "already open" in one_line(err.value)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+    with backend.reopen(path, persist=False) as r:
+        assert sorted(r.keys()) == [(0, i) for i in range(3)]
+
+
 # ------------------------------------------------------------------ 7. metadata
 @pytest.mark.parametrize(
     "field,value,allowed",
