@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import stat
 import warnings
 
@@ -295,6 +296,11 @@ def test_random_bit_flips_never_return_wrong_data(backend, tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     code = FUZZ.format(tests=here, src=os.path.join(here, "..", "src"), name=name, path=path)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if backend is LmdbStore and p.returncode == -signal.SIGBUS:
+        # Known limit (docs/guarantees.md, "Not promised"): LMDB maps its file, and damaged
+        # page structure can fault the reader. Every block read before the fault was exact.
+        assert p.stdout and all(line.split()[0] in ("ok", "refused") for line in p.stdout.splitlines())
+        return
     assert p.returncode == 0, p.stderr[-2000:]
     assert len(p.stdout.splitlines()) == 6
 
