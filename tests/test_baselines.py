@@ -143,6 +143,22 @@ def test_flashmem_budget_config(tokens, budget):
     assert cfg.gpu_cache_limit < tokens
 
 
+@pytest.mark.parametrize("tokens", [2021, 4070, 8150, 65536])
+@pytest.mark.parametrize("budget", [1 / 8, 1 / 16, 1 / 32])
+def test_budget_config_never_overshoots_and_buys_pages(tokens, budget):
+    """Gemma3-270m's geometry: a page is a coarse step at 2K, so the solver must not
+    trade every selected page for an overshoot; long prompts select more than 64 pages."""
+    geo = {"group": 4, "head_dim": 256, "dtype_bytes": 4}
+    cfg = budget_config(budget, tokens, **geo)
+    r = predicted_ratio(cfg, tokens, **geo)
+    assert r <= 1.03 * budget
+    assert not cfg.use_summaries and cfg.page_tokens == 16
+    if budget >= 1 / 16:  # a page fits beside sinks, window, open block and index
+        assert cfg.lsa_top_k >= 1
+    if tokens == 65536 and budget == 1 / 8:
+        assert cfg.lsa_top_k > 64 and r > 0.9 * budget
+
+
 def test_evicting_layer_mask_sizes():
     layer = EvictingLayer(sinks=2, window=3)
     k = torch.randn(1, 1, 10, 4)

@@ -90,6 +90,14 @@ def test_retrieval_probe_and_suite(tmp_path, loaded, monkeypatch):
     m = make_probe(tok, "multikey", 600, 0.0, 1)
     assert m.context.count("special magic number") == 4 and m.answer in m.context
     assert score_answer(" 12345. The", "12345") and not score_answer(" 1234", "12345")
+    # a third needle format, and a second haystack: both change the prompt, the answer stays in it once
+    lk = make_probe(tok, "locker", 500, 0.3, 0)
+    doc = make_probe(tok, "locker", 500, 0.3, 0, hay="stdlib-doc")
+    assert lk.context.count(lk.answer) == 1 and "locker code" in lk.question
+    assert doc.context.count(doc.answer) == 1 and doc.context != lk.context
+    assert "LORD" not in doc.context.split(doc.answer)[0] and " the " in doc.context
+    with pytest.raises(FlashMemError, match="allowed: passkey, multikey, locker"):
+        make_probe(tok, "riddle", 500, 0.3, 0)
     # kvpress cells go to the runner as jobs; here the runner is faked
     seen = {}
 
@@ -150,6 +158,9 @@ def test_cli_errors(tmp_path):
     assert r.exit_code != 0 and isinstance(r.exception, FlashMemError)
     r = CliRunner().invoke(app, ["bench", "fidelity", "--budgets", "2", "--json-out", str(tmp_path / "x.json")])
     assert isinstance(r.exception, FlashMemError)
+    for opt, bad in (("--haystacks", "kjv,novel"), ("--tasks", "passkey,riddle")):
+        r = CliRunner().invoke(app, ["bench", "retrieval", opt, bad, "--json-out", str(tmp_path / "x.json")])
+        assert isinstance(r.exception, FlashMemError) and bad.split(",")[1] in str(r.exception)
 
 
 def test_cli_runs_tiny(tmp_path):

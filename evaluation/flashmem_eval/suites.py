@@ -46,6 +46,7 @@ class BenchArgs:
     seeds: list[int] = field(default_factory=lambda: [0])
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     tasks: list[str] = field(default_factory=lambda: ["passkey", "multikey"])
+    haystacks: list[str] = field(default_factory=lambda: ["kjv"])
     n_cont: int = 256
     chunk: int = 64
     max_new: int = 12
@@ -77,6 +78,7 @@ def run_suite(args: BenchArgs, loaded: H.Loaded | None = None, store: H.ResultSt
             "seeds": args.seeds,
             "depths": args.depths if args.suite == "retrieval" else None,
             "tasks": args.tasks if args.suite == "retrieval" else None,
+            "haystacks": args.haystacks if args.suite == "retrieval" else None,
             "n_cont": args.n_cont if args.suite == "fidelity" else None,
             "chunk": args.chunk,
             "threads": args.threads,
@@ -309,9 +311,18 @@ class Probe:
     answer: str
 
 
-def make_probe(tok: Any, task: str, length: int, depth: float, seed: int, n_keys: int = 4) -> Probe:
-    """A passkey or multi-key needle prompt of about `length` tokens (context + question)."""
-    rng = random.Random(f"{task}|{length}|{depth}|{seed}")
+TASKS = ("passkey", "multikey", "locker")
+HAYSTACKS = ("kjv", "stdlib-doc")
+
+
+def make_probe(tok: Any, task: str, length: int, depth: float, seed: int, n_keys: int = 4, hay: str = "kjv") -> Probe:
+    """A needle prompt of about `length` tokens (context + question) in the haystack text `hay`.
+
+    passkey: a 5-digit key stated twice; multikey: four "special magic number"
+    needles, one asked; locker: a 6-digit code for a name, asked in a
+    question/answer form (a different wording, key length and question).
+    """
+    rng = random.Random(f"{task}|{length}|{depth}|{seed}" + (f"|{hay}" if hay != "kjv" else ""))
     if task == "passkey":
         key = str(rng.randint(10000, 99999))
         needles = [(f"The pass key is {key}. Remember it. {key} is the pass key.", depth)]
@@ -330,12 +341,20 @@ def make_probe(tok: Any, task: str, length: int, depth: float, seed: int, n_keys
             f"The special magic number for {words[0]} mentioned in the provided text is"
         )
         answer = values[0]
+    elif task == "locker":
+        name = rng.choice(["Maria", "Tomas", "Ingrid", "Kwame", "Yuki", "Aditi", "Oskar"])
+        answer = str(rng.randint(100000, 999999))
+        needles = [(f"Note from the archivist: the locker code assigned to {name} is {answer}.", depth)]
+        question = (
+            f"\n\nQuestion: what is the locker code assigned to {name}? Answer: the locker code assigned to {name} is"
+        )
     else:
-        raise FlashMemError(f"task: {task!r} is not known; allowed: passkey, multikey")
+        raise FlashMemError(f"task: {task!r} is not known; allowed: {', '.join(TASKS)}")
     overhead = len(tok(PREAMBLE + question, add_special_tokens=True)["input_ids"])
     overhead += sum(len(tok(" " + n, add_special_tokens=False)["input_ids"]) for n, _ in needles)
-    hay = haystack(tok, max(16, length - overhead - 4), seed=rng.randrange(10**6))
-    return Probe(PREAMBLE + insert_needles(hay, needles, own_paragraph=True), question, answer)
+    text = "default" if hay == "kjv" else hay
+    hay_text = haystack(tok, max(16, length - overhead - 4), seed=rng.randrange(10**6), name=text)
+    return Probe(PREAMBLE + insert_needles(hay_text, needles, own_paragraph=True), question, answer)
 
 
 def score_answer(text: str, answer: str) -> bool:
@@ -346,29 +365,41 @@ def score_answer(text: str, answer: str) -> bool:
 def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.ResultStore) -> None:
     model, tok = loaded.model, loaded.tokenizer
     cells = cells_for(methods, args.budgets)
-    prompts = [(task, L, d, s) for task in args.tasks for L in args.lengths for d in args.depths for s in args.seeds]
+    prompts = [
+        (task, hay, L, d, s)
+        for hay in args.haystacks
+        for task in args.tasks
+        for L in args.lengths
+        for d in args.depths
+        for s in args.seeds
+    ]
     prog = _progress(args, len(cells) * len(prompts))
     jobs: list[dict[str, Any]] = []
     bases: dict[str, dict[str, Any]] = {}
     answers: dict[str, str] = {}
     stop = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
-    for task, L, d, s in prompts:
-        todo = [(m, b) for m, b in cells if not store.done(_cell(args, m, b, task=task, length=L, depth=d, seed=s))]
+    for task, hay, L, d, s in prompts:
+        # the KJV cells keep their ids from before haystacks were a choice
+        where = {} if hay == "kjv" else {"haystack": hay}
+        todo = [
+            (m, b) for m, b in cells if not store.done(_cell(args, m, b, task=task, length=L, depth=d, seed=s, **where))
+        ]
         if hasattr(prog, "bar"):
             prog.bar.update(len(cells) - len(todo))
         if not todo:
             continue
-        probe = make_probe(tok, task, L, d, s)
+        probe = make_probe(tok, task, L, d, s, hay=hay)
         ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
         q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
         shared: dict[str, Any] = {}
         for m, b in todo:
-            cell = _cell(args, m, b, task=task, length=L, depth=d, seed=s)
+            cell = _cell(args, m, b, task=task, length=L, depth=d, seed=s, **where)
             row = _base_row(
                 args,
                 m,
                 b,
                 task=task,
+                haystack=hay,
                 length=L,
                 depth=d,
                 seed=s,

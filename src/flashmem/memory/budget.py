@@ -32,6 +32,10 @@ RECIPE: dict[str, Any] = {
     "lsa_page_tokens": 16,
     "lsa_index_dtype": "int8",
     "summary_bias": "none",
+    # No CSA/HCA summaries at these budgets: their bytes buy more selected pages,
+    # which measured better on fidelity and as good on retrieval
+    # (docs/measurements.md, "Summaries or more pages").
+    "use_summaries": False,
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": dict(RECIPE),
@@ -40,11 +44,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "raw": {**RECIPE, "fusion_rope": "raw"},
     "logbias": {**RECIPE, "summary_bias": "log_size"},
     "keynorm": {**RECIPE, "fusion_rule": "key_norm"},
-    "nosum": {**RECIPE, "use_summaries": False},
+    "summaries": {**RECIPE, "use_summaries": True},
     "int8": {**RECIPE, "cold_codec": "int8"},
     "int4": {**RECIPE, "cold_codec": "int4"},
     "b128": {**RECIPE, "hca_chunk_size": 128},
-    "block": {**RECIPE, "lsa_page_tokens": None, "lsa_index_dtype": "model"},
+    "block": {**RECIPE, "lsa_page_tokens": None, "lsa_index_dtype": "model", "use_summaries": True},
     "lowrank": {**RECIPE, "lsa_scorer": "lowrank"},
     "learned": {**RECIPE, "lsa_scorer": "learned"},
 }
@@ -82,12 +86,13 @@ def budget_config(
 ) -> FlashMemoryConfig:
     """A config whose predicted device-resident fraction at `tokens` is about `budget`.
 
-    Searched: selected blocks k (lsa_top_k), near band (multiple of the block
-    size) and window W (multiple of 8). Among configs within 3% of the target
+    Searched: selected pages k (lsa_top_k), near band (multiple of the block
+    size, only with summaries) and window W (multiple of 8). Among configs at
+    most 3% over the target that come within 3% of the fullest such config
     (else the closest one) the one nearest the variant's split of the resident
-    tokens (SHAPE, window 8% / selected blocks 70% / CSA entries 0%, or SHAPES)
+    tokens (SHAPE, window 8% / selected pages 70% / CSA entries 0%, or SHAPES)
     is taken, so the selection from the cold tier is used whenever the budget
-    allows a block.
+    allows a page.
     Small budgets at short lengths can be unreachable (sinks + HCA entries +
     index + the open block already exceed them): the closest config is returned
     and the measured fraction says so.
@@ -101,8 +106,11 @@ def budget_config(
     step = 8
     target = budget * tokens
     cands = []
-    for k in range(0, 65):
-        for band_blocks in range(0, 33):
+    # selected pages: every count to 64, then steps of 8 (long prompts at 1/8 select hundreds)
+    ks = [*range(0, 65), *range(72, max(73, int(target / base.page_tokens) + 9), 8)]
+    bands = range(0, 33) if base.use_summaries else [0]  # the band is dropped without summaries
+    for k in ks:
+        for band_blocks in bands:
 
             def make(w: int, k: int = k, band_blocks: int = band_blocks) -> FlashMemoryConfig:
                 return base.model_copy(
@@ -125,7 +133,14 @@ def budget_config(
                 cfg = make(ws * step)
                 r = predicted_ratio(cfg, tokens, group, head_dim, dtype_bytes)
                 cands.append((abs(r - budget) / budget, cfg, r))
-    good = [c for c in cands if c[0] <= 0.03] or [min(cands, key=lambda c: c[0])]
+    # Never more than 3% over the budget; of those, the ones that use it fully
+    # (within 3% of the fullest: a page is a coarse step at short prompts).
+    under = [c for c in cands if c[2] <= 1.03 * budget]
+    if under:
+        fullest = max(c[2] for c in under)
+        good = [c for c in under if c[2] >= fullest - 0.03 * budget]
+    else:
+        good = [min(cands, key=lambda c: c[0])]
 
     def shape(c: tuple[float, FlashMemoryConfig, float]) -> float:
         cfg = c[1]
