@@ -45,6 +45,22 @@ def test_selection_never_prefers_a_padding_block():
     assert idx.tolist() == [[[1, 2]]]
 
 
+def test_follow_brings_the_page_after_a_winner_within_k():
+    # page 3 is the clear winner, page 7 the runner-up, page 8 invalid (padding)
+    scores = torch.tensor([[[[0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 3.0, 2.0, 0.0]]]])
+    valid = torch.ones(1, 10, dtype=torch.bool)
+    assert select_blocks(scores, valid, 2, 1.0).tolist() == [[[3, 7]]]
+    assert select_blocks(scores, valid, 2, 1.0, follow=1).tolist() == [[[3, 4]]]
+    assert select_blocks(scores, valid, 4, 1.0, follow=1).tolist() == [[[3, 4, 7, 8]]]
+    assert select_blocks(scores, valid, 3, 1.0, follow=2).tolist() == [[[3, 4, 5]]]
+    valid[0, 8] = False  # never selected, even as a follower
+    got = select_blocks(scores, valid, 4, 1.0, follow=1)[0, 0].tolist()
+    assert {3, 4, 7} <= set(got) and 8 not in got
+    # a winner on the last page has nothing after it: k is filled by the next best
+    last = torch.tensor([[[[0.0, 1.0, 0.0, 9.0]]]])
+    assert select_blocks(last, torch.ones(1, 4, dtype=torch.bool), 2, 1.0, follow=1).tolist() == [[[1, 3]]]
+
+
 def test_quest_bound_is_an_upper_bound_of_every_key():
     keys, query = _blocks_with_needle(n=1, B=32, needle_block=0)
     scorer = SCORERS["quest"]()

@@ -66,6 +66,13 @@ class FlashMemoryConfig(BaseModel):
         description="scoring and selection unit in tokens (divides hca_chunk_size); null: the block. "
         "lsa_top_k / lsa_keep_ratio then count pages",
     )
+    lsa_follow_pages: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="a selected page brings the next N pages within the same lsa_top_k: "
+        "the text after a match (an answer after its cue) comes with it",
+    )
     lsa_index_dtype: IndexDtype = Field(
         "model", description="precision of resident index vectors: model dtype, float16 or int8"
     )

@@ -196,7 +196,7 @@ class FlashLayer(CacheLayerMixin):
         qg [b, h, nq, d]; page_valid: [b, n_pages] -> page ids [b, h, k] sorted."""
         summaries = self.hca_k[:, :, :, None] if self.scorer.uses_hca_entries else self.index.read(qg.dtype)
         scores = self.scorer.score(qg, summaries, scaling)  # [b, h, nq, n_pages]
-        idx = select_blocks(scores, page_valid, k_sel, scaling)
+        idx = select_blocks(scores, page_valid, k_sel, scaling, follow=self.cfg.lsa_follow_pages)
         if self.selection_hook is not None:
             idx = self.selection_hook(self.layer_idx, idx, scores)
         return idx

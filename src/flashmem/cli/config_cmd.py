@@ -38,9 +38,11 @@ def check(
         full = sorted(cfg.resolve_full_layers(spec.num_layers))
         where = f"; model {spec.name}: {spec.num_layers} layers, full layers {full or 'none'}"
     changed = [k for k in cfg.model_fields_set]
+    summaries = f"csa {cfg.csa_chunk_size}, band {cfg.csa_band_tokens}" if cfg.use_summaries else "no summaries"
+    pages = f", pages {cfg.lsa_page_tokens}" if cfg.lsa_page_tokens else ""
     typer.echo(
-        f"ok: {file}: window {cfg.gpu_cache_limit}, block {cfg.hca_chunk_size}, "
-        f"csa {cfg.csa_chunk_size}, band {cfg.csa_band_tokens}, sinks {cfg.sink_tokens}, "
+        f"ok: {file}: window {cfg.gpu_cache_limit}, block {cfg.hca_chunk_size}{pages}, "
+        f"{summaries}, index {cfg.lsa_scorer}, sinks {cfg.sink_tokens}, "
         f"cold {cfg.cold_store}/{cfg.cold_codec}, keep_full_layers {cfg.keep_full_layers}"
         f"{where}; {len(changed)} key(s) set, others default"
     )

@@ -36,6 +36,8 @@ RECIPE: dict[str, Any] = {
     # which measured better on fidelity and as good on retrieval
     # (docs/measurements.md, "Summaries or more pages").
     "use_summaries": False,
+    # A selected page brings the page after it (the answer after its cue).
+    "lsa_follow_pages": 1,
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": dict(RECIPE),
@@ -45,6 +47,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "logbias": {**RECIPE, "summary_bias": "log_size"},
     "keynorm": {**RECIPE, "fusion_rule": "key_norm"},
     "summaries": {**RECIPE, "use_summaries": True},
+    "nofollow": {**RECIPE, "lsa_follow_pages": 0},
     "int8": {**RECIPE, "cold_codec": "int8"},
     "int4": {**RECIPE, "cold_codec": "int4"},
     "b128": {**RECIPE, "hca_chunk_size": 128},
