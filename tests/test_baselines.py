@@ -153,6 +153,7 @@ def test_budget_config_never_overshoots_and_buys_pages(tokens, budget):
     r = predicted_ratio(cfg, tokens, **geo)
     assert r <= 1.03 * budget
     assert not cfg.use_summaries and cfg.page_tokens == 16
+    assert cfg.lsa_follow_pages == (1 if budget >= 1 / 8 else 0)
     if budget >= 1 / 16:  # a page fits beside sinks, window, open block and index
         assert cfg.lsa_top_k >= 1
     if tokens == 65536 and budget == 1 / 8:

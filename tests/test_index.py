@@ -56,6 +56,11 @@ def test_follow_brings_the_page_after_a_winner_within_k():
     valid[0, 8] = False  # never selected, even as a follower
     got = select_blocks(scores, valid, 4, 1.0, follow=1)[0, 0].tolist()
     assert {3, 4, 7} <= set(got) and 8 not in got
+    # every winner brings its follower, ranked right behind it: with k = 4 the top two
+    # pages and their followers win over the third page
+    spread = torch.tensor([[[[0.0, 6.0, 0.0, 0.0, 5.5, 0.0, 0.0, 5.0, 0.0, 0.0]]]])
+    ten = torch.ones(1, 10, dtype=torch.bool)
+    assert select_blocks(spread, ten, 4, 1.0, follow=1).tolist() == [[[1, 2, 4, 5]]]
     # a winner on the last page has nothing after it: k is filled by the next best
     last = torch.tensor([[[[0.0, 1.0, 0.0, 9.0]]]])
     assert select_blocks(last, torch.ones(1, 4, dtype=torch.bool), 2, 1.0, follow=1).tolist() == [[[1, 3]]]

@@ -15,19 +15,16 @@ def select_blocks(
     expected mass summed over queries win. Blocks holding only padding never win
     over real ones. Indices come back sorted, so gathered tokens keep their order.
 
-    `follow` > 0: a clear winner, a unit holding more than 1/k of the expected
-    mass, lends its mass (a hair less) to the `follow` units after it, so it
-    brings the text that follows it within the same k. A question's query
-    matches the cue ("the code for X is"); the answer sits in the next tokens,
-    often across a page border. Only clear winners: where attention is spread
-    (plain continuation) a follower should not displace a unit the queries want
-    on their own.
+    `follow` > 0: each unit also lends its mass (a hair less, so it ranks right
+    behind) to the `follow` units after it, so a winner brings the text that
+    follows it within the same k. A question's query matches the cue ("the code
+    for X is"); the answer sits in the next tokens, often across a page border.
     """
     n = scores.shape[-1]
     k = min(k, n)
     logits = (scores.float() * scaling).masked_fill(~block_valid[:, None, None, :], float("-inf"))
     mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=-2)  # [b, h, n]
-    own = mass * (mass > 1.0 / max(k, 1))  # clear winners only
+    own = mass
     for j in range(1, min(follow, n - 1) + 1):
         lent = torch.zeros_like(own)
         lent[..., j:] = own[..., :-j] * (1.0 - 1e-3 * j)

@@ -36,9 +36,11 @@ RECIPE: dict[str, Any] = {
     # which measured better on fidelity and as good on retrieval
     # (docs/measurements.md, "Summaries or more pages").
     "use_summaries": False,
-    # A selected page brings the page after it (the answer after its cue).
-    "lsa_follow_pages": 1,
 }
+# From this budget up a selected page brings the page after it (the answer after
+# its cue, `lsa_follow_pages: 1`); below it the pairs halve too few distinct pages
+# and fidelity drops (docs/measurements.md, "Following pages").
+FOLLOW_FROM_BUDGET = 1 / 8
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": dict(RECIPE),
     "quest": {**RECIPE, "lsa_scorer": "quest"},
@@ -103,6 +105,7 @@ def budget_config(
     if not 0 < budget <= 1:
         raise FlashMemError(f"budget: {budget!r} is not allowed; allowed: 0 < budget <= 1")
     keys = dict(VARIANTS.get(variant, {}))
+    keys.setdefault("lsa_follow_pages", 1 if budget >= FOLLOW_FROM_BUDGET * (1 - 1e-6) else 0)
     keys.update(overrides)
     base = FlashMemoryConfig(**keys)
     B = base.hca_chunk_size
