@@ -274,8 +274,7 @@ class Engine:
             if key not in store:
                 try:
                     record = state.export_delta(seq.cache, seq.mark)
-                    store.save(key, seq.keys[j - 1] if j else "", record)
-                    store.pin([key])
+                    store.save(key, seq.keys[j - 1] if j else "", record, pin=True)
                     seq.pinned.append(key)
                 except FlashMemError as exc:  # a full disk costs reuse, not the request
                     log.warning("prefix not stored: %s", exc)

@@ -127,8 +127,8 @@ class PrefixStore:
             self._touch(k, now + i * 1e-6)
         return out
 
-    def save(self, key: str, parent: str, record: dict[str, torch.Tensor]) -> None:
-        """Write a record atomically, then evict down to the quota."""
+    def save(self, key: str, parent: str, record: dict[str, torch.Tensor], *, pin: bool = False) -> None:
+        """Write a record atomically (pinned at once with `pin`), then evict down to the quota."""
         path = self._path(key)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -140,7 +140,8 @@ class PrefixStore:
             raise ColdStoreError(f"prefix store {self.root}: cannot write a record: {exc.strerror or exc}") from None
         with self._lock:
             old = self._entries.get(key)
-            self._entries[key] = Entry(parent=parent, nbytes=size, used=time.time(), pins=old.pins if old else 0)
+            pins = (old.pins if old else 0) + int(pin)
+            self._entries[key] = Entry(parent=parent, nbytes=size, used=time.time(), pins=pins)
         self.evict()
 
     def pin(self, keys: list[str]) -> None:
