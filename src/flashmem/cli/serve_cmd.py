@@ -96,7 +96,7 @@ def serve(
         max_queue=max_queue,
         max_context=max_context,
     )
-    where = f"prefixes in {store.root} (quota {quota} bytes)" if store else "no prefix reuse"
+    where = f"prefixes in {store.root} (quota {quota} bytes)" if store is not None else "no prefix reuse"
     typer.echo(f"serving {engine.model_name!r} on http://{host}:{port}/v1; {where}", err=True)
     uvicorn.run(
         create_app(engine, api_keys=keys, default_max_tokens=max_tokens), host=host, port=port, log_level="warning"
