@@ -182,3 +182,74 @@ def _outcome(url: str, outcome: str) -> float:
         if line.startswith(f'flashmem_requests_total{{outcome="{outcome}"}}'):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_long_prefill_does_not_freeze_other_streams(tmp_path) -> None:
+    """A 3000-token prompt prefills in ~94 chunks; a short request admitted after it
+    streams all its tokens while the long one is still prefilling (round-robin)."""
+    import threading
+    import time
+
+    engine = make_engine(None, max_concurrent=2)
+    done: dict[str, float] = {}
+
+    def run(name: str, prompt: list[int], n: int) -> None:
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200
+        done[name] = time.perf_counter()
+
+    with serving(engine) as url:
+        long = threading.Thread(target=run, args=("long", list(range(3, 123)) * 25, 1))
+        long.start()
+        assert wait_for(lambda: engine.active == 1, 10)
+        run("short", [5, 6, 7, 8], 8)
+        long.join(timeout=120)
+    assert done["short"] < done["long"]
+
+
+def test_prefixes_survive_a_server_restart(tmp_path) -> None:
+    prompt = list(range(3, 83))  # 80 tokens: 2 full prefix blocks before the last token
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    answers = []
+    for expect in (0, 64):
+        engine = make_engine(tmp_path / "prefix")  # a new engine and store: a restarted server
+        with serving(engine) as url:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == expect
+        answers.append(r["choices"][0]["text"])
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--api-keys", "MISSING"], "--api-keys"),
+        (["--api-keys", "EMPTY"], "no keys"),
+        (["--config", "MISSING.yaml"], "MISSING.yaml"),
+        (["--cold-quota", "lots"], "--cold-quota"),
+        (["--port", "BUSY"], "cannot listen"),
+    ],
+)
+def test_cli_user_mistakes_are_one_line_exit_2(tmp_path, capsys, args, message) -> None:
+    import socket
+
+    from flashmem.cli.main import main
+
+    (tmp_path / "EMPTY").write_text("# nothing\n")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    subst = {"MISSING": str(tmp_path / "nokeys"), "EMPTY": str(tmp_path / "EMPTY"), "BUSY": str(busy.getsockname()[1])}
+    subst["MISSING.yaml"] = str(tmp_path / "MISSING.yaml")
+    try:
+        with pytest.raises(SystemExit) as ex:
+            main(["serve", "--prefix-dir", str(tmp_path / "p"), *[subst.get(a, a) for a in args]])
+    finally:
+        busy.close()
+    assert ex.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and message in err
