@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -212,6 +213,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+        shutil.rmtree(tmp, ignore_errors=True)  # the stored prefixes (hundreds of MB)
     hits = _metric(metrics, "flashmem_prefix_hits_total")
     misses = _metric(metrics, "flashmem_prefix_misses_total")
     done = [r for r in results if r["error"] is None]
