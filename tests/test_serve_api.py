@@ -253,3 +253,21 @@ def test_cli_user_mistakes_are_one_line_exit_2(tmp_path, capsys, args, message) 
     assert ex.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err and message in err
+
+
+def test_keepalive_comments_do_not_disturb_clients(server, monkeypatch) -> None:
+    """While the first token is far away a stream sends SSE comments (read timeouts
+    restart); the openai client and a raw SSE reader skip them."""
+    openai = pytest.importorskip("openai")
+    from flashmem.serve import app as app_module
+
+    _, url = server
+    monkeypatch.setattr(app_module, "KEEPALIVE_S", 0.001)
+    body = {"model": MODEL, "prompt": "And God said", "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert any(ln.startswith(": keep-alive") for ln in lines)
+    raw = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines if ln.startswith("data: {"))
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    text = "".join(c.choices[0].text for c in client.completions.create(**{**body, "stream": True}))
+    assert text == raw

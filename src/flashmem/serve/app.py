@@ -29,6 +29,8 @@ from flashmem.serve.engine import Engine, Event, QueueFullError, Sampling, Seque
 # Chat template of models whose tokenizer has none (the tiny test models): one
 # "role: content" line per message, then "assistant:" for the reply.
 FALLBACK_CHAT_TEMPLATE = "{role}: {content}\n"
+# Seconds without an event after which a stream sends an SSE comment.
+KEEPALIVE_S = 10.0
 
 
 class ApiError(Exception):
@@ -313,7 +315,13 @@ async def _stream(
 
     try:
         while True:
-            ev: Event = await seq.events.get()
+            try:
+                ev: Event = await asyncio.wait_for(seq.events.get(), timeout=KEEPALIVE_S)
+            except TimeoutError:
+                # An SSE comment: clients ignore it, but their read timeouts restart
+                # while a long prefill (or the queue) keeps the first token away.
+                yield ": keep-alive\n\n"
+                continue
             if ev.error is not None and ev.finish_reason in ("error", "cancelled"):
                 yield f"data: {json.dumps({'error': {'message': ev.error, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
                 break
