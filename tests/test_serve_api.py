@@ -271,3 +271,14 @@ def test_keepalive_comments_do_not_disturb_clients(server, monkeypatch) -> None:
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     text = "".join(c.choices[0].text for c in client.completions.create(**{**body, "stream": True}))
     assert text == raw
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(server) -> None:
+    engine, url = server
+    body = {"model": MODEL, "prompt": "Let there be light", "max_tokens": 100000, "temperature": 1}
+    before = _outcome(url, "cancelled")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    # The client gave up and closed its socket: the server notices and cancels.
+    assert wait_for(lambda: engine.active == 0, 15)
+    assert wait_for(lambda: _outcome(url, "cancelled") == before + 1, 5)
