@@ -31,6 +31,8 @@ from flashmem.serve.engine import Engine, Event, QueueFullError, Sampling, Seque
 FALLBACK_CHAT_TEMPLATE = "{role}: {content}\n"
 # Seconds without an event after which a stream sends an SSE comment.
 KEEPALIVE_S = 10.0
+# How often a non-streaming request asks whether its client is still there.
+DISCONNECT_CHECK_S = 0.5
 
 
 class ApiError(Exception):
@@ -269,17 +271,23 @@ async def _generate(
 
 
 async def _collect(seq: Sequence, request: Request) -> tuple[str, str | None, str | None]:
-    """Wait for the whole answer; a client that hangs up cancels the sequence."""
+    """Wait for the whole answer; a client that hangs up cancels the sequence (checked
+    every DISCONNECT_CHECK_S, whether or not tokens are arriving)."""
     assert seq.events is not None
     parts: list[str] = []
+    next_check = time.monotonic() + DISCONNECT_CHECK_S
     try:
         while True:
             try:
-                ev = await asyncio.wait_for(seq.events.get(), timeout=0.5)
+                ev = await asyncio.wait_for(seq.events.get(), timeout=DISCONNECT_CHECK_S)
             except TimeoutError:
+                ev = None
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_CHECK_S
                 if await request.is_disconnected():
                     seq.cancel()
                     return "".join(parts), "cancelled", "client disconnected"
+            if ev is None:
                 continue
             parts.append(ev.text)
             if ev.finish_reason is not None:
