@@ -122,10 +122,13 @@ def document(n_tokens: int) -> str:
     return haystack(tok, n_tokens, seed=3, name="kjv")
 
 
-def start_server(port: int, prefix_dir: str, keys_file: str, max_concurrent: int) -> subprocess.Popen[bytes]:
+def start_server(
+    port: int, prefix_dir: str, keys_file: str, max_concurrent: int, threads: int
+) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "flashmem.cli.main", "serve", "--model", "smollm2"]
     cmd += ["--config", str(ROOT / "configs" / "cpu-small.yaml"), "--port", str(port), "--prefix-dir", prefix_dir]
     cmd += ["--api-keys", keys_file, "--max-concurrent", str(max_concurrent), "--max-queue", "64"]
+    cmd += ["--threads", str(threads)]
     return subprocess.Popen(cmd, cwd=ROOT)
 
 
@@ -147,7 +150,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     n_ratio = args.ratio_questions
     keys.write_text("key-main main\n" + "".join(f"key-cold{i} cold{i}\n" for i in range(n_ratio)))
     port = args.port
-    server = start_server(port, str(Path(tmp) / "prefix"), str(keys), args.clients)
+    server = start_server(port, str(Path(tmp) / "prefix"), str(keys), args.clients, args.threads)
     stop, peak = threading.Event(), [0]
     threading.Thread(target=watch_rss, args=(server.pid, stop, peak), daemon=True).start()
     deadline = time.time() + args.deadline
@@ -231,6 +234,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "doc_tokens_requested": args.doc_tokens,
         "prompt_tokens_with_question": cold_first.get("prompt_tokens"),
         "clients": args.clients,
+        "server_torch_threads": args.threads,
         "max_tokens": args.max_tokens,
         "cold_first_request": {"ttft_s": cold_first["ttft"], "answer": cold_first["text"]},
         "load": {
@@ -280,6 +284,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds of silence a request waits")
     ap.add_argument("--deadline", type=float, default=3000.0, help="seconds for the load phase")
+    # One torch thread: on this shared 2-core machine two threads ran a 256-token
+    # SmolLM2 chunk in ~35 s against ~4 s for one (oversubscribed OpenMP spinning).
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     result = asyncio.run(main_async(args))

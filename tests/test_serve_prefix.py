@@ -150,3 +150,12 @@ def test_restart_folder_with_leftover_tmp_is_cleaned(tmp_path) -> None:
     store = PrefixStore(tmp_path)
     assert len(store) == 0 and not (tmp_path / "abc.123.tmp").exists()
     os.sync()
+
+
+def test_a_vanished_prefix_folder_costs_reuse_not_the_request(tmp_path) -> None:
+    import shutil
+
+    engine = make_engine(tmp_path / "p")
+    shutil.rmtree(tmp_path / "p")  # e.g. cleaned by hand while the server runs
+    seq = _run(engine, _prompt(100))
+    assert seq.finish_reason in ("length", "stop") and len(seq.generated) + (seq.finish_reason == "stop") >= 1

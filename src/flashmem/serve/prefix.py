@@ -135,9 +135,10 @@ class PrefixStore:
             save_file(record, str(tmp), metadata={"parent": parent})
             os.replace(tmp, path)
             size = path.stat().st_size
-        except OSError as exc:
+        except Exception as exc:  # OSError, or safetensors' own error type for the same causes
             tmp.unlink(missing_ok=True)
-            raise ColdStoreError(f"prefix store {self.root}: cannot write a record: {exc.strerror or exc}") from None
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise ColdStoreError(f"prefix store {self.root}: cannot write a record: {reason}") from None
         with self._lock:
             old = self._entries.get(key)
             pins = (old.pins if old else 0) + int(pin)
