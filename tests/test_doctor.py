@@ -13,9 +13,10 @@ from flashmem.doctor import SYMPTOMS, diagnose, format_report, probe_io
 GiB = 2**30
 
 
-def _machine(ram_available: int = 64 * GiB, torch_threads: int = 2, cores: int = 2):
+def _machine(ram_available: int = 64 * GiB, torch_threads: int = 2, cores: int = 2, load: float = 0.5):
     mem = {"ram_total_bytes": 2 * ram_available, "ram_available_bytes": ram_available}
-    return mem, {"torch_threads": torch_threads, "usable_cores": cores, "cpu_count": cores}, {"kind": "cpu"}
+    threads = {"torch_threads": torch_threads, "usable_cores": cores, "cpu_count": cores, "load_average_1m": load}
+    return mem, threads, {"kind": "cpu"}
 
 
 def test_probe_io_measures_block_sized_random_reads(tmp_path) -> None:
@@ -43,13 +44,15 @@ def test_findings_follow_the_config_and_the_machine(tmp_path) -> None:
             cold_dir=str(tmp_path),
             prefetch_threads=0,
         ),  # fmt: skip
-        machine_info=_machine(ram_available=2**20, torch_threads=8, cores=2),
+        machine_info=_machine(ram_available=2**20, torch_threads=8, cores=2, load=7.5),
         **kw,
     )
     text = " | ".join(f"{f.symptom}:{f.level}:{f.finding}" for f in bad.findings)
     assert "accuracy:warn:keep_full_layers is empty" in text
     assert "slow:warn:cold_store disk with prefetch_threads 0" in text
     assert "slow:warn:torch uses 8 threads on 2 usable cores" in text
+    assert "slow:warn:load average 7.5 on 2 usable cores" in text
+    assert not [f for f in good.findings if "load average" in f.finding]
     assert "memory:bad:device-resident KV" in text  # 1 MiB of RAM cannot hold it
     attends = next(f for f in bad.findings if "exactly" in f.finding)
     assert attends.level == "warn" and attends.number == pytest.approx((4 + 16 + 16) / 8192, abs=1e-4)

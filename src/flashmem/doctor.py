@@ -141,7 +141,16 @@ def machine() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    threads = {"torch_threads": torch.get_num_threads(), "usable_cores": cores, "cpu_count": os.cpu_count()}
+    try:
+        load1 = os.getloadavg()[0]  # runnable processes, other users' jobs included
+    except (AttributeError, OSError):
+        load1 = None
+    threads = {
+        "torch_threads": torch.get_num_threads(),
+        "usable_cores": cores,
+        "cpu_count": os.cpu_count(),
+        "load_average_1m": load1,
+    }
     device: dict[str, Any] = {"kind": "cpu"}
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
@@ -214,6 +223,11 @@ def diagnose(cfg: FlashMemoryConfig, *, model: str = "smollm2", context: int = 8
     if disk and bpr < 16384:
         f.append(Finding("slow", "warn", f"blocks of {bpr} B are small reads: IOPS-bound", "raise hca_chunk_size (e.g. 128) so each read moves more bytes", bpr))  # fmt: skip
     t, c = threads["torch_threads"], threads["usable_cores"]
+    load1 = threads.get("load_average_1m")
+    if load1 is not None and t > 1 and load1 > c:
+        # Measured on a shared 2-core machine at load 8: a 256-token SmolLM2 chunk took
+        # ~35 s with 2 torch threads and ~4 s with 1 (OpenMP threads spin when oversubscribed).
+        f.append(Finding("slow", "warn", f"load average {load1:.1f} on {c} usable cores with {t} torch threads: other jobs compete, threads spin", "use --threads 1 (or fewer threads than idle cores) while the machine is busy", round(load1, 2)))  # fmt: skip
     if t > c:
         f.append(Finding("slow", "warn", f"torch uses {t} threads on {c} usable cores: oversubscribed", f"set --threads {c} (or OMP_NUM_THREADS)", t))  # fmt: skip
     else:
