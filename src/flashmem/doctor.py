@@ -127,7 +127,10 @@ def _drop_page_cache(path: Path) -> tuple[bool, str]:
         return False, f"not dropped: posix_fadvise failed ({exc.strerror}); reads may come from the page cache"
     finally:
         os.close(fd)
-    return True, "dropped for the probe file (fsync, then posix_fadvise DONTNEED); random reads hit the device"
+    return (
+        True,
+        "dropped for the probe file (fsync, then posix_fadvise DONTNEED); reads go to the block device (a virtual disk may still cache on its host)",
+    )
 
 
 def machine() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
