@@ -146,6 +146,7 @@ class Engine:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._evictions_seen = 0  # the store's eviction count already added to the metric
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -376,8 +377,6 @@ class Engine:
             if ev > self._evictions_seen:
                 m.prefix_evictions.inc(ev - self._evictions_seen)
                 self._evictions_seen = ev
-
-    _evictions_seen = 0
 
 
 def _sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
