@@ -26,9 +26,18 @@ app = typer.Typer(
 
 def _register() -> None:
     # Imported here so `flashmem --help` stays fast and each command owns its file.
-    from flashmem.cli import bench_cmd, calibrate_cmd, config_cmd, estimate_cmd, report_cmd, run_cmd
+    from flashmem.cli import (
+        bench_cmd,
+        calibrate_cmd,
+        config_cmd,
+        doctor_cmd,
+        estimate_cmd,
+        report_cmd,
+        run_cmd,
+        serve_cmd,
+    )
 
-    for mod in (estimate_cmd, config_cmd, run_cmd, calibrate_cmd, bench_cmd, report_cmd):
+    for mod in (estimate_cmd, config_cmd, run_cmd, serve_cmd, doctor_cmd, calibrate_cmd, bench_cmd, report_cmd):
         mod.register(app)
 
 

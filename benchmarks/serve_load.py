@@ -1,0 +1,303 @@
+"""Load test of `flashmem serve` on loopback: prefix reuse under concurrent clients.
+
+Starts the server (SmolLM2-135M, configs/cpu-small.yaml, a fresh prefix folder)
+as a subprocess, then, with greedy decoding and streaming chat requests:
+
+1. cold: one question over the shared document (about 7.7K tokens of the King
+   James text) under tenant "main": a full prefill that stores the prefix;
+2. load: K concurrent clients run the other questions over the same document
+   (tenant "main": they reuse the stored prefix) mixed with unrelated short prompts;
+3. ratio: a few questions again, one at a time, each both cold (a fresh tenant
+   whose salt shares nothing) and reused (tenant "main"); TTFT reused / cold and
+   whether the answers are identical.
+
+Bounded: request count, per-request timeout and a total deadline; loopback only.
+Reports throughput, p50/p99 TTFT and inter-token latency, prefix hit rate,
+errors (must be 0) and the server's peak RSS, as JSON (--out).
+
+    python benchmarks/serve_load.py --out results/serve_load_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = [
+    "Who wrote the letter above, and to whom?",
+    "Summarise the passage above in one sentence.",
+    "Which city is named most often above?",
+    "What does the passage above say about faith?",
+    "List three people named in the passage above.",
+    "What is the last sentence of the passage above?",
+    "Does the passage above mention a king? Which one?",
+    "What is the tone of the passage above?",
+    "Name one command given in the passage above.",
+    "What is the first word of the passage above?",
+]
+UNRELATED = [
+    "Write a haiku about the sea.",
+    "What is 17 times 3?",
+    "Give me a name for a cat.",
+    "Translate 'good morning' into French.",
+    "What colour is the sky on Mars?",
+    "Name a prime number larger than 50.",
+]
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+async def chat(client: httpx.AsyncClient, key: str, content: str, max_tokens: int, timeout: float) -> dict[str, Any]:
+    """One streaming chat request: TTFT, inter-token gaps, text, cached tokens, error."""
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"ttft": None, "gaps": [], "text": "", "cached": 0, "tokens": 0, "error": None}
+    last = None
+    try:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=timeout
+        ) as r:
+            if r.status_code != 200:
+                out["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    out["error"] = data["error"]["message"]
+                    continue
+                if data.get("usage"):
+                    out["cached"] = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    out["tokens"] = data["usage"]["completion_tokens"]
+                    out["prompt_tokens"] = data["usage"]["prompt_tokens"]
+                for ch in data["choices"]:
+                    piece = ch["delta"].get("content")
+                    if piece:
+                        now = time.perf_counter()
+                        if out["ttft"] is None:
+                            out["ttft"] = now - t0
+                        elif last is not None:
+                            out["gaps"].append(now - last)
+                        last = now
+                        out["text"] += piece
+    except Exception as exc:  # noqa: BLE001 - counted as an error of the run
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["wall"] = time.perf_counter() - t0
+    return out
+
+
+def document(n_tokens: int) -> str:
+    import flashmem
+    from flashmem.texts import haystack
+
+    _, tok = flashmem.load_model("smollm2")
+    return haystack(tok, n_tokens, seed=3, name="kjv")
+
+
+def start_server(
+    port: int, prefix_dir: str, keys_file: str, max_concurrent: int, threads: int
+) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "flashmem.cli.main", "serve", "--model", "smollm2"]
+    cmd += ["--config", str(ROOT / "configs" / "cpu-small.yaml"), "--port", str(port), "--prefix-dir", prefix_dir]
+    cmd += ["--api-keys", keys_file, "--max-concurrent", str(max_concurrent), "--max-queue", "64"]
+    cmd += ["--threads", str(threads)]
+    return subprocess.Popen(cmd, cwd=ROOT)
+
+
+def watch_rss(pid: int, stop: threading.Event, peak: list[int]) -> None:
+    proc = psutil.Process(pid)
+    while not stop.is_set():
+        try:
+            peak[0] = max(peak[0], proc.memory_info().rss)
+        except psutil.Error:
+            return
+        time.sleep(0.2)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    doc = document(args.doc_tokens)
+    prompt = lambda q: f"{doc}\n\nQuestion: {q}"  # noqa: E731
+    tmp = tempfile.mkdtemp(prefix="flashmem-serve-load-")
+    keys = Path(tmp) / "keys.txt"
+    n_ratio = args.ratio_questions
+    keys.write_text("key-main main\n" + "".join(f"key-cold{i} cold{i}\n" for i in range(n_ratio)))
+    port = args.port
+    server = start_server(port, str(Path(tmp) / "prefix"), str(keys), args.clients, args.threads)
+    stop, peak = threading.Event(), [0]
+    threading.Thread(target=watch_rss, args=(server.pid, stop, peak), daemon=True).start()
+    deadline = time.time() + args.deadline
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=args.timeout) as client:
+            while True:
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if server.poll() is not None or time.time() > deadline:
+                    raise SystemExit("the server did not start")
+                await asyncio.sleep(0.5)
+            print("server up; warm-up and cold request...", file=sys.stderr, flush=True)
+            await chat(client, "key-main", "Hello.", 2, args.timeout)  # first-forward costs, not counted
+            cold_first = await chat(client, "key-main", prompt(QUESTIONS[0]), args.max_tokens, args.timeout)
+
+            # Load: K clients share a queue of reuse questions and unrelated prompts.
+            reuse_work = [("reuse", q, prompt(q)) for q in QUESTIONS[1:]]
+            other_work = [("unrelated", q, q) for q in UNRELATED]
+            work = [w for i in range(len(reuse_work)) for w in (reuse_work[i : i + 1] + other_work[i : i + 1])]
+            queue: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
+            for w in work[: args.requests]:
+                queue.put_nowait(w)
+            results: list[dict[str, Any]] = []
+
+            async def client_loop() -> None:
+                while not queue.empty() and time.time() < deadline:
+                    kind, q, content = queue.get_nowait()
+                    r = await chat(client, "key-main", content, args.max_tokens, args.timeout)
+                    results.append({**r, "kind": kind, "question": q})
+
+            print(f"load: {args.clients} clients, {queue.qsize()} requests...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(client_loop() for _ in range(args.clients)))
+            load_s = time.perf_counter() - t0
+
+            # Reused vs cold, one request at a time, same questions.
+            print("ratio: cold vs reused, sequential...", file=sys.stderr, flush=True)
+            pairs = []
+            for i, q in enumerate(QUESTIONS[1 : 1 + n_ratio]):
+                cold = await chat(client, f"key-cold{i}", prompt(q), args.max_tokens, args.timeout)
+                warm = await chat(client, "key-main", prompt(q), args.max_tokens, args.timeout)
+                pairs.append(
+                    {
+                        "question": q,
+                        "cold_ttft_s": cold["ttft"],
+                        "reused_ttft_s": warm["ttft"],
+                        "cold_cached_tokens": cold["cached"],
+                        "reused_cached_tokens": warm["cached"],
+                        "prompt_tokens": warm.get("prompt_tokens"),
+                        "same_answer": cold["text"] == warm["text"] and cold["error"] is None,
+                        "answer": warm["text"],
+                        "errors": [e for e in (cold["error"], warm["error"]) if e],
+                    }
+                )
+            metrics = (await client.get("/metrics")).text
+    finally:
+        stop.set()
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        shutil.rmtree(tmp, ignore_errors=True)  # the stored prefixes (hundreds of MB)
+    hits = _metric(metrics, "flashmem_prefix_hits_total")
+    misses = _metric(metrics, "flashmem_prefix_misses_total")
+    done = [r for r in results if r["error"] is None]
+    reuse = [r for r in done if r["kind"] == "reuse"]
+    gaps = [g for r in done for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
+    cold_t = [p["cold_ttft_s"] for p in pairs if p["cold_ttft_s"]]
+    warm_t = [p["reused_ttft_s"] for p in pairs if p["reused_ttft_s"]]
+    errors = [r["error"] for r in results if r["error"]] + [e for p in pairs for e in p["errors"]]
+    errors += [cold_first["error"]] if cold_first["error"] else []
+    return {
+        "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
+        "model": "smollm2 (SmolLM2-135M, fp32, CPU)",
+        "config": "configs/cpu-small.yaml",
+        "doc_tokens_requested": args.doc_tokens,
+        "prompt_tokens_with_question": cold_first.get("prompt_tokens"),
+        "clients": args.clients,
+        "server_torch_threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "cold_first_request": {"ttft_s": cold_first["ttft"], "answer": cold_first["text"]},
+        "load": {
+            "requests": len(results),
+            "completed": len(done),
+            "wall_s": load_s,
+            "generated_tokens": sum(r["tokens"] for r in done),
+            "throughput_tokens_per_s": sum(r["tokens"] for r in done) / load_s if load_s else None,
+            "ttft_s": {"p50": pct(ttfts, 50), "p99": pct(ttfts, 99)},
+            "ttft_reuse_s": {"p50": pct([r["ttft"] for r in reuse if r["ttft"]], 50)},
+            "ttft_unrelated_s": {"p50": pct([r["ttft"] for r in done if r["kind"] == "unrelated" and r["ttft"]], 50)},
+            "inter_token_s": {"p50": pct(gaps, 50), "p99": pct(gaps, 99)},
+            "reuse_requests_with_cached_tokens": sum(1 for r in reuse if r["cached"] > 0),
+            "reuse_requests": len(reuse),
+        },
+        "prefix_hit_rate": hits / (hits + misses) if hits + misses else None,
+        "prefix_hits": hits,
+        "prefix_misses": misses,
+        "ratio": {
+            "pairs": pairs,
+            "cold_ttft_mean_s": statistics.mean(cold_t) if cold_t else None,
+            "reused_ttft_mean_s": statistics.mean(warm_t) if warm_t else None,
+            "reused_over_cold": statistics.mean(warm_t) / statistics.mean(cold_t) if cold_t and warm_t else None,
+            "answers_identical": all(p["same_answer"] for p in pairs),
+        },
+        "errors": errors,
+        "error_count": len(errors),
+        "server_peak_rss_bytes": peak[0],
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=15, help="requests of the load phase (at most 15)")
+    ap.add_argument("--doc-tokens", type=int, default=7700)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--ratio-questions", type=int, default=1)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds of silence a request waits")
+    ap.add_argument("--deadline", type=float, default=3000.0, help="seconds for the load phase")
+    # One torch thread: on this shared 2-core machine two threads ran a 256-token
+    # SmolLM2 chunk in ~35 s against ~4 s for one (oversubscribed OpenMP spinning).
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    result = asyncio.run(main_async(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    if result["error_count"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""`flashmem serve`: the OpenAI-compatible server (needs the `serve` extra)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import typer
+
+from flashmem.errors import FlashMemError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+
+
+def default_prefix_dir() -> Path:
+    """`$FLASHMEM_CACHE_DIR/prefix` or `~/.cache/flashmem/prefix`."""
+    root = os.environ.get("FLASHMEM_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "flashmem") / "prefix"
+
+
+def parse_bytes(text: str, flag: str = "--cold-quota") -> int:
+    """`500M`, `4G`, `4GiB`, `1e9` -> bytes (K/M/G/T binary, as in the calculator)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
+    num = t[:-1] if mult > 1 else t
+    try:
+        value = int(float(num) * mult)
+    except ValueError:
+        raise FlashMemError(f"{flag}: {text!r} is not a size; allowed: bytes like 500M, 4G, 4GiB") from None
+    if value <= 0:
+        raise FlashMemError(f"{flag}: {text!r}; allowed: a positive size")
+    return value
+
+
+def serve(
+    model: str = typer.Option("smollm2", "--model", "-m", help="built-in name, HF folder or .gguf file"),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="FlashMemory YAML (default: configs/cpu-small.yaml)"
+    ),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port", min=0, max=65535),
+    max_concurrent: int = typer.Option(4, "--max-concurrent", min=1, help="sequences generating at once"),
+    max_queue: int = typer.Option(16, "--max-queue", min=0, help="requests waiting beyond those; more get 429"),
+    api_keys: Path | None = typer.Option(
+        None, "--api-keys", help="file of 'KEY [TENANT]' lines; then keys are required"
+    ),
+    prefix_dir: Path | None = typer.Option(
+        None, "--prefix-dir", help="stored prefixes (default ~/.cache/flashmem/prefix)"
+    ),
+    cold_quota: str = typer.Option("4G", "--cold-quota", help="disk quota of stored prefixes (LRU beyond it)"),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="no cross-request prefix reuse"),
+    max_context: int | None = typer.Option(
+        None, "--max-context", min=1, help="tokens per sequence (default: the model's)"
+    ),
+    max_tokens: int = typer.Option(16, "--default-max-tokens", min=1, help="max_tokens when a request gives none"),
+    model_name: str | None = typer.Option(None, "--served-name", help="the model id clients send (default: --model)"),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads"),
+) -> None:
+    """Serve the model through the FlashMemory cache with the OpenAI API (completions, chat, streaming)."""
+    try:
+        import uvicorn
+
+        from flashmem.serve.app import create_app
+    except ImportError as exc:
+        raise FlashMemError(
+            f"flashmem serve needs the serve extra ({exc.name} is missing): pip install torch==2.13.0 -e '.[serve]'"
+        ) from None
+    import torch
+
+    import flashmem
+    from flashmem.cli.run_cmd import _default_config
+    from flashmem.config import FlashMemoryConfig
+    from flashmem.serve.auth import load_api_keys
+    from flashmem.serve.engine import Engine
+    from flashmem.serve.prefix import PrefixStore
+
+    cfg = FlashMemoryConfig.from_yaml(config or _default_config())
+    keys = load_api_keys(api_keys) if api_keys is not None else None
+    quota = parse_bytes(cold_quota)
+    _check_port(host, port)  # before a minute of model loading, not after
+    store = None if no_prefix_cache else PrefixStore(prefix_dir or default_prefix_dir(), quota_bytes=quota)
+    if threads:
+        torch.set_num_threads(threads)
+    typer.echo(f"loading {model}...", err=True)
+    mdl, tok = flashmem.load_model(model)
+    engine = Engine(
+        mdl,
+        tok,
+        cfg,
+        model_name=model_name or model,
+        prefix_store=store,
+        max_concurrent=max_concurrent,
+        max_queue=max_queue,
+        max_context=max_context,
+    )
+    where = f"prefixes in {store.root} (quota {quota} bytes)" if store is not None else "no prefix reuse"
+    typer.echo(f"serving {engine.model_name!r} on http://{host}:{port}/v1; {where}", err=True)
+    uvicorn.run(
+        create_app(engine, api_keys=keys, default_max_tokens=max_tokens), host=host, port=port, log_level="warning"
+    )
+
+
+def _check_port(host: str, port: int) -> None:
+    """A port in use is a one-line error, found before the model loads."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        raise FlashMemError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None

@@ -1,0 +1,418 @@
+"""The scheduler: one worker thread runs every model forward, fairly across sequences.
+
+Each sequence has its own FlashMemoryCache. A round gives every live sequence
+one unit of work: a prefill chunk of `block_tokens` prompt tokens, or one decode
+step, so a long prefill delays the other streams by one chunk per round, never
+for its whole duration. Decode steps are not batched across sequences (each
+cache holds one sequence; batching would need a batched cache).
+
+Prefix reuse (flashmem.serve.prefix): before its prefill, a sequence looks up
+the hash chain of its prompt's full prefix blocks, restores the longest stored
+run of them and prefills only the rest; each full block it computes is stored
+for later requests. The prompt always runs in the same chunks (block-aligned,
+from position 0), so a restored prefix continues exactly as a fresh prefill.
+
+Admission: at most `max_concurrent` live sequences; up to `max_queue` more wait
+for a slot in arrival order; beyond that `submit` raises QueueFullError (HTTP 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashmem.config import FlashMemoryConfig
+from flashmem.errors import FlashMemError
+from flashmem.serve import state
+from flashmem.serve.metrics import ServeMetrics
+from flashmem.serve.prefix import PrefixStore, chain
+
+log = logging.getLogger("flashmem.serve")
+
+
+class QueueFullError(FlashMemError):
+    """Every slot and every queue place is taken."""
+
+
+@dataclass
+class Sampling:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Event:
+    """What the worker tells a request: new text, or the end (finish_reason set), or an error."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Sequence:
+    """One request's generation. The app reads `events`; the worker fills it."""
+
+    def __init__(
+        self, prompt_ids: list[int], sampling: Sampling, salt: str, loop: asyncio.AbstractEventLoop | None
+    ) -> None:
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.salt = salt
+        self.loop = loop
+        self.events: asyncio.Queue[Event] | None = asyncio.Queue() if loop is not None else None
+        self.cancelled = threading.Event()
+        self.done = threading.Event()
+        self.cache: Any = None
+        self.pos = 0  # prompt tokens in the cache
+        self.generated: list[int] = []
+        self.sent_chars = 0
+        self.keys: list[str] = []  # hash chain of the prompt's storable prefix blocks
+        self.pinned: list[str] = []
+        self.mark: state.Mark | None = None
+        self.reused_tokens = 0
+        self.finish_reason: str | None = None
+        self.next_logits: torch.Tensor | None = None
+        self.record_logits = 0  # tests: keep the logits of the first n generated tokens
+        self.logits: list[torch.Tensor] = []
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.generator: torch.Generator | None = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling.seed)
+
+    def cancel(self) -> None:
+        """The client went away: the worker frees the sequence at its next round."""
+        self.cancelled.set()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+class Engine:
+    """Owns the model; runs sequences on one worker thread (`start`, `stop`)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        cfg: FlashMemoryConfig,
+        *,
+        model_name: str = "model",
+        prefix_store: PrefixStore | None = None,
+        max_concurrent: int = 4,
+        max_queue: int = 16,
+        max_context: int | None = None,
+        block_tokens: int | None = None,
+        metrics: ServeMetrics | None = None,
+    ) -> None:
+        import flashmem
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.model_name = model_name
+        self.prefix_store = prefix_store
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self.metrics = metrics or ServeMetrics()
+        B = cfg.hca_chunk_size
+        self.block_tokens = block_tokens or max(B, (cfg.prefill_chunk // B) * B)
+        if self.block_tokens % B:
+            raise FlashMemError(f"prefix block of {self.block_tokens} tokens is not a multiple of the block size {B}")
+        text_cfg = model.config.get_text_config(decoder=True)
+        limit = getattr(text_cfg, "max_position_embeddings", None) or 1 << 20
+        self.max_context = min(max_context or limit, limit)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.fingerprint = _fingerprint(model, cfg, model_name, self.block_tokens)
+        flashmem.attach(model, cfg).close()  # switch attention once, fail early on a bad config
+        self._attach = flashmem.attach
+        self._waiting: deque[Sequence] = deque()
+        self._active: list[Sequence] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._evictions_seen = 0  # the store's eviction count already added to the metric
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="flashmem-serve-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+
+    # ------------------------------------------------------------ requests
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence; QueueFullError when the queue is full too."""
+        with self._cv:
+            free = max(0, self.max_concurrent - len(self._active))
+            if len(self._waiting) >= self.max_queue + free:
+                raise QueueFullError(
+                    f"server busy: {self.max_concurrent} sequences running and {self.max_queue} waiting; retry later"
+                )
+            self._waiting.append(seq)
+            self.metrics.queued.set(len(self._waiting))
+            self._cv.notify_all()
+
+    def run_sync(self, seq: Sequence) -> Sequence:
+        """Run one sequence to the end on this thread (tests and scripts, no server)."""
+        self._admit(seq)
+        while not seq.done.is_set():
+            self._unit(seq)
+        return seq
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    # ------------------------------------------------------------ worker
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._stop:
+                    break
+                admit: list[Sequence] = []
+                while self._waiting and len(self._active) + len(admit) < self.max_concurrent:
+                    admit.append(self._waiting.popleft())
+                self.metrics.queued.set(len(self._waiting))
+            for seq in admit:
+                if seq.cancelled.is_set():
+                    self._finish(seq, "cancelled")
+                    continue
+                self._admit(seq)
+                if not seq.done.is_set():
+                    self._active.append(seq)
+            for seq in list(self._active):
+                self._unit(seq)
+            self._active = [s for s in self._active if not s.done.is_set()]
+            self._gauges()
+        for seq in self._active + list(self._waiting):
+            self._finish(seq, "cancelled", error="server shutting down")
+
+    def _admit(self, seq: Sequence) -> None:
+        """Give the sequence a cache; restore the longest stored prefix of its prompt."""
+        try:
+            seq.cache = self._attach(self.model, self.cfg)
+            C, n = self.block_tokens, seq.prompt_tokens
+            store = self.prefix_store
+            if store is not None:
+                # Blocks that end before the last prompt token: that token must run to give logits.
+                seq.keys = chain(seq.prompt_ids, C, self.fingerprint, seq.salt, limit=(n - 1) // C)
+                hit = store.longest(seq.keys)
+                records = store.load(seq.keys[:hit]) if hit else []
+                if records is None:  # evicted or damaged meanwhile: prefill it all
+                    hit, records = 0, []
+                store.pin(seq.keys[:hit])
+                seq.pinned = seq.keys[:hit]
+                if hit:
+                    state.import_records(seq.cache, records)
+                    seq.pos = seq.reused_tokens = hit * C
+                    self.metrics.prefix_hits.inc()
+                    self.metrics.reused_tokens.inc(seq.reused_tokens)
+                else:
+                    self.metrics.prefix_misses.inc()
+            seq.mark = state.mark(seq.cache)
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server lives
+            log.exception("admitting a sequence failed")
+            self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _unit(self, seq: Sequence) -> None:
+        """One prefill chunk or one decode step of `seq`."""
+        if seq.done.is_set():
+            return
+        if seq.cancelled.is_set():
+            self._finish(seq, "cancelled")
+            return
+        try:
+            if seq.pos < seq.prompt_tokens:
+                self._prefill_chunk(seq)
+            else:
+                self._decode_step(seq)
+        except Exception as exc:  # noqa: BLE001 - one request fails, the server lives
+            log.exception("a step failed")
+            self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _forward(self, seq: Sequence, ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(torch.tensor([ids]), cache=seq.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        C = self.block_tokens
+        a = seq.pos
+        e = min(a + C, seq.prompt_tokens)
+        logits = self._forward(seq, seq.prompt_ids[a:e])
+        seq.pos = e
+        self.metrics.prefill_tokens.inc(e - a)
+        j = e // C - 1  # the prefix block this chunk completed, if it is a full one
+        store = self.prefix_store
+        if store is not None and e % C == 0 and 0 <= j < len(seq.keys) and seq.mark is not None:
+            key = seq.keys[j]
+            if key not in store:
+                try:
+                    record = state.export_delta(seq.cache, seq.mark)
+                    store.save(key, seq.keys[j - 1] if j else "", record, pin=True)
+                    seq.pinned.append(key)
+                except FlashMemError as exc:  # a full disk costs reuse, not the request
+                    log.warning("prefix not stored: %s", exc)
+        seq.mark = state.mark(seq.cache) if store is not None else None
+        if seq.pos == seq.prompt_tokens:
+            seq.next_logits = logits
+            self._emit(seq)
+
+    def _decode_step(self, seq: Sequence) -> None:
+        seq.next_logits = self._forward(seq, [seq.generated[-1]])
+        self._emit(seq)
+
+    def _emit(self, seq: Sequence) -> None:
+        """Sample from next_logits, send the new text, finish on EOS, stop or length."""
+        logits = seq.next_logits
+        assert logits is not None
+        if len(seq.logits) < seq.record_logits:
+            seq.logits.append(logits.clone())
+        tok = _sample(logits, seq.sampling, seq.generator)
+        now = time.perf_counter()
+        if seq.t_first is None:
+            seq.t_first = now
+            self.metrics.ttft.observe(now - seq.t_submit)
+        elif seq.t_last is not None:
+            self.metrics.itl.observe(now - seq.t_last)
+        seq.t_last = now
+        self.metrics.token()
+        finish = None
+        if tok in self.eos_ids:
+            finish = "stop"
+        else:
+            seq.generated.append(tok)
+        text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        stops = seq.sampling.stop
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
+        if finish is None and len(seq.generated) >= seq.sampling.max_tokens:
+            finish = "length"
+        if finish is None and seq.pos + len(seq.generated) >= self.max_context:
+            finish = "length"
+        # Hold back an unfinished UTF-8 character and what could be the start of a stop string.
+        hold = 0 if finish else max([len(s) - 1 for s in stops] + [0])
+        ready = len(text) - hold
+        if not finish:
+            while ready > seq.sent_chars and text[ready - 1] == "\ufffd":
+                ready -= 1
+        if ready > seq.sent_chars:
+            self._send(
+                seq, Event(text=text[seq.sent_chars : ready], token_ids=[tok] if tok not in self.eos_ids else [])
+            )
+            seq.sent_chars = ready
+        if finish:
+            self._finish(seq, finish)
+
+    def _send(self, seq: Sequence, event: Event) -> None:
+        if seq.loop is not None and seq.events is not None:
+            try:
+                seq.loop.call_soon_threadsafe(seq.events.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody listens any more
+                seq.cancel()
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Free the sequence's cache and pins at once; tell the request."""
+        if seq.done.is_set():
+            return
+        seq.finish_reason = reason
+        cache, seq.cache = seq.cache, None
+        if cache is not None:
+            try:
+                st = cache.stats()
+                self.metrics.cold_stalls.inc(st["misses"])
+                self.metrics.cold_stall_seconds.inc(st["stall_s"])
+            except Exception:  # noqa: BLE001 - stats of a failed cache are best effort
+                pass
+            cache.close()
+        if self.prefix_store is not None and seq.pinned:
+            self.prefix_store.unpin(seq.pinned)
+            seq.pinned = []
+        self.metrics.requests.labels(outcome=reason).inc()
+        seq.done.set()
+        self._send(seq, Event(finish_reason=reason, error=error))
+
+    def _gauges(self) -> None:
+        m = self.metrics
+        device = cold = 0
+        for seq in self._active:
+            if seq.cache is not None:
+                rep = seq.cache.memory_report()
+                device += rep["device_resident_bytes"]
+                cold += rep["cold_bytes"]
+        m.device_bytes.set(device)
+        m.cold_bytes.set(cold)
+        m.active.set(len(self._active))
+        if self.prefix_store is not None:
+            m.prefix_bytes.set(self.prefix_store.nbytes())
+            m.prefix_records.set(len(self.prefix_store))
+            ev = self.prefix_store.evictions
+            if ev > self._evictions_seen:
+                m.prefix_evictions.inc(ev - self._evictions_seen)
+                self._evictions_seen = ev
+
+
+def _sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
+    if s.temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / s.temperature, dim=-1)
+    if s.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < s.top_p  # the smallest set reaching top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        v = getattr(src, "eos_token_id", None)
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, list):
+            ids.update(int(x) for x in v)
+    return ids
+
+
+def _fingerprint(model: Any, cfg: FlashMemoryConfig, name: str, block_tokens: int) -> str:
+    """Model + config identity: a stored prefix is reused only by the same numbers."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(name.encode())
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    h.update(str(model.dtype).encode())
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):  # a sample of the weights, not all of them
+            if i % 7 == 0:
+                h.update(p.detach().flatten()[:256].float().numpy().tobytes())
+    # Keys that do not change the numbers (where the cold tier lives, threads) are left out.
+    skip = {"cold_dir", "persist", "prefetch_threads", "prefetch_window", "cold_ram_bytes", "cold_store"}
+    h.update(json.dumps({k: v for k, v in cfg.model_dump().items() if k not in skip}, sort_keys=True).encode())
+    h.update(str(block_tokens).encode())
+    return h.hexdigest()

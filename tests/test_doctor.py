@@ -1,0 +1,72 @@
+"""flashmem doctor: it measures the folder, reads the config, and keys advice to symptoms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashmem.cli.main import main
+from flashmem.config import FlashMemoryConfig
+from flashmem.doctor import SYMPTOMS, diagnose, format_report, probe_io
+
+GiB = 2**30
+
+
+def _machine(ram_available: int = 64 * GiB, torch_threads: int = 2, cores: int = 2, load: float = 0.5):
+    mem = {"ram_total_bytes": 2 * ram_available, "ram_available_bytes": ram_available}
+    threads = {"torch_threads": torch_threads, "usable_cores": cores, "cpu_count": cores, "load_average_1m": load}
+    return mem, threads, {"kind": "cpu"}
+
+
+def test_probe_io_measures_block_sized_random_reads(tmp_path) -> None:
+    io = probe_io(tmp_path, 65536, file_bytes=4 * 2**20, seconds=0.3)
+    assert io["block_bytes"] == 65536 and io["reads"] > 0 and io["iops"] > 0
+    assert io["read_mb_per_s"] == pytest.approx(io["iops"] * 65536 / 1e6)
+    assert isinstance(io["page_cache_dropped"], bool) and io["page_cache_note"]
+    assert list(tmp_path.iterdir()) == []  # the probe file is removed
+
+
+def test_findings_follow_the_config_and_the_machine(tmp_path) -> None:
+    kw = dict(model="smollm2", context=8192, cold_dir=tmp_path, probe_bytes=2**20, probe_seconds=0.2)
+    good = diagnose(FlashMemoryConfig(gpu_cache_limit=48, hca_chunk_size=64, lsa_top_k=11, keep_full_layers=[0]),
+                    machine_info=_machine(), **kw)  # fmt: skip
+    assert {f.symptom for f in good.findings} == set(SYMPTOMS)
+    assert not [f for f in good.findings if f.level != "ok" and f.symptom in ("accuracy", "memory")]
+    assert good.memory["device_resident_bytes"] < good.memory["full_cache_bytes"]
+
+    bad = diagnose(
+        FlashMemoryConfig(
+            gpu_cache_limit=16,
+            hca_chunk_size=16,
+            lsa_top_k=1,
+            cold_store="disk",
+            cold_dir=str(tmp_path),
+            prefetch_threads=0,
+        ),  # fmt: skip
+        machine_info=_machine(ram_available=2**20, torch_threads=8, cores=2, load=7.5),
+        **kw,
+    )
+    text = " | ".join(f"{f.symptom}:{f.level}:{f.finding}" for f in bad.findings)
+    assert "accuracy:warn:keep_full_layers is empty" in text
+    assert "slow:warn:cold_store disk with prefetch_threads 0" in text
+    assert "slow:warn:torch uses 8 threads on 2 usable cores" in text
+    assert "slow:warn:load average 7.5 on 2 usable cores" in text
+    assert not [f for f in good.findings if "load average" in f.finding]
+    assert "memory:bad:device-resident KV" in text  # 1 MiB of RAM cannot hold it
+    attends = next(f for f in bad.findings if "exactly" in f.finding)
+    assert attends.level == "warn" and attends.number == pytest.approx((4 + 16 + 16) / 8192, abs=1e-4)
+    assert "Out of memory:" in format_report(bad)
+
+
+def test_cli_json_and_bad_folder(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as ex:
+        main(["doctor", "--cold-dir", str(tmp_path), "--probe-mib", "1", "--context", "4K", "--json"])
+    assert ex.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["context"] == 4096 and out["io"]["folder"] == str(tmp_path)
+    assert {f["symptom"] for f in out["findings"]} == set(SYMPTOMS)
+    with pytest.raises(SystemExit) as ex:
+        main(["doctor", "--cold-dir", str(tmp_path / "missing"), "--probe-mib", "1"])
+    assert ex.value.code == 2
+    assert "not a folder" in capsys.readouterr().err
