@@ -58,6 +58,9 @@ class FlashLayer(CacheLayerMixin):
     selection_hook: SelectionHook | None = None
     # The cache's StepGuard (None for a layer used alone): told when a step fails half-way.
     guard: StepGuard | None = None
+    # Masks span the new tokens only (see get_mask_sizes); the cache clears it when a plain
+    # full layer reads the same mask.
+    compact_mask: bool = True
 
     def __init__(
         self,
@@ -110,7 +113,10 @@ class FlashLayer(CacheLayerMixin):
         self.csa_page_ids = torch.zeros(0, dtype=torch.long, device=dev)
         width = self.scorer.width or d
         self.index = IndexVectors(b, h, self.scorer.vectors, width, self.cfg.lsa_index_dtype, dt, dev)
-        self.valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)  # every position seen
+        # Validity of every position seen, in a buffer with doubling capacity: appending a
+        # decode step's token copies nothing (a cat per step would copy the whole history).
+        self._valid_buf = torch.zeros(b, 1024, dtype=torch.bool, device=dev)
+        self._valid_len = 0
         self.recent_q: torch.Tensor | None = None  # [b, h, n, d]
         self.ws_idx: torch.Tensor | None = None  # last selection of pages [b, h, k]
         self.ws_k: torch.Tensor | None = None  # [b, h, k*P, d]
@@ -138,7 +144,13 @@ class FlashLayer(CacheLayerMixin):
         return k, v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # The mask covers every absolute position so padding of any tier can be read from it.
+        # Attention reads only the new tokens' padding from the mask (the layer keeps the
+        # validity of earlier tokens itself), so with `compact_mask` the mask covers just
+        # them: [b, 1, q, q], not [b, 1, q, every position seen] (8 GB of booleans for an
+        # 8K chunk at 1M tokens). A plain full layer sharing the model's mask needs every
+        # position: the cache turns compact_mask off then.
+        if self.compact_mask:
+            return query_length, self.tokens_seen
         return self.tokens_seen + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -348,11 +360,27 @@ class FlashLayer(CacheLayerMixin):
         B, n, s = self.cfg.hca_chunk_size, self.num_sealed, self.block_start
         return self.valid[:, s : s + n * B].reshape(self.valid.shape[0], n, B)
 
+    @property
+    def valid(self) -> torch.Tensor:
+        """[b, tokens seen] True where a position holds a real token (not padding)."""
+        return self._valid_buf[:, : self._valid_len]
+
+    def _append_valid(self, valid: torch.Tensor) -> None:
+        n, m = self._valid_len, valid.shape[-1]
+        if n + m > self._valid_buf.shape[-1]:
+            grown = torch.zeros(
+                valid.shape[0], max(2 * self._valid_buf.shape[-1], n + m), dtype=torch.bool, device=valid.device
+            )
+            grown[:, :n] = self._valid_buf[:, :n]
+            self._valid_buf = grown
+        self._valid_buf[:, n : n + m] = valid
+        self._valid_len = n + m
+
     def append(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, queries: torch.Tensor, group: int) -> None:
         """Add new tokens after attention. k, v: [b, h, q, d]; valid: [b, q];
         queries: [b, h, q*group, d], token-major (a GQA group's queries per KV head)."""
         cfg = self.cfg
-        self.valid = torch.cat([self.valid, valid], dim=-1)
+        self._append_valid(valid)
         if cfg.use_summaries:  # the fusion rule reads them; nothing else does
             self.recent_q = _keep_last(self.recent_q, queries, RECENT_QUERY_TOKENS * group)
         take = min(cfg.sink_tokens - self.sink_k.shape[-2], k.shape[-2])
