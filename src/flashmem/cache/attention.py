@@ -62,7 +62,7 @@ def _layer_step(
     valid_new = _new_token_validity(attention_mask, b, q, query.device)
     outs = [
         layer.step(query[:, :, a:e], k_new[:, :, a:e], v_new[:, :, a:e], valid_new[:, a:e], scaling)
-        for a, e in query_chunks(q, layer.cfg.prefill_chunk, layer.cfg.prefill_split_tail)
+        for a, e in query_chunks(q, layer.cfg.prefill_chunk, layer.cfg.prefill_split_tail and not layer.mid_prompt)
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None

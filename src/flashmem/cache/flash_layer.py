@@ -61,6 +61,9 @@ class FlashLayer(CacheLayerMixin):
     # Masks span the new tokens only (see get_mask_sizes); the cache clears it when a plain
     # full layer reads the same mask.
     compact_mask: bool = True
+    # Set by flashmem.prefill while it feeds a chunk that is not the prompt's end: the
+    # chunk's tail is not the prompt's tail, so it does not select on its own.
+    mid_prompt: bool = False
 
     def __init__(
         self,
