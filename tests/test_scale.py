@@ -93,3 +93,40 @@ def test_per_step_keys_and_mask_do_not_grow_with_context(summaries, monkeypatch)
         far_growth = blocks[1] - blocks[0] if summaries else 0
         assert keys_l - keys_s == far_growth
     assert blocks[1] > 3 * blocks[0]
+
+
+WINDOW = dict(SMALL, position_mode="window", use_summaries=False)
+
+
+def prompt_and_steps(model, cfg, n=200, steps=6):
+    ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(2))
+    cache = flashmem.attach(model, cfg)
+    return decode(model, cache, flashmem.prefill(model, cache, ids), steps)
+
+
+@pytest.mark.parametrize(
+    "fits",
+    [dict(gpu_cache_limit=4096), dict(lsa_keep_ratio=1.0)],
+    ids=["all-in-window", "all-blocks-selected"],
+)
+def test_window_positions_are_exact_when_everything_is_attended(fits):
+    # Every token attended, in order: window positions are the real ones, so the
+    # logits must equal real positions' (which equal DynamicCache's, tests/test_cache.py).
+    model = tiny_llama(layers=2)
+    real = prompt_and_steps(model, flashmem.FlashMemoryConfig(**{**WINDOW, **fits, "position_mode": "real"}))
+    window = prompt_and_steps(model, flashmem.FlashMemoryConfig(**{**WINDOW, **fits}))
+    torch.testing.assert_close(window, real, atol=1e-5, rtol=1e-5)
+
+
+def test_window_positions_move_blocks_when_some_are_left_out():
+    model = tiny_llama(layers=2)
+    real = prompt_and_steps(model, flashmem.FlashMemoryConfig(**{**WINDOW, "lsa_top_k": 2, "position_mode": "real"}))
+    window = prompt_and_steps(model, flashmem.FlashMemoryConfig(**{**WINDOW, "lsa_top_k": 2}))
+    assert (window - real).abs().max() > 1e-3
+
+
+def test_window_positions_need_summaries_off():
+    with pytest.raises(flashmem.ConfigError, match="position_mode: window.*allowed: window with use_summaries: false"):
+        flashmem.FlashMemoryConfig(position_mode="window")
+    with pytest.raises(flashmem.ConfigError, match="position_mode"):
+        flashmem.FlashMemoryConfig(position_mode="true", use_summaries=False)

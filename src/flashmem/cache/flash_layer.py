@@ -31,7 +31,7 @@ from flashmem.cache.lookahead import predict_next_blocks
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
 from flashmem.config import FlashMemoryConfig
-from flashmem.errors import ColdStoreError, FlashMemError
+from flashmem.errors import ColdStoreError, ConfigError, FlashMemError
 from flashmem.index.base import BlockScorer
 from flashmem.index.selection import select_blocks
 from flashmem.index.vectors import IndexVectors
@@ -89,6 +89,12 @@ class FlashLayer(CacheLayerMixin):
         self.scorer = scorer
         self.rule = rule
         self.rotator = rotator if cfg.fusion_rope == "rerotate" else None
+        if cfg.position_mode == "window" and rotator is None:
+            raise ConfigError(
+                f"position_mode: window needs the model's RoPE frequencies, not found for layer {layer_idx}; "
+                "allowed: position_mode: real"
+            )
+        self.rope = rotator  # moves attended keys and queries to window positions (position_mode: window)
         self.prefetcher = prefetcher
         self.fetch_counts = fetch_counts
         self.lookahead_bytes = lookahead_bytes
@@ -242,6 +248,8 @@ class FlashLayer(CacheLayerMixin):
 
         S = self.sink_k.shape[-2]
         add(self.sink_k, self.sink_v, from_valid(self.valid[:, :S]))
+        window = cfg.position_mode == "window"
+        shown = 0  # tokens of selected pages attended (their positions in window mode)
 
         n = self.num_sealed
         if n > 0:
@@ -269,17 +277,30 @@ class FlashLayer(CacheLayerMixin):
                 add(self.csa_k, self.csa_v, _entry_bias(self.csa_cnt, use, cfg.summary_bias, q.dtype))
             if k_sel > 0:
                 assert self.ws_k is not None and self.ws_v is not None and self.ws_valid is not None
-                add(
-                    self.ws_k,
-                    self.ws_v,
-                    torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg),
-                )
+                ws_k = self.ws_k
+                if window:  # selected page j's tokens move to S + j*P .., right after the sinks
+                    assert self.ws_idx is not None
+                    P = cfg.page_tokens
+                    true = S + self.ws_idx[..., None] * P + torch.arange(P, device=q.device)  # [b, h, k, P]
+                    moved = S + torch.arange(true[0, 0].numel(), device=q.device)
+                    ws_k = self._rope().rotate(ws_k, moved - true.flatten(-2))
+                    shown = k_sel * P
+                add(ws_k, self.ws_v, torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg))
 
         o0 = S + n * cfg.hca_chunk_size
         o1 = o0 + self.open_k.shape[-2]
         w1 = o1 + self.win_k.shape[-2]
-        add(self.open_k, self.open_v, from_valid(self.valid[:, o0:o1]))
-        add(self.win_k, self.win_v, from_valid(self.valid[:, o1:w1]))
+        open_k, win_k = self.open_k, self.win_k
+        # window: the open block, window and new tokens follow the selected pages (a shift
+        # of every one of them by the same amount, queries included, keeps their relative positions)
+        shift = S + shown - o0 if window else 0
+        if shift:
+            rope = self._rope()
+            delta = torch.tensor(float(shift), device=q.device)
+            open_k, win_k = rope.rotate(open_k, delta), rope.rotate(win_k, delta)
+            q, k_new = rope.rotate(q, delta), rope.rotate(k_new, delta)
+        add(open_k, self.open_v, from_valid(self.valid[:, o0:o1]))
+        add(win_k, self.win_v, from_valid(self.valid[:, o1:w1]))
 
         # New tokens: causal among themselves, padding hidden; each sees itself so no row is empty.
         causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
@@ -299,6 +320,10 @@ class FlashLayer(CacheLayerMixin):
         K = torch.cat(keys, dim=-2) if len(keys) > 1 else keys[0]
         V = torch.cat(values, dim=-2) if len(values) > 1 else values[0]
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+
+    def _rope(self) -> RopeRotator:
+        assert self.rope is not None  # checked in __init__ for position_mode: window
+        return self.rope
 
     def _gather_working_set(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor) -> None:
         """Bring the selected pages' exact K/V to the device. idx: [b, h, k] page ids, sorted;
