@@ -64,6 +64,9 @@ class FlashLayer(CacheLayerMixin):
     # Set by flashmem.prefill while it feeds a chunk that is not the prompt's end: the
     # chunk's tail is not the prompt's tail, so it does not select on its own.
     mid_prompt: bool = False
+    # A step's missing blocks are queued to the prefetcher together, so its threads read them
+    # in parallel instead of one synchronous read at a time (docs/measurements.md, "Scale").
+    demand_batch: bool = True
 
     def __init__(
         self,
@@ -349,7 +352,12 @@ class FlashLayer(CacheLayerMixin):
             src = torch.zeros_like(idx)
         need = torch.unique(idx[~held] // ppb)  # blocks to read
         if need.numel():
-            blocks = [self.fetch_block(int(j)) for j in need.tolist()]
+            need_ids = need.tolist()
+            if self.prefetcher is not None and self.demand_batch:
+                # Queue every block this step needs before waiting for the first: the loader
+                # threads then read them in parallel (already ready or in flight: skipped).
+                self.prefetcher.request([(self.layer_idx, j) for j in need_ids])
+            blocks = [self.fetch_block(j) for j in need_ids]
             pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
             pool_v = torch.stack([bv for _, bv in blocks])
             u, d = pool_k.shape[0], pool_k.shape[-1]
