@@ -13,7 +13,10 @@ summary are computed, and its exact K/V go to the cold store. The newest
 `csa_band_tokens // B` sealed blocks keep their CSA entries resident.
 
 Positions are implicit and exact: sinks hold 0..S-1, sealed block j holds
-S + j*B .. S + (j+1)*B - 1, then the open block, then the window.
+S + j*B .. S + (j+1)*B - 1, then the open block, then the window. With
+`position_mode: window` attention sees other ones (the stored keys keep their
+real rotation): selected pages are re-rotated to S, S+1, .. in order, and the
+open block, window, new keys and the queries are shifted to follow them.
 """
 
 from __future__ import annotations
