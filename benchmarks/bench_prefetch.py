@@ -2,7 +2,7 @@
 
     python benchmarks/bench_prefetch.py [--dir /tmp] [--smollm-tokens 8192] [--tiny-tokens 65536]
                                         [--steps 24] [--threads 2] [--skip-smollm] [--skip-tiny]
-                                        [--store disk|lmdb]
+                                        [--store disk|lmdb] [--batch-ab] [--top-k K]
 
 Per model: one prefill with cold_store=disk (gpu_cache_limit = prefetch_window =
 1024 by default), then two decode phases of --steps greedy tokens on the same
@@ -15,6 +15,10 @@ fetch hits/misses, disk bytes read, the disk tier's read bandwidth (bytes over
 time spent in pread, all threads) and the demand rate (bytes over decode wall
 time), against the raw sequential read bandwidth of a fresh file measured in
 the same run the same way.
+
+With --batch-ab a third phase runs prefetch on without queuing a step's missing
+blocks together (FlashLayer.demand_batch off: the previous behaviour, one
+synchronous read at a time), between off and on.
 
 Models: (a) SmolLM2-135M (`flashmem.load_model("smollm2")`) on
 `flashmem.texts.load_text()`; (b) a tiny random Llama (4 layers, 4 KV
@@ -48,8 +52,12 @@ def set_prefetch(cache, on: bool) -> None:
     cache.use_prefetcher(on)
 
 
-def decode_phase(model, cache, tok: torch.Tensor, steps: int, prefetch: bool) -> tuple[dict, torch.Tensor]:
+def decode_phase(
+    model, cache, tok: torch.Tensor, steps: int, prefetch: bool, batch: bool = True
+) -> tuple[dict, torch.Tensor]:
     set_prefetch(cache, prefetch)
+    for layer in cache.flash_layers:  # a step's missing blocks queued together (FlashLayer.demand_batch)
+        layer.demand_batch = batch
     if cache.prefetcher is not None:
         cache.prefetcher.discard()
     with torch.no_grad():  # one untimed step so each phase starts in its steady state
@@ -79,6 +87,7 @@ def decode_phase(model, cache, tok: torch.Tensor, steps: int, prefetch: bool) ->
     read_s = d1.get("read_s", 0.0) - d0.get("read_s", 0.0)
     return {
         "prefetch": prefetch,
+        "demand_batch": batch,
         "steps": steps,
         "ms_per_token": 1e3 * wall / steps,
         "stall_pct": 100 * stall / wall,
@@ -100,6 +109,7 @@ def run_model(name, model, ids, args, raw) -> list[dict]:
         cold_dir=args.dir,
         cold_codec=args.codec,
         prefetch_threads=args.threads,
+        lsa_top_k=args.top_k,
     )
     rows = []
     with flashmem.attach(model, cfg) as cache:
@@ -116,12 +126,14 @@ def run_model(name, model, ids, args, raw) -> list[dict]:
             flush=True,
         )
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        for prefetch in (False, True):
-            row, tok = decode_phase(model, cache, tok, args.steps, prefetch)
+        phases = [(False, False), (True, False), (True, True)] if args.batch_ab else [(False, False), (True, True)]
+        for prefetch, batch in phases:
+            row, tok = decode_phase(model, cache, tok, args.steps, prefetch, batch)
             row.update(model=name, context=int(ids.shape[1]), raw_seq_MBps=raw / 1e6)
             rows.append(row)
             print(
-                f"[{name}] prefetch {'on ' if prefetch else 'off'}: {row['ms_per_token']:7.1f} ms/token, "
+                f"[{name}] prefetch {'on ' if prefetch else 'off'}{' +batch' if batch else ''}: "
+                f"{row['ms_per_token']:7.1f} ms/token, "
                 f"stall {row['stall_pct']:5.1f}% ({row['stall_s']:.2f} s), hits {row['hits']}, misses {row['misses']}, "
                 f"disk read {row['disk_bytes_read'] / 2**20:.0f} MiB at {row['disk_read_MBps']:.0f} MB/s in pread "
                 f"({row['disk_read_MBps'] / (raw / 1e6):.2f}x raw sequential {raw / 1e6:.0f} MB/s), "
@@ -158,6 +170,8 @@ def main() -> None:
     ap.add_argument("--skip-tiny", action="store_true")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--store", choices=["disk", "lmdb"], default="disk")
+    ap.add_argument("--batch-ab", action="store_true", help="also run prefetch on without queuing a step's misses")
+    ap.add_argument("--top-k", type=int, default=None, help="lsa_top_k (default: lsa_keep_ratio)")
     ap.add_argument(
         "--no-drop", action="store_true", help="keep the page cache (LMDB's touched pages stay mapped anyway)"
     )

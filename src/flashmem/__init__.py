@@ -17,6 +17,7 @@ __all__ = [
     "calibrate",
     "estimate",
     "load_model",
+    "prefill",
 ]
 
 # Heavy modules (torch models, transformers) load on first use.
@@ -26,6 +27,7 @@ _LAZY = {
     "estimate": ("flashmem.memory.calculator", "estimate"),
     "calibrate": ("flashmem.calibration", "calibrate"),
     "load_model": ("flashmem.models.loading", "load_model"),
+    "prefill": ("flashmem.cache.prefill", "prefill"),
 }
 
 
@@ -40,5 +42,6 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:  # pragma: no cover
     from flashmem.cache.attach import attach
+    from flashmem.cache.prefill import prefill
     from flashmem.memory.calculator import estimate
     from flashmem.models.loading import load_model

@@ -31,6 +31,7 @@ else:
 SummaryBias = Literal["log_size", "none"]
 IndexDtype = Literal["model", "float16", "int8"]
 FusionRope = Literal["rerotate", "raw"]
+PositionMode = Literal["real", "window"]
 
 
 class FlashMemoryConfig(BaseModel):
@@ -52,6 +53,12 @@ class FlashMemoryConfig(BaseModel):
         "rerotate", description="un-rotate keys before pooling and re-rotate at the chunk centre"
     )
     use_summaries: bool = Field(True, description="attend CSA/HCA entries of unselected blocks (false: selection only)")
+    position_mode: PositionMode = Field(
+        "real",
+        description="positions attention sees: real (every token at its own) or window (InfLLM-style: sinks, "
+        "selected blocks, open block, window and new tokens at consecutive positions from 0, so inputs "
+        "beyond the model's training length stay inside it; needs use_summaries: false)",
+    )
     summary_bias: SummaryBias = Field(
         "none", description="logit bias of a fused entry: log(tokens it stands for) or none"
     )
@@ -128,6 +135,11 @@ class FlashMemoryConfig(BaseModel):
             raise ValueError(
                 f"persist: true keeps the cold tier's files, but cold_store {self.cold_store!r} has none; "
                 f"allowed: persist with cold_store {with_files} (and cold_dir), or persist: false"
+            )
+        if self.position_mode == "window" and self.use_summaries:
+            raise ValueError(
+                "position_mode: window places selected blocks only (summaries have no place yet); "
+                "allowed: window with use_summaries: false, or position_mode: real"
             )
         if len(set(self.keep_full_layers)) != len(self.keep_full_layers):
             raise ValueError(f"keep_full_layers: {self.keep_full_layers} repeats a layer; allowed: distinct layers")

@@ -59,10 +59,10 @@ def _layer_step(
     k_new, v_new = pending
     b, _, q, d = query.shape
     scaling = d**-0.5 if scaling is None else scaling
-    valid_new = _new_token_validity(attention_mask, b, layer.tokens_seen - q, q, query.device)
+    valid_new = _new_token_validity(attention_mask, b, q, query.device)
     outs = [
         layer.step(query[:, :, a:e], k_new[:, :, a:e], v_new[:, :, a:e], valid_new[:, a:e], scaling)
-        for a, e in query_chunks(q, layer.cfg.prefill_chunk, layer.cfg.prefill_split_tail)
+        for a, e in query_chunks(q, layer.cfg.prefill_chunk, layer.cfg.prefill_split_tail and not layer.mid_prompt)
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
@@ -88,15 +88,16 @@ def query_chunks(q: int, step: int, split_tail: bool = True) -> list[tuple[int, 
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _new_token_validity(mask: torch.Tensor | None, b: int, start: int, q: int, device: torch.device) -> torch.Tensor:
+def _new_token_validity(mask: torch.Tensor | None, b: int, q: int, device: torch.device) -> torch.Tensor:
     """[b, q] True where a new token is real (not padding).
 
-    The mask spans every absolute position (FlashLayer.get_mask_sizes); its last
-    query row sees all earlier positions causally, so a False there is padding.
+    The new tokens are the mask's last q columns, whether it spans every position
+    or only them (FlashLayer.get_mask_sizes); its last query row sees all of them
+    causally, so a False there is padding.
     """
     if mask is None:
         return torch.ones(b, q, dtype=torch.bool, device=device)
-    row = mask[:, 0, -1, start : start + q]
+    row = mask[:, 0, -1, mask.shape[-1] - q :]
     if row.dtype != torch.bool:  # additive float mask
         row = row == 0
     return row.expand(b, q).to(device)

@@ -100,6 +100,12 @@ class FlashMemoryCache(Cache):
                     )
                 )
                 layers[-1].guard = self._guard
+        # transformers builds one mask for all full-attention layers from the first one's
+        # sizes: a plain full layer needs it over every position, so FlashLayers then ask for that too.
+        compact = not any(type(layer) is DynamicLayer for layer in layers)
+        for layer in layers:
+            if isinstance(layer, FlashLayer):
+                layer.compact_mask = compact
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------ hooks

@@ -13,7 +13,10 @@ summary are computed, and its exact K/V go to the cold store. The newest
 `csa_band_tokens // B` sealed blocks keep their CSA entries resident.
 
 Positions are implicit and exact: sinks hold 0..S-1, sealed block j holds
-S + j*B .. S + (j+1)*B - 1, then the open block, then the window.
+S + j*B .. S + (j+1)*B - 1, then the open block, then the window. With
+`position_mode: window` attention sees other ones (the stored keys keep their
+real rotation): selected pages are re-rotated to S, S+1, .. in order, and the
+open block, window, new keys and the queries are shifted to follow them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from flashmem.cache.lookahead import predict_next_blocks
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
 from flashmem.config import FlashMemoryConfig
-from flashmem.errors import ColdStoreError, FlashMemError
+from flashmem.errors import ColdStoreError, ConfigError, FlashMemError
 from flashmem.index.base import BlockScorer
 from flashmem.index.selection import select_blocks
 from flashmem.index.vectors import IndexVectors
@@ -58,6 +61,15 @@ class FlashLayer(CacheLayerMixin):
     selection_hook: SelectionHook | None = None
     # The cache's StepGuard (None for a layer used alone): told when a step fails half-way.
     guard: StepGuard | None = None
+    # Masks span the new tokens only (see get_mask_sizes); the cache clears it when a plain
+    # full layer reads the same mask.
+    compact_mask: bool = True
+    # Set by flashmem.prefill while it feeds a chunk that is not the prompt's end: the
+    # chunk's tail is not the prompt's tail, so it does not select on its own.
+    mid_prompt: bool = False
+    # A step's missing blocks are queued to the prefetcher together, so its threads read them
+    # in parallel instead of one synchronous read at a time (docs/measurements.md, "Scale").
+    demand_batch: bool = True
 
     def __init__(
         self,
@@ -83,6 +95,12 @@ class FlashLayer(CacheLayerMixin):
         self.scorer = scorer
         self.rule = rule
         self.rotator = rotator if cfg.fusion_rope == "rerotate" else None
+        if cfg.position_mode == "window" and rotator is None:
+            raise ConfigError(
+                f"position_mode: window needs the model's RoPE frequencies, not found for layer {layer_idx}; "
+                "allowed: position_mode: real"
+            )
+        self.rope = rotator  # moves attended keys and queries to window positions (position_mode: window)
         self.prefetcher = prefetcher
         self.fetch_counts = fetch_counts
         self.lookahead_bytes = lookahead_bytes
@@ -110,7 +128,10 @@ class FlashLayer(CacheLayerMixin):
         self.csa_page_ids = torch.zeros(0, dtype=torch.long, device=dev)
         width = self.scorer.width or d
         self.index = IndexVectors(b, h, self.scorer.vectors, width, self.cfg.lsa_index_dtype, dt, dev)
-        self.valid = torch.zeros(b, 0, dtype=torch.bool, device=dev)  # every position seen
+        # Validity of every position seen, in a buffer with doubling capacity: appending a
+        # decode step's token copies nothing (a cat per step would copy the whole history).
+        self._valid_buf = torch.zeros(b, 1024, dtype=torch.bool, device=dev)
+        self._valid_len = 0
         self.recent_q: torch.Tensor | None = None  # [b, h, n, d]
         self.ws_idx: torch.Tensor | None = None  # last selection of pages [b, h, k]
         self.ws_k: torch.Tensor | None = None  # [b, h, k*P, d]
@@ -138,7 +159,13 @@ class FlashLayer(CacheLayerMixin):
         return k, v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # The mask covers every absolute position so padding of any tier can be read from it.
+        # Attention reads only the new tokens' padding from the mask (the layer keeps the
+        # validity of earlier tokens itself), so with `compact_mask` the mask covers just
+        # them: [b, 1, q, q], not [b, 1, q, every position seen] (8 GB of booleans for an
+        # 8K chunk at 1M tokens). A plain full layer sharing the model's mask needs every
+        # position: the cache turns compact_mask off then.
+        if self.compact_mask:
+            return query_length, self.tokens_seen
         return self.tokens_seen + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -227,6 +254,8 @@ class FlashLayer(CacheLayerMixin):
 
         S = self.sink_k.shape[-2]
         add(self.sink_k, self.sink_v, from_valid(self.valid[:, :S]))
+        window = cfg.position_mode == "window"
+        shown = 0  # tokens of selected pages attended (their positions in window mode)
 
         n = self.num_sealed
         if n > 0:
@@ -254,17 +283,30 @@ class FlashLayer(CacheLayerMixin):
                 add(self.csa_k, self.csa_v, _entry_bias(self.csa_cnt, use, cfg.summary_bias, q.dtype))
             if k_sel > 0:
                 assert self.ws_k is not None and self.ws_v is not None and self.ws_valid is not None
-                add(
-                    self.ws_k,
-                    self.ws_v,
-                    torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg),
-                )
+                ws_k = self.ws_k
+                if window:  # selected page j's tokens move to S + j*P .., right after the sinks
+                    assert self.ws_idx is not None
+                    P = cfg.page_tokens
+                    true = S + self.ws_idx[..., None] * P + torch.arange(P, device=q.device)  # [b, h, k, P]
+                    moved = S + torch.arange(true[0, 0].numel(), device=q.device)
+                    ws_k = self._rope().rotate(ws_k, moved - true.flatten(-2))
+                    shown = k_sel * P
+                add(ws_k, self.ws_v, torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg))
 
         o0 = S + n * cfg.hca_chunk_size
         o1 = o0 + self.open_k.shape[-2]
         w1 = o1 + self.win_k.shape[-2]
-        add(self.open_k, self.open_v, from_valid(self.valid[:, o0:o1]))
-        add(self.win_k, self.win_v, from_valid(self.valid[:, o1:w1]))
+        open_k, win_k = self.open_k, self.win_k
+        # window: the open block, window and new tokens follow the selected pages (a shift
+        # of every one of them by the same amount, queries included, keeps their relative positions)
+        shift = S + shown - o0 if window else 0
+        if shift:
+            rope = self._rope()
+            delta = torch.tensor(float(shift), device=q.device)
+            open_k, win_k = rope.rotate(open_k, delta), rope.rotate(win_k, delta)
+            q, k_new = rope.rotate(q, delta), rope.rotate(k_new, delta)
+        add(open_k, self.open_v, from_valid(self.valid[:, o0:o1]))
+        add(win_k, self.win_v, from_valid(self.valid[:, o1:w1]))
 
         # New tokens: causal among themselves, padding hidden; each sees itself so no row is empty.
         causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
@@ -284,6 +326,10 @@ class FlashLayer(CacheLayerMixin):
         K = torch.cat(keys, dim=-2) if len(keys) > 1 else keys[0]
         V = torch.cat(values, dim=-2) if len(values) > 1 else values[0]
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+
+    def _rope(self) -> RopeRotator:
+        assert self.rope is not None  # checked in __init__ for position_mode: window
+        return self.rope
 
     def _gather_working_set(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor) -> None:
         """Bring the selected pages' exact K/V to the device. idx: [b, h, k] page ids, sorted;
@@ -309,7 +355,12 @@ class FlashLayer(CacheLayerMixin):
             src = torch.zeros_like(idx)
         need = torch.unique(idx[~held] // ppb)  # blocks to read
         if need.numel():
-            blocks = [self.fetch_block(int(j)) for j in need.tolist()]
+            need_ids = need.tolist()
+            if self.prefetcher is not None and self.demand_batch:
+                # Queue every block this step needs before waiting for the first: the loader
+                # threads then read them in parallel (already ready or in flight: skipped).
+                self.prefetcher.request([(self.layer_idx, j) for j in need_ids])
+            blocks = [self.fetch_block(j) for j in need_ids]
             pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
             pool_v = torch.stack([bv for _, bv in blocks])
             u, d = pool_k.shape[0], pool_k.shape[-1]
@@ -348,11 +399,27 @@ class FlashLayer(CacheLayerMixin):
         B, n, s = self.cfg.hca_chunk_size, self.num_sealed, self.block_start
         return self.valid[:, s : s + n * B].reshape(self.valid.shape[0], n, B)
 
+    @property
+    def valid(self) -> torch.Tensor:
+        """[b, tokens seen] True where a position holds a real token (not padding)."""
+        return self._valid_buf[:, : self._valid_len]
+
+    def _append_valid(self, valid: torch.Tensor) -> None:
+        n, m = self._valid_len, valid.shape[-1]
+        if n + m > self._valid_buf.shape[-1]:
+            grown = torch.zeros(
+                valid.shape[0], max(2 * self._valid_buf.shape[-1], n + m), dtype=torch.bool, device=valid.device
+            )
+            grown[:, :n] = self._valid_buf[:, :n]
+            self._valid_buf = grown
+        self._valid_buf[:, n : n + m] = valid
+        self._valid_len = n + m
+
     def append(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, queries: torch.Tensor, group: int) -> None:
         """Add new tokens after attention. k, v: [b, h, q, d]; valid: [b, q];
         queries: [b, h, q*group, d], token-major (a GQA group's queries per KV head)."""
         cfg = self.cfg
-        self.valid = torch.cat([self.valid, valid], dim=-1)
+        self._append_valid(valid)
         if cfg.use_summaries:  # the fusion rule reads them; nothing else does
             self.recent_q = _keep_last(self.recent_q, queries, RECENT_QUERY_TOKENS * group)
         take = min(cfg.sink_tokens - self.sink_k.shape[-2], k.shape[-2])

@@ -171,15 +171,18 @@ def _generate(
     """Greedy decoding; returns tokens, the logits that chose them, prefill and decode seconds."""
     import torch
 
+    import flashmem
+
     logits = []
     with torch.no_grad():
         t0 = time.perf_counter()
-        out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+        # model-level chunks: one forward over a long input would allocate activations for all of it
+        last = flashmem.prefill(model, cache, ids)
         t_prefill = time.perf_counter() - t0
         gen: list[int] = []
         t0 = time.perf_counter()
         for i in range(n):
-            step = out.logits[0, -1].float()
+            step = last[0, -1].float()
             logits.append(step)
             nxt = int(step.argmax())
             gen.append(nxt)
@@ -187,7 +190,7 @@ def _generate(
                 typer.echo(tok.decode([nxt]), nl=False)
             if nxt == tok.eos_token_id or i == n - 1:
                 break
-            out = model(torch.tensor([[nxt]]), cache=cache, use_cache=True)
+            last = model(torch.tensor([[nxt]]), cache=cache, use_cache=True).logits
         t_decode = time.perf_counter() - t0
     if stream:
         typer.echo("")

@@ -27,6 +27,7 @@ class QuestScorer(BlockScorer):
 
     def score(self, queries: torch.Tensor, summaries: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         kmin, kmax = summaries[..., 0, :], summaries[..., 1, :]  # [b, h, n, d]
-        q = queries[:, :, :, None, :]  # [b, h, nq, 1, d]
-        ub = torch.maximum(q * kmin[:, :, None], q * kmax[:, :, None])
-        return ub.sum(dim=-1)  # [b, h, nq, n]
+        # max(q_c * min_c, q_c * max_c) is q_c * max_c where q_c >= 0, else q_c * min_c:
+        # two matmuls instead of a [b, h, nq, n, d] product (4 GB for a 512-query chunk at 1M tokens).
+        q = queries.to(kmax.dtype)
+        return q.clamp_min(0) @ kmax.transpose(-1, -2) + q.clamp_max(0) @ kmin.transpose(-1, -2)  # [b, h, nq, n]
