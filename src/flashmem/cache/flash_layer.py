@@ -404,6 +404,11 @@ class FlashLayer(CacheLayerMixin):
         """[b, tokens seen] True where a position holds a real token (not padding)."""
         return self._valid_buf[:, : self._valid_len]
 
+    @valid.setter
+    def valid(self, value: torch.Tensor) -> None:  # a restored state (serve/state.py)
+        self._valid_buf = value.clone()
+        self._valid_len = value.shape[-1]
+
     def _append_valid(self, valid: torch.Tensor) -> None:
         n, m = self._valid_len, valid.shape[-1]
         if n + m > self._valid_buf.shape[-1]:
