@@ -35,6 +35,16 @@ flashmem bench retrieval --methods kvpress:SnapKVPress,kvpress:ExpectedAttention
 flashmem report $O/retrieval_gemma3.json $O/retrieval_gemma3_flashmem.json $O/retrieval_gemma3_flashmem16k.json \
   $O/retrieval_gemma3_kvpress.json --json-out $O/retrieval_gemma3_all.json --plot $O/retrieval_gemma3.png
 
+# ---- retrieval with the page recipe (this is the sweep behind the README's "current recipe"
+# bullet): passkey + a locker-code question, KJV + stdlib docstrings, 3 depths
+P="--model gemma3-270m --threads 1 --no-progress --tasks passkey,locker --haystacks kjv,stdlib-doc"
+for L in 4k 2k; do
+  flashmem bench retrieval --methods full,streaming,snapkv,flashmem --budgets 1/16,1/8 --lengths $L --seeds 0 \
+    --depths 0.15,0.5,0.85 $P --json-out $O/retrieval_gemma3_pages.json
+done
+flashmem bench retrieval --methods full,streaming,snapkv,flashmem --budgets 1/16,1/8 --lengths 8k --seeds 0 \
+  --depths 0.5 $P --json-out $O/retrieval_gemma3_pages.json
+
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F
