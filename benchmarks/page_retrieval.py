@@ -1,13 +1,15 @@
 """Retrieval through the cache on needle formats and haystacks the retrieval suite does not use.
 
-    python benchmarks/page_retrieval.py 4096 0.0625 full,default,nosum,block passkey,locker_kjv,locker_pydoc 7 0.2,0.5,0.8
+    python benchmarks/page_retrieval.py 4096 0.0625 full,default,summaries,block passkey,locker_kjv,locker_pydoc 7 0.2,0.5,0.8
 
 For each format and depth (formats and prompts: `page_recall.probe`) the
 Gemma3-270m full cache answers, then flashmem with each recipe variant of
 `flashmem.memory.budget.VARIANTS` mapped to the budget by
 `FlashMemoryConfig.for_budget`; greedy, 8 new tokens, right when the first
 number in the answer is the needle's. One JSON line per prompt: 1/0 per
-method, seconds, and the predicted resident fraction.
+method, seconds, and the predicted resident fraction. (In the runs of
+docs/measurements.md, `default` was the pages recipe with summaries, now
+`summaries`, and `nosum` the one without, now `default`.)
 """
 
 from __future__ import annotations

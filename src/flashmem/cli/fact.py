@@ -20,7 +20,7 @@ PLACES = ("north gate", "chapel safe", "harbour office", "east tower", "grain st
 
 @dataclass
 class PlantedFact:
-    ids: list[int]  # context with the fact + question, the last `tokens` tokens
+    ids: list[int]  # context with the fact, then the question: `context_tokens` tokens in all
     fact: str
     question: str
     answer: str

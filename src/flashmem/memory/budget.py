@@ -23,9 +23,9 @@ from flashmem.models import geometry
 RECENT_QUERY_TOKENS = 8
 
 # Variants: config keys laid over the budget-mapped default.
-# The default recipe is configs/cpu-small.yaml's: 64-token blocks, mean-key
-# index, no CSA band, most of the budget on exact selected blocks (measured best
-# on SmolLM2 at 8K, docs/measurements.md, "Design choices, measured").
+# The default recipe is configs/cpu-small.yaml's: 64-token stored blocks,
+# 16-token pages scored by their int8 mean key, most of the budget on exact
+# selected pages (docs/measurements.md, "Selection by pages").
 RECIPE: dict[str, Any] = {
     "hca_chunk_size": 64,
     "lsa_scorer": "mean_key",
