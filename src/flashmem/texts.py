@@ -20,7 +20,7 @@ Texts:
   repeated sentences; long enough for 8K-32K-token contexts and beyond.
 * ``"kjv-nt"``: the New Testament only (Matthew onwards), about 1 MB.
 * ``"stdlib-doc"``: the docstrings of 40 Python standard-library modules and
-  their public functions and classes (about 0.29 MB of English technical
+  their public functions and classes (about 0.26 MB of English technical
   prose with code examples; ships with CPython, PSF licence): a second
   haystack unlike the KJV, and not the calibration text (`pydoc` topics).
 
