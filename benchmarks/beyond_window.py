@@ -4,11 +4,12 @@
                                        [--methods window,real,full] [--json results/beyond_window_smollm2.json]
 
 SmolLM2-135M (trained to 8192 positions) on the retrieval suite's passkey prompts
-(`flashmem_eval.suites.make_probe`). flashmem: window 1024, 16 selected blocks of
-128 per layer and step, summaries off (position_mode window requires it; real uses
-the same config), prompt fed by `flashmem.prefill`; attended positions in window
-mode stay below 4 + 16*128 + 128 + 1024 + 512 < 8192 at any length. full: DynamicCache,
-chunked prefill. Greedy, 8 new tokens; correct = the first number is the key.
+(`flashmem_eval.suites.make_probe`). flashmem: the recipe at `--budget` (default 1/8,
+`FlashMemoryConfig.for_budget`, no summaries, which position_mode window requires),
+same config for real and window, prompt fed by `flashmem.prefill`; in window mode the
+attended positions stay below budget * length + the prompt's tail, inside 8192 up to
+a 1/8 budget of 64K. full: DynamicCache, chunked prefill. Greedy, 8 new tokens;
+correct = the first number is the key.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import flashmem
 from flashmem_eval.suites import make_probe, score_answer
 
 
-def answer(model, tok, ids, method: str) -> str:
+def answer(model, tok, ids, method: str, budget: float) -> str:
     with torch.no_grad():
         if method == "full":
             model.set_attn_implementation("sdpa")
@@ -34,9 +35,7 @@ def answer(model, tok, ids, method: str) -> str:
                 out = model(ids[:, a : a + 2048], cache=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits
         else:
-            cfg = flashmem.FlashMemoryConfig(
-                gpu_cache_limit=1024, lsa_top_k=16, use_summaries=False, position_mode=method
-            )
+            cfg = flashmem.FlashMemoryConfig.for_budget(budget, ids.shape[1], model, position_mode=method)
             cache = flashmem.attach(model, cfg)
             logits = flashmem.prefill(model, cache, ids, chunk=4096)
         gen = []
@@ -54,8 +53,10 @@ def main() -> None:
     ap.add_argument("--depth", type=float, default=0.5)
     ap.add_argument("--methods", default="window,real,full")
     ap.add_argument("--json", default="results/beyond_window_smollm2.json")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=0.125)
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     model, tok = flashmem.load_model("smollm2")
     rows = json.load(open(args.json))["rows"] if os.path.exists(args.json) else []
     for n in map(int, args.lengths.split(",")):
@@ -64,9 +65,10 @@ def main() -> None:
             ids = tok(probe.context + probe.question, return_tensors="pt").input_ids
             for method in args.methods.split(","):
                 t0 = time.perf_counter()
-                text = answer(model, tok, ids, method)
+                text = answer(model, tok, ids, method, args.budget)
                 row = dict(
                     method=method,
+                    budget=1.0 if method == "full" else args.budget,
                     length=n,
                     tokens=int(ids.shape[1]),
                     seed=seed,

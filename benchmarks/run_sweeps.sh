@@ -45,6 +45,26 @@ done
 flashmem bench retrieval --methods full,streaming,snapkv,flashmem --budgets 1/16,1/8 --lengths 8k --seeds 0 \
   --depths 0.5 $P --json-out $O/retrieval_gemma3_pages.json
 
+# ---- the recipe with 20 sinks (run as flashmem:sink20 before it became the recipe; today
+# `flashmem` is the same config): retrieval on the prompts above, fidelity on seed 0 and 1
+for L in 2k 4k; do
+  flashmem bench retrieval --methods flashmem:sink20 --budgets 1/16,1/8 --lengths $L --seeds 0 \
+    --depths 0.15,0.5,0.85 $P --json-out $O/retrieval_gemma3_sinks.json
+done
+flashmem bench retrieval --methods flashmem:sink20 --budgets 1/16,1/8 --lengths 8k --seeds 0 \
+  --depths 0.5 $P --json-out $O/retrieval_gemma3_sinks.json
+S="--model smollm2 --methods flashmem:sink20 --budgets 1/8,1/16 --threads 1 --no-progress"
+flashmem bench fidelity $S --lengths 4k --seeds 0 --json-out $O/fidelity_smollm2_sinks.json
+flashmem bench fidelity $S --lengths 4k --seeds 1 --json-out $O/fidelity_smollm2_sinks.json
+flashmem bench fidelity $S --lengths 8k --seeds 0 --json-out $O/fidelity_smollm2_sinks.json
+
+# ---- issue 13: decode against DynamicCache (alternating) and positions beyond the window
+python benchmarks/decode_alternating.py --lengths 32768,65536 --json $O/decode_alternating_tiny.json
+PYTHONPATH=evaluation python benchmarks/beyond_window.py --lengths 8192,16384 --seeds 0 --threads 1 \
+  --json $O/beyond_window_smollm2.json
+PYTHONPATH=evaluation python benchmarks/beyond_window.py --lengths 32768 --methods window,real --seeds 0 \
+  --threads 1 --json $O/beyond_window_smollm2.json
+
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F

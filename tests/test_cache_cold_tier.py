@@ -69,7 +69,8 @@ def test_exact_codec_equals_dynamic_cache(model_and_ref, tmp_path, kind, threads
         st = cache.stats()
         assert cache.memory_report()["cold_bytes"] > 0
     assert (out - ref).abs().max() <= 1e-4
-    assert st["prefetch"] is (threads > 0)
+    # a memory store on the CPU is read directly: loader threads would only add overhead
+    assert st["prefetch"] is (threads > 0 and kind != "memory")
     assert st["hits"] + st["misses"] > 0 and st["bytes_written"] > 0
     # reads come from the files, or from memory while the background write is pending (timing)
     pending = sum(t.get("pending_hits", 0) for t in st["tiers"].values())

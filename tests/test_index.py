@@ -66,6 +66,14 @@ def test_follow_brings_the_page_after_a_winner_within_k():
     assert select_blocks(last, torch.ones(1, 4, dtype=torch.bool), 2, 1.0, follow=1).tolist() == [[[1, 3]]]
 
 
+def test_max_pool_lets_one_query_head_with_a_sharp_choice_win():
+    # three heads of a GQA group like page 0 mildly; one head wants page 2 sharply
+    scores = torch.tensor([[[[2.0, 0.0, 0.0], [2.0, 0.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 9.0]]]])
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    assert select_blocks(scores, valid, 1, 1.0).tolist() == [[[0]]]  # mean: the group's expected mass
+    assert select_blocks(scores, valid, 1, 1.0, pool="max").tolist() == [[[2]]]
+
+
 def test_quest_bound_is_an_upper_bound_of_every_key():
     keys, query = _blocks_with_needle(n=1, B=32, needle_block=0)
     scorer = SCORERS["quest"]()

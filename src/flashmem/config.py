@@ -32,6 +32,7 @@ SummaryBias = Literal["log_size", "none"]
 IndexDtype = Literal["model", "float16", "int8"]
 FusionRope = Literal["rerotate", "raw"]
 PositionMode = Literal["real", "window"]
+SelectionPool = Literal["mean", "max"]
 
 
 class FlashMemoryConfig(BaseModel):
@@ -79,6 +80,16 @@ class FlashMemoryConfig(BaseModel):
         le=8,
         description="a selected page brings the next N pages within the same lsa_top_k: "
         "the text after a match (an answer after its cue) comes with it",
+    )
+    rest_entry: bool = Field(
+        False,
+        description="without summaries, one entry per KV head stands for every sealed token "
+        "not attended exactly (logit from the index, mean value), so attention keeps their mass",
+    )
+    lsa_pool: SelectionPool = Field(
+        "mean",
+        description="how a GQA group and a chunk's queries pool their page distributions: "
+        "mean (expected mass) or max (a page any query head wants strongly wins)",
     )
     lsa_index_dtype: IndexDtype = Field(
         "model", description="precision of resident index vectors: model dtype, float16 or int8"
@@ -267,6 +278,12 @@ class FlashMemoryConfig(BaseModel):
         Without summaries (`use_summaries: false`) the CSA band, the HCA entries and the
         fusion rule's query buffer are not kept at all: their bytes go to selection."""
         return self.use_summaries or policies.SCORERS[self.lsa_scorer].reads_hca_entries
+
+    @property
+    def keeps_rest_entry(self) -> bool:
+        """The rest entry is attended: asked for, and no HCA entries already stand for
+        the left-out blocks."""
+        return self.rest_entry and not self.use_summaries
 
     @property
     def page_tokens(self) -> int:

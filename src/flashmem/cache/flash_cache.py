@@ -34,7 +34,17 @@ from flashmem.rope import RopeRotator
 from flashmem.store.base import ColdStore
 from flashmem.store.prefetch import Prefetcher
 
-TIERS = ("sinks", "window", "open_block", "csa_entries", "hca_entries", "index", "working_set", "query_buffer")
+TIERS = (
+    "sinks",
+    "window",
+    "open_block",
+    "csa_entries",
+    "hca_entries",
+    "index",
+    "working_set",
+    "query_buffer",
+    "rest_entry",
+)
 
 
 class FlashMemoryCache(Cache):
@@ -193,7 +203,8 @@ class FlashMemoryCache(Cache):
         the write queue).
         """
         tiers: dict[str, dict[str, float]] = {}
-        pf = self.prefetcher
+        # Layers on the CPU with a memory store read it directly (FlashLayer.lazy_initialization).
+        pf = self.prefetcher if any(layer.prefetcher is not None for layer in self.flash_layers) else None
         if pf is not None:
             p = pf.stats()
             store_keys = {f"{t}_" for t in self.store.tier_stats()}

@@ -41,6 +41,7 @@ from flashmem.index.vectors import IndexVectors
 from flashmem.memory.budget import RECENT_QUERY_TOKENS
 from flashmem.rope import RopeRotator
 from flashmem.store.base import ColdStore
+from flashmem.store.memory import MemoryStore
 from flashmem.store.prefetch import Prefetcher
 
 if TYPE_CHECKING:
@@ -70,6 +71,9 @@ class FlashLayer(CacheLayerMixin):
     # A step's missing blocks are queued to the prefetcher together, so its threads read them
     # in parallel instead of one synchronous read at a time (docs/measurements.md, "Scale").
     demand_batch: bool = True
+    # A memory store on the CPU is read directly, not through the prefetcher (see
+    # lazy_initialization); tests of the prefetcher over a memory store turn this off.
+    read_memory_directly: bool = True
 
     def __init__(
         self,
@@ -115,6 +119,12 @@ class FlashLayer(CacheLayerMixin):
         b, h, _, d = key_states.shape
         dev, dt = key_states.device, key_states.dtype
         self.device, self.dtype = dev, dt
+        if self.read_memory_directly and isinstance(self.store, MemoryStore) and dev.type == "cpu":
+            # The blocks already sit in this process's RAM on the compute device: a read is a
+            # dict lookup, and handing it to loader threads only adds their overhead (at 1/8
+            # of 32K tokens, 120 -> 92 ms per decode step on the tiny model). On an
+            # accelerator the host-to-device copy is what the prefetcher hides, so it stays.
+            self.prefetcher = None
         empty = lambda n: torch.zeros(b, h, n, d, dtype=dt, device=dev)  # noqa: E731
         self.sink_k, self.sink_v = empty(0), empty(0)
         self.win_k, self.win_v = empty(0), empty(0)
@@ -128,6 +138,10 @@ class FlashLayer(CacheLayerMixin):
         self.csa_page_ids = torch.zeros(0, dtype=torch.long, device=dev)
         width = self.scorer.width or d
         self.index = IndexVectors(b, h, self.scorer.vectors, width, self.cfg.lsa_index_dtype, dt, dev)
+        # Sum of every sealed token's value [b, h, d] (fp32): the rest entry's value is
+        # this minus the selected pages' values, over the tokens left out (empty without it).
+        rest_d = d if self.cfg.keeps_rest_entry else 0
+        self.v_sum = torch.zeros(b, h, rest_d, dtype=torch.float32, device=dev)
         # Validity of every position seen, in a buffer with doubling capacity: appending a
         # decode step's token copies nothing (a cat per step would copy the whole history).
         self._valid_buf = torch.zeros(b, 1024, dtype=torch.bool, device=dev)
@@ -218,12 +232,17 @@ class FlashLayer(CacheLayerMixin):
         self.peak_resident_bytes = max(self.peak_resident_bytes, sum(self.resident_bytes().values()))
         return out
 
-    def _select(self, qg: torch.Tensor, page_valid: torch.Tensor, k_sel: int, scaling: float) -> torch.Tensor:
-        """Top `k_sel` pages (blocks unless `lsa_page_tokens`) per KV head for queries
-        qg [b, h, nq, d]; page_valid: [b, n_pages] -> page ids [b, h, k] sorted."""
+    def _scores(self, qg: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Index scores of every page for queries qg [b, h, nq, d] -> [b, h, nq, n_pages]."""
         summaries = self.hca_k[:, :, :, None] if self.scorer.uses_hca_entries else self.index.read(qg.dtype)
-        scores = self.scorer.score(qg, summaries, scaling)  # [b, h, nq, n_pages]
-        idx = select_blocks(scores, page_valid, k_sel, scaling, follow=self.cfg.lsa_follow_pages)
+        return self.scorer.score(qg, summaries, scaling)
+
+    def _select(self, scores: torch.Tensor, page_valid: torch.Tensor, k_sel: int, scaling: float) -> torch.Tensor:
+        """Top `k_sel` pages (blocks unless `lsa_page_tokens`) per KV head from index
+        scores [b, h, nq, n_pages]; page_valid: [b, n_pages] -> page ids [b, h, k] sorted."""
+        idx = select_blocks(
+            scores, page_valid, k_sel, scaling, follow=self.cfg.lsa_follow_pages, pool=self.cfg.lsa_pool
+        )
         if self.selection_hook is not None:
             idx = self.selection_hook(self.layer_idx, idx, scores)
         return idx
@@ -242,6 +261,7 @@ class FlashLayer(CacheLayerMixin):
         b, hkv, m, d = k_new.shape
         neg = float("-inf")
         keys, values, biases = [], [], []
+        rest: tuple[torch.Tensor, torch.Tensor] | None = None  # the rest entry: value, logit
 
         def add(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> None:
             if k.shape[-2]:
@@ -263,8 +283,11 @@ class FlashLayer(CacheLayerMixin):
             page_tokens_valid = self.block_valid_tokens().reshape(b, n * ppb, cfg.page_tokens)  # [b, pages, P]
             k_sel = cfg.blocks_to_select(n * ppb)
             selected = torch.zeros(b, hkv, n * ppb, dtype=torch.bool, device=q.device)  # per page
+            page_valid = page_tokens_valid.any(-1)  # [b, pages]
+            scores = self._scores(qg, scaling) if k_sel > 0 or cfg.keeps_rest_entry else None
             if k_sel > 0:
-                idx = self._select(qg, page_tokens_valid.any(-1), k_sel, scaling)  # [b, h, k] page ids
+                assert scores is not None
+                idx = self._select(scores, page_valid, k_sel, scaling)  # [b, h, k] page ids
                 selected.scatter_(-1, idx, True)
                 self._gather_working_set(idx, page_tokens_valid)
                 self.look_ahead(idx // ppb)  # prefetch for the next step
@@ -292,6 +315,9 @@ class FlashLayer(CacheLayerMixin):
                     ws_k = self._rope().rotate(ws_k, moved - true.flatten(-2))
                     shown = k_sel * P
                 add(ws_k, self.ws_v, torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg))
+            if cfg.keeps_rest_entry:
+                assert scores is not None
+                rest = self._rest_entry(scores, selected, page_tokens_valid, k_sel > 0, scaling, m)
 
         o0 = S + n * cfg.hca_chunk_size
         o1 = o0 + self.open_k.shape[-2]
@@ -323,9 +349,48 @@ class FlashLayer(CacheLayerMixin):
         group = q.shape[1] // hkv
         if group > 1:
             mask = mask.repeat_interleave(group, dim=1)  # [b, Hq, m, L]
+        if rest is not None:  # a zero key: its logit is all bias, per query head and query
+            v_rest, logit = rest
+            keys.append(torch.zeros_like(v_rest, dtype=k_new.dtype))
+            values.append(v_rest.to(v_new.dtype))
+            mask = torch.cat([mask.expand(b, -1, m, -1), logit.to(mask.dtype)[..., None]], dim=-1)
         K = torch.cat(keys, dim=-2) if len(keys) > 1 else keys[0]
         V = torch.cat(values, dim=-2) if len(values) > 1 else values[0]
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+
+    def _rest_entry(
+        self,
+        scores: torch.Tensor,
+        selected: torch.Tensor,
+        page_tokens_valid: torch.Tensor,
+        has_ws: bool,
+        scaling: float,
+        m: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One entry per KV head standing for every sealed token not attended exactly,
+        so the softmax keeps the mass the left-out history had (without it, attention
+        renormalises over a few pages and the output leaves the model's range).
+
+        Logit, per query: log sum over left-out pages of n_page * exp(s q . index key);
+        value: the mean value of the left-out tokens (running sum minus the selected
+        pages'). scores: [b, h, m*group, pages]; selected: [b, h, pages];
+        page_tokens_valid: [b, pages, P] -> value [b, h, 1, d], logit [b, Hq, m].
+        """
+        b, h, nq, _ = scores.shape
+        group = nq // m
+        counts = page_tokens_valid.sum(-1).to(torch.float32)  # [b, pages]
+        left = ~selected & (counts > 0)[:, None, :]
+        lg = scores.float() * scaling + counts.clamp_min(1).log()[:, None, None, :]
+        logit = torch.logsumexp(lg.masked_fill(~left[:, :, None, :], float("-inf")), dim=-1)  # [b, h, nq]
+        logit = logit.view(b, h, m, group).transpose(2, 3).reshape(b, h * group, m)
+        v_sum, n_left = self.v_sum, counts.sum(-1)[:, None].expand(b, h)
+        if has_ws:
+            assert self.ws_v is not None and self.ws_valid is not None
+            w = self.ws_valid.to(torch.float32)
+            v_sum = v_sum - (self.ws_v.float() * w[..., None]).sum(-2)
+            n_left = n_left - w.sum(-1)
+        v_rest = v_sum / n_left.clamp_min(1)[..., None]
+        return v_rest[:, :, None, :], logit
 
     def _rope(self) -> RopeRotator:
         assert self.rope is not None  # checked in __init__ for position_mode: window
@@ -478,6 +543,8 @@ class FlashLayer(CacheLayerMixin):
                 csa = fuse_chunks(k, v, logimp, valid, pos, c, self.rotator)
         self.sealed += nb
         self.index.extend(self._summarize_pages(k, valid))
+        if cfg.keeps_rest_entry:
+            self.v_sum += (v.float() * valid[:, None, :, None].to(torch.float32)).sum(-2)
         failure: ColdStoreError | None = None
         for j in range(nb):
             kj, vj = k[:, :, j * B : (j + 1) * B], v[:, :, j * B : (j + 1) * B]
@@ -579,6 +646,7 @@ class FlashLayer(CacheLayerMixin):
             "index": self.index.nbytes(),
             "working_set": nb(self.ws_k) + nb(self.ws_v),
             "query_buffer": nb(self.recent_q),
+            "rest_entry": nb(self.v_sum),
         }
 
 

@@ -6,7 +6,12 @@ import torch
 
 
 def select_blocks(
-    scores: torch.Tensor, block_valid: torch.Tensor, k: int, scaling: float, follow: int = 0
+    scores: torch.Tensor,
+    block_valid: torch.Tensor,
+    k: int,
+    scaling: float,
+    follow: int = 0,
+    pool: str = "mean",
 ) -> torch.Tensor:
     """scores: [b, h, nq, n] per query; block_valid: [b, n] bool -> indices [b, h, k].
 
@@ -23,7 +28,8 @@ def select_blocks(
     n = scores.shape[-1]
     k = min(k, n)
     logits = (scores.float() * scaling).masked_fill(~block_valid[:, None, None, :], float("-inf"))
-    mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=-2)  # [b, h, n]
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    mass = probs.amax(dim=-2) if pool == "max" else probs.mean(dim=-2)  # [b, h, n]
     own = mass
     for j in range(1, min(follow, n - 1) + 1):
         lent = torch.zeros_like(own)

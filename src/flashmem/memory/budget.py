@@ -24,8 +24,8 @@ RECENT_QUERY_TOKENS = 8
 
 # Variants: config keys laid over the budget-mapped default.
 # The default recipe is configs/cpu-small.yaml's: 64-token stored blocks,
-# 16-token pages scored by their int8 mean key, most of the budget on exact
-# selected pages (docs/measurements.md, "Selection by pages").
+# 16-token pages scored by their int8 mean key, 20 sink tokens, most of the
+# budget on exact selected pages (docs/measurements.md, "Selection by pages").
 RECIPE: dict[str, Any] = {
     "hca_chunk_size": 64,
     "lsa_scorer": "mean_key",
@@ -36,6 +36,11 @@ RECIPE: dict[str, Any] = {
     # which measured better on fidelity and as good on retrieval
     # (docs/measurements.md, "Summaries or more pages").
     "use_summaries": False,
+    # 20 sink tokens, not StreamingLLM's 4: the index kept spending two of its few pages
+    # on the text right after the 4 sinks (the prompt's opening), so they are kept as
+    # sinks and the pages go to the history the query needs (docs/measurements.md,
+    # "The rest entry, pooling, sinks").
+    "sink_tokens": 20,
 }
 # From this budget up a selected page brings the page after it (the answer after
 # its cue, `lsa_follow_pages: 1`); below it the pairs halve too few distinct pages
@@ -50,6 +55,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "keynorm": {**RECIPE, "fusion_rule": "key_norm"},
     "summaries": {**RECIPE, "use_summaries": True},
     "nofollow": {**RECIPE, "lsa_follow_pages": 0},
+    "follow": {**RECIPE, "lsa_follow_pages": 1},
+    "max": {**RECIPE, "lsa_pool": "max"},
+    "b32": {**RECIPE, "hca_chunk_size": 32},
+    "rest": {**RECIPE, "rest_entry": True},
+    "sink4": {**RECIPE, "sink_tokens": 4},
+    "restfollow": {**RECIPE, "rest_entry": True, "lsa_follow_pages": 1},
     "int8": {**RECIPE, "cold_codec": "int8"},
     "int4": {**RECIPE, "cold_codec": "int4"},
     "b128": {**RECIPE, "hca_chunk_size": 128},

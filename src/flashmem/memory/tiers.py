@@ -75,9 +75,11 @@ def tier_counts(cfg: FlashMemoryConfig, tokens: int) -> TierCounts:
 
 def index_bytes(cfg: FlashMemoryConfig, counts: TierCounts, head_dim: int, dtype_bytes: int) -> float:
     """Device bytes of one KV head's block index: its scorer's declared bytes per
-    sealed block and per token of the sealed blocks (flashmem.policies.SCORERS)."""
+    sealed block and per token of the sealed blocks (flashmem.policies.SCORERS),
+    plus the rest entry's value sum when it is kept."""
     per = policies.SCORERS[cfg.lsa_scorer].index_bytes(cfg, head_dim, dtype_bytes)
-    return counts.sealed_blocks * per.per_block + counts.cold_tokens * per.per_token
+    rest = 4 * head_dim if cfg.keeps_rest_entry and counts.sealed_blocks else 0  # the fp32 value sum
+    return counts.sealed_blocks * per.per_block + counts.cold_tokens * per.per_token + rest
 
 
 def codec_bytes_per_element(codec: str, dtype_bytes: int) -> float:

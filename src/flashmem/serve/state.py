@@ -4,7 +4,8 @@ A prefix record holds what the cache gained between two boundaries of the
 prompt (append-only parts: sealed blocks' exact K/V from the cold tier, their
 HCA entries and index pages, the validity of the new positions, the plain
 layers' new K/V) plus the bounded "tail" at the boundary (sinks, open block,
-window, recent queries, the near band's CSA entries, sliding layers). Replaying
+window, recent queries, the near band's CSA entries, the sealed values' sum,
+sliding layers). Replaying
 records 1..j into a fresh cache rebuilds exactly the state the cache had after
 boundary j, so continuing from there computes what a fresh prefill computes.
 
@@ -81,7 +82,7 @@ def export_delta(cache: FlashMemoryCache, since: Mark) -> dict[str, torch.Tensor
             if layer.index.scales is not None:
                 put(p + "index_scales", layer.index.scales[:, :, since.pages[i] :])
             put(p + "valid", layer.valid[:, since.valid[i] :])
-            for name in ("sink_k", "sink_v", "win_k", "win_v", "open_k", "open_v", "recent_q"):
+            for name in ("sink_k", "sink_v", "win_k", "win_v", "open_k", "open_v", "recent_q", "v_sum"):
                 put(p + name, getattr(layer, name))
             for bid, ck, cv, cc in layer.csa_blocks:
                 put(f"{p}csa.{bid}.k", ck)
@@ -148,6 +149,7 @@ def _import_flash(layer: FlashLayer, p: str, records: list[dict[str, torch.Tenso
     layer.valid = cat("valid", -1, layer.valid)
     for name in ("sink_k", "sink_v", "win_k", "win_v", "open_k", "open_v"):
         setattr(layer, name, last[p + name].to(dev).clone())
+    layer.v_sum = last[p + "v_sum"].to(dev).clone()  # config fingerprints keep older records out
     rq = last.get(p + "recent_q")
     layer.recent_q = None if rq is None else rq.to(dev).clone()
     ids = sorted({int(n[len(p) :].split(".")[1]) for n in last if n.startswith(p + "csa.")})

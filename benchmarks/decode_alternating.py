@@ -1,0 +1,123 @@
+"""Decode ms/token at 32K+ tokens: flashmem vs DynamicCache in one process, steps alternating.
+
+    python benchmarks/decode_alternating.py [--lengths 32768,131072] [--steps 24]
+                                            [--json results/decode_alternating_tiny.json]
+
+Model: the tiny random Llama of bench_prefetch.py (4 layers, 4 KV heads x 64,
+fp32) on random tokens, 1 torch thread. Per length, three caches live side by
+side and decode in turn, the order rotating every step so machine noise hits
+them alike (as bench_target_8k.py does on SmolLM2):
+
+- `recipe`: `FlashMemoryConfig.for_budget(1/8, n, model)` (16-token pages,
+  int8 mean-key index), memory cold tier;
+- `fixed`: bench_scale.py's config (window 1024, 16 blocks of 128, no summaries),
+  memory cold tier: resident size independent of the length;
+- `dynamic`: DynamicCache filled with random K/V of the length (its O(n^2)
+  prefill would take hours here; decode cost does not depend on the values).
+
+flashmem caches are prefilled for real with `flashmem.prefill` (chunks of 8192).
+Reported per cache: median and mean decode ms/token, the measured device-resident
+fraction, and the ratio DynamicCache / flashmem of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from transformers import DynamicCache
+
+import flashmem
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def tiny(tokens: int):
+    sys.path.insert(0, HERE)
+    from bench_prefetch import tiny_llama_long
+
+    return tiny_llama_long(tokens)
+
+
+def random_dynamic(model, n: int) -> DynamicCache:
+    cfg = model.config
+    hkv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache(config=cfg)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(cfg.num_hidden_layers):
+        cache.update(torch.randn(1, hkv, n, d, generator=gen), torch.randn(1, hkv, n, d, generator=gen), i)
+    return cache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="32768,131072")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--json", default="results/decode_alternating_tiny.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for n in map(int, args.lengths.split(",")):
+        model = tiny(n + args.steps + 8)
+        ids = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(0))
+        configs = {
+            "recipe": flashmem.FlashMemoryConfig.for_budget(1 / 8, n, model),
+            "fixed": flashmem.FlashMemoryConfig(gpu_cache_limit=1024, lsa_top_k=16, use_summaries=False),
+        }
+        caches: dict = {}
+        nxt: dict = {}
+        prefill_s: dict = {}
+        with torch.no_grad():
+            for name, cfg in configs.items():
+                caches[name] = flashmem.attach(model, cfg)
+                t0 = time.perf_counter()
+                logits = flashmem.prefill(model, caches[name], ids, chunk=8192)
+                prefill_s[name] = time.perf_counter() - t0
+                nxt[name] = logits[:, -1].argmax(-1, keepdim=True)
+            caches["dynamic"] = random_dynamic(model, n)
+            nxt["dynamic"] = ids[:, -1:]
+            names = list(caches)
+            times: dict = {name: [] for name in names}
+            for step in range(args.steps + 1):
+                order = names[step % len(names) :] + names[: step % len(names)]
+                for name in order:
+                    t0 = time.perf_counter()
+                    out = model(nxt[name], cache=caches[name], use_cache=True)
+                    dt = time.perf_counter() - t0
+                    nxt[name] = out.logits[:, -1].argmax(-1, keepdim=True)
+                    if step:  # the first step of each is a warm-up
+                        times[name].append(dt)
+        dyn = statistics.median(times["dynamic"])
+        for name in names:
+            med = statistics.median(times[name])
+            row = {
+                "tokens": n,
+                "cache": name,
+                "decode_ms_median": 1e3 * med,
+                "decode_ms_mean": 1e3 * statistics.fmean(times[name]),
+                "speedup_vs_dynamic": dyn / med,
+                "load": os.getloadavg()[0],
+            }
+            if name != "dynamic":
+                rep = caches[name].memory_report()
+                full = sum(layer.keys.nbytes + layer.values.nbytes for layer in caches["dynamic"].layers)
+                row["resident_fraction"] = rep["peak_managed_resident_bytes"] / full
+                row["prefill_s"] = prefill_s[name]
+                row["config"] = {
+                    k: getattr(configs[name], k) for k in ("gpu_cache_limit", "lsa_top_k", "lsa_page_tokens")
+                }
+                caches[name].close()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del caches
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

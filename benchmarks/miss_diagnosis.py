@@ -1,0 +1,96 @@
+"""Why a retrieval prompt is missed: ranking, or what the left-out tokens contribute.
+
+    python benchmarks/miss_diagnosis.py passkey kjv 2048 0.5 0 0.0625 [variant]
+
+One retrieval-suite prompt (`flashmem_eval.suites.make_probe`: task, haystack,
+length, depth, seed) on Gemma3-270m with `FlashMemoryConfig.for_budget(budget,
+length, model, variant=...)`, fed as the suite feeds it (context through the
+cache, then the question, greedy). Prints:
+
+- the answer, and per global layer at the answer step (the question's last
+  query) the selected pages and where the index ranks the needle's pages (the page of each occurrence of
+  the key's first digits, and the pages before and after);
+- the answer again with the selection forced (`cache.selection_hook`) to every
+  page, to only the needle's pages, and to the 64 best pages by the index.
+
+Every page answering while the needle's pages alone do not means the selection
+is not what is missing: the left-out tokens' share of attention is.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from flashmem.config import FlashMemoryConfig
+from flashmem_eval import harness as H
+from flashmem_eval.suites import make_probe
+
+
+def main() -> None:
+    task, hay, length, depth, seed, budget = sys.argv[1:7]
+    variant = sys.argv[7] if len(sys.argv) > 7 else "default"
+    torch.set_num_threads(1)
+    ld = H.load("gemma3-270m")
+    tok, model = ld.tokenizer, ld.model
+    probe = make_probe(tok, task, int(length), float(depth), int(seed), hay=hay)
+    ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
+    q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
+    ids = ctx[0].tolist()
+    pieces = [tok.decode([t]).strip() for t in ids]
+    starts = [i for i, p in enumerate(pieces) if p.isdigit() and probe.answer.startswith(p)]
+    cfg = FlashMemoryConfig.for_budget(float(budget), int(length), model, variant=variant)
+    S, P = cfg.sink_tokens, cfg.page_tokens
+    needle = sorted({(i - S) // P for i in starts if i >= S})
+    print(f"answer {probe.answer}; context {ctx.shape[1]} tokens; window {cfg.gpu_cache_limit}, {cfg.lsa_top_k} pages")
+    print(f"needle pages {needle}")
+
+    def answer(hook=None, config: FlashMemoryConfig = cfg, record: list | None = None) -> str:
+        cache, _, _ = H.prefill_flashmem(model, ctx, config)
+
+        def wrapped(layer: int, idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if record is not None:
+                record.append((layer, idx.clone(), scores.float().clone()))
+            return idx if hook is None else hook(idx, scores)
+
+        cache.selection_hook = wrapped
+        gen = H.greedy(model, cache, q, 8, [])
+        cache.close()
+        return repr(tok.decode(gen))
+
+    def forced(pages: list[int]):
+        def hook(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            keep = torch.tensor([p for p in pages if p < scores.shape[-1]])
+            return keep.view(1, 1, -1).expand(idx.shape[0], idx.shape[1], -1)
+
+        return hook
+
+    rec: list = []
+    print("recipe:", answer(record=rec))
+    near = sorted({p + d for p in needle for d in (-1, 0, 1) if p + d >= 0})
+    group = model.config.get_text_config().num_attention_heads // idx_heads(rec)
+    answer_step = [r for r in rec if r[2].shape[2] == group][:3]  # the question's last query, alone
+    for layer, idx, scores in answer_step:
+        mass = torch.softmax(scores * cfg_scaling(model), -1).mean(2)[0, 0]
+        order = mass.argsort(descending=True).tolist()
+        ranks = {p: order.index(p) for p in near if p < len(order)}
+        print(f"  layer {layer}, {scores.shape[2]} queries: selected {idx[0, 0].tolist()}, ranks {ranks}")
+    n_pages = (ctx.shape[1] - S) // P
+    print("every page:", answer(forced(list(range(n_pages)))))
+    print("needle pages only:", answer(forced(sorted({*needle, *(p + 1 for p in needle)}))))
+    print("top 64 by index:", answer(config=cfg.model_copy(update={"lsa_top_k": 64})))
+
+
+def idx_heads(rec: list) -> int:
+    return int(rec[0][1].shape[1])
+
+
+def cfg_scaling(model) -> float:
+    """The attention scale of Gemma3's global layers (query_pre_attn_scalar ** -0.5)."""
+    c = model.config.get_text_config()
+    return float(getattr(c, "query_pre_attn_scalar", c.head_dim)) ** -0.5
+
+
+if __name__ == "__main__":
+    main()
