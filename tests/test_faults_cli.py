@@ -195,6 +195,9 @@ def test_signal_during_run_removes_the_store_folder(tiny_folder, tmp_path, sig):
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
+        # a runner that starts the suite in the background (`cmd &`) hands it SIGINT ignored;
+        # the child must see Ctrl-C as a user's shell delivers it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
