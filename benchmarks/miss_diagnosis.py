@@ -59,9 +59,12 @@ def main() -> None:
         cache.close()
         return repr(tok.decode(gen))
 
-    def forced(pages: list[int]):
+    def forced(pages: list[int] | None):
+        """Selection hook attending `pages` (None: every page there is at that step)."""
+
         def hook(idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            keep = torch.tensor([p for p in pages if p < scores.shape[-1]])
+            n = scores.shape[-1]
+            keep = torch.arange(n) if pages is None else torch.tensor([p for p in pages if p < n])
             return keep.view(1, 1, -1).expand(idx.shape[0], idx.shape[1], -1)
 
         return hook
@@ -69,21 +72,16 @@ def main() -> None:
     rec: list = []
     print("recipe:", answer(record=rec))
     near = sorted({p + d for p in needle for d in (-1, 0, 1) if p + d >= 0})
-    group = model.config.get_text_config().num_attention_heads // idx_heads(rec)
+    group = model.config.get_text_config().num_attention_heads // rec[0][1].shape[1]
     answer_step = [r for r in rec if r[2].shape[2] == group][:3]  # the question's last query, alone
     for layer, idx, scores in answer_step:
         mass = torch.softmax(scores * cfg_scaling(model), -1).mean(2)[0, 0]
         order = mass.argsort(descending=True).tolist()
         ranks = {p: order.index(p) for p in near if p < len(order)}
         print(f"  layer {layer}, {scores.shape[2]} queries: selected {idx[0, 0].tolist()}, ranks {ranks}")
-    n_pages = (ctx.shape[1] - S) // P
-    print("every page:", answer(forced(list(range(n_pages)))))
+    print("every page:", answer(forced(None)))
     print("needle pages only:", answer(forced(sorted({*needle, *(p + 1 for p in needle)}))))
     print("top 64 by index:", answer(config=cfg.model_copy(update={"lsa_top_k": 64})))
-
-
-def idx_heads(rec: list) -> int:
-    return int(rec[0][1].shape[1])
 
 
 def cfg_scaling(model) -> float:

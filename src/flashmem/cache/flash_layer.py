@@ -122,7 +122,8 @@ class FlashLayer(CacheLayerMixin):
         if self.read_memory_directly and isinstance(self.store, MemoryStore) and dev.type == "cpu":
             # The blocks already sit in this process's RAM on the compute device: a read is a
             # dict lookup, and handing it to loader threads only adds their overhead (at 1/8
-            # of 32K tokens, 120 -> 92 ms per decode step on the tiny model). On an
+            # of 32K tokens on the tiny model, 89 -> 85 ms per decode step, 120 -> 92 with
+            # the cores contended: benchmarks/profile_decode.py). On an
             # accelerator the host-to-device copy is what the prefetcher hides, so it stays.
             self.prefetcher = None
         empty = lambda n: torch.zeros(b, h, n, d, dtype=dt, device=dev)  # noqa: E731

@@ -1,0 +1,63 @@
+"""Where a decode step of the budget recipe spends its time (cProfile), on the tiny model.
+
+    python benchmarks/profile_decode.py [--tokens 32768] [--budget 0.125] [--steps 6] [--prefetch-threads 2]
+                                        [--through-prefetcher]
+
+Prefills the tiny random Llama of bench_prefetch.py through
+`FlashMemoryConfig.for_budget(budget, tokens, model)` (memory cold tier),
+then profiles `--steps` greedy decode steps after one warm-up and prints ms
+per step and the top functions by cumulative time. docs/measurements.md,
+"Decode against DynamicCache": the per-page gather and the look-ahead
+hand-offs at 1/8 of 32K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+import flashmem
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_prefetch import tiny_llama_long  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--budget", type=float, default=0.125)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--prefetch-threads", type=int, default=2)
+    ap.add_argument(
+        "--through-prefetcher", action="store_true", help="read the memory store through the prefetcher (as before)"
+    )
+    args = ap.parse_args()
+    if args.through_prefetcher:
+        from flashmem.cache.flash_layer import FlashLayer
+
+        FlashLayer.read_memory_directly = False
+    torch.set_num_threads(1)
+    model = tiny_llama_long(args.tokens + args.steps + 8)
+    ids = torch.randint(0, 1024, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    cfg = flashmem.FlashMemoryConfig.for_budget(args.budget, args.tokens, model, prefetch_threads=args.prefetch_threads)
+    with flashmem.attach(model, cfg) as cache, torch.no_grad():
+        tok = flashmem.prefill(model, cache, ids, chunk=8192)[:, -1].argmax(-1, keepdim=True)
+        tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(args.steps):
+            tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        prof.disable()
+        print(f"{1e3 * (time.perf_counter() - t0) / args.steps:.1f} ms per decode step")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
