@@ -13,7 +13,8 @@ design), window 1024, 16 blocks of 128 selected per layer and step, summaries
 off; the prompt goes in through `flashmem.prefill` (model-level chunks of 8192
 tokens), then `--steps` greedy decode steps (after one untimed one), prefetch on,
 with the store's page cache dropped before every step (outside the timed
-region). Reported: peak RSS, device-resident bytes, cold bytes on disk, prefill
+region). Method `flashmem-shared`: the same with `lsa_share_heads: true` (the 4
+KV heads select the same blocks, so a step reads up to 4x fewer). Reported: peak RSS, device-resident bytes, cold bytes on disk, prefill
 tokens/s, median decode ms/token, stall % of decode time.
 
 DynamicCache: the same model with SDPA attention. Its prefill is O(n^2) and
@@ -58,7 +59,7 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
-def run_flashmem(n: int, args) -> dict:
+def run_flashmem(n: int, args, share_heads: bool = False) -> dict:
     import flashmem
     from disk_probe import drop_segments
 
@@ -72,8 +73,10 @@ def run_flashmem(n: int, args) -> dict:
         cold_store="disk",
         cold_dir=args.dir,
         prefetch_threads=2,
+        lsa_share_heads=share_heads,
     )
-    row: dict = {"method": "flashmem", "tokens": n, "load_start": load()}
+    method = "flashmem-shared" if share_heads else "flashmem"
+    row: dict = {"method": method, "tokens": n, "load_start": load()}
     with flashmem.attach(model, cfg) as cache:
         t0 = time.perf_counter()
         logits = flashmem.prefill(model, cache, ids, chunk=args.chunk)
@@ -169,11 +172,15 @@ def plot(rows: list[dict], path: str) -> None:
         ("prefill_tokens_per_s", "prefill tokens/s", 1.0),
     ]
     for ax, (key, label, scale) in zip(axes, panels):
-        for method, style in (("flashmem", "o-"), ("dynamic", "s--")):
+        for method, style, name in (
+            ("flashmem", "o-", "flashmem (disk tier)"),
+            ("flashmem-shared", "^-", "flashmem, heads share pages"),
+            ("dynamic", "s--", "DynamicCache"),
+        ):
             pts = [(r["tokens"], r[key] * scale) for r in rows if r["method"] == method and key in r]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, style, label="flashmem (disk tier)" if method == "flashmem" else "DynamicCache")
+                ax.plot(xs, ys, style, label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context tokens")
         ax.set_title(label, fontsize=10)
@@ -200,7 +207,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # 2 shared cores: one for compute, one for the prefetch/writer threads
     if args.child:
-        row = run_flashmem(args.tokens, args) if args.child == "flashmem" else run_dynamic(args.tokens, args)
+        if args.child == "dynamic":
+            row = run_dynamic(args.tokens, args)
+        else:
+            row = run_flashmem(args.tokens, args, share_heads=args.child == "flashmem-shared")
         print("ROW " + json.dumps(row), flush=True)
         return
 

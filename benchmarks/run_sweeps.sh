@@ -59,7 +59,15 @@ flashmem bench fidelity $S --lengths 4k --seeds 1 --json-out $O/fidelity_smollm2
 flashmem bench fidelity $S --lengths 8k --seeds 0 --json-out $O/fidelity_smollm2_sinks.json
 
 # ---- issue 13: decode against DynamicCache (alternating) and positions beyond the window
-python benchmarks/decode_alternating.py --lengths 32768,65536 --json $O/decode_alternating_tiny.json
+python benchmarks/decode_alternating.py --lengths 32768,65536,131072 --json $O/decode_alternating_tiny.json
+python benchmarks/profile_decode.py   # ms per step and where it goes, 32K at 1/8
+# heads sharing their pages on the disk tier (stall), and what it costs in fidelity
+python benchmarks/bench_scale.py --lengths 65536 --methods flashmem,flashmem-shared --json $O/scale_tiny_shared_heads.json --plot ''
+python benchmarks/bench_scale.py --lengths 262144 --methods flashmem-shared,flashmem --json $O/scale_tiny_shared_heads.json --plot ''
+for SEED in 0 1; do
+  flashmem bench fidelity --model smollm2 --methods flashmem,flashmem:shared --budgets 1/8,1/16 --lengths 4k \
+    --seeds $SEED --threads 1 --no-progress --json-out $O/fidelity_smollm2_shared.json
+done
 PYTHONPATH=evaluation python benchmarks/beyond_window.py --lengths 8192,16384 --seeds 0 --threads 1 \
   --json $O/beyond_window_smollm2.json
 PYTHONPATH=evaluation python benchmarks/beyond_window.py --lengths 32768 --methods window,real --seeds 0 \

@@ -16,7 +16,9 @@ import torch
 
 import flashmem
 from flashmem import policies
+from flashmem.cache.flash_layer import FlashLayer
 from flashmem.cache.lookahead import neighbour_radius, predict_next_blocks
+from flashmem.store.memory import MemoryStore
 from test_cache import ALL_EXACT, SMALL, reference, run
 from tiny_models import tiny_llama
 
@@ -218,3 +220,79 @@ def test_prefetcher_is_given_to_the_layers_and_can_be_bypassed(model_and_ref, tm
         assert cache.stats()["hits"] == 0  # nothing went through the prefetcher
         assert cache.sync_reads()["misses"] > 0
     assert (out - ref[:, : out.shape[1]]).abs().max() <= 1e-4
+
+
+# ------------------------------------------------------------------ page gather
+def test_memory_store_gathers_pages_as_cut_from_whole_blocks():
+    """MemoryStore.gather_pages equals cutting each page out of `get`'s block, across
+    the arena's growth (block ids past 64 slots) and with rows/heads choosing apart."""
+    store = MemoryStore()
+    g = torch.Generator().manual_seed(0)
+    b, h, B, d, ppb = 2, 3, 16, 8, 4
+    for j in range(150):
+        store.put((1, j), torch.randn(b, h, B, d, generator=g), torch.randn(b, h, B, d, generator=g))
+    blocks = torch.randint(0, 150, (b, h, 7), generator=g)
+    within = torch.randint(0, ppb, (b, h, 7), generator=g)
+    got_k, got_v = store.gather_pages(1, blocks, within, ppb, torch.device("cpu"))
+    P = B // ppb
+    for r in range(b):
+        for hh in range(h):
+            for i in range(7):
+                k, v = store.get((1, int(blocks[r, hh, i])))
+                w = int(within[r, hh, i])
+                assert torch.equal(got_k[r, hh, i], k[r, hh, w * P : (w + 1) * P])
+                assert torch.equal(got_v[r, hh, i], v[r, hh, w * P : (w + 1) * P])
+    # Overwriting a block is seen by the next gather.
+    store.put((1, 3), torch.zeros(b, h, B, d), torch.ones(b, h, B, d))
+    k3, v3 = store.gather_pages(1, torch.full((b, h, 1), 3), torch.zeros(b, h, 1, dtype=torch.long), ppb, "cpu")
+    assert not k3.any() and bool((v3 == 1).all())
+    # What it cannot serve, it declines (the caller reads whole blocks instead).
+    assert store.gather_pages(2, blocks, within, ppb, "cpu") is None  # no such layer
+    assert store.gather_pages(1, torch.full((b, h, 1), 400), within[..., :1], ppb, "cpu") is None
+    store.put((1, 5), torch.zeros(b, h, 2 * B, d), torch.zeros(b, h, 2 * B, d))  # another shape: kept apart
+    assert store.get((1, 5))[0].shape[-2] == 2 * B
+    assert store.gather_pages(1, torch.full((b, h, 1), 5), within[..., :1], ppb, "cpu") is None
+    coded = MemoryStore(codec="int8")
+    coded.put((0, 0), torch.randn(b, h, B, d), torch.randn(b, h, B, d))
+    assert coded.gather_pages(0, torch.zeros(b, h, 1, dtype=torch.long), within[..., :1], ppb, "cpu") is None
+
+
+def test_direct_page_gather_equals_reads_through_the_prefetcher(model_and_ref):
+    """A partial selection read from the memory store's arena gives the same logits as
+    whole blocks read through the prefetcher and cut (FlashLayer.read_memory_directly)."""
+    model, ids, _ = model_and_ref
+    c = flashmem.FlashMemoryConfig(**dict(SMALL, lsa_keep_ratio=0.3, lsa_page_tokens=4, prefetch_threads=2))
+    outs = []
+    for direct in (True, False):
+        FlashLayer.read_memory_directly = direct
+        try:
+            with flashmem.attach(model, c) as cache:
+                with torch.no_grad():
+                    model(ids, cache=cache, use_cache=True)
+                outs.append(run_decode(model, cache, 30))
+                assert (cache.flash_layers[0].prefetcher is None) == direct
+                assert cache.stats()["misses"] > 0
+        finally:
+            FlashLayer.read_memory_directly = True
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_shared_heads_read_fewer_blocks_and_stay_exact_when_all_fit(model_and_ref, tmp_path):
+    """lsa_share_heads: every KV head attends the same pages, so a step reads fewer
+    cold blocks than per-head selection; with every block selected it is still exact."""
+    model, ids, ref = model_and_ref
+    with flashmem.attach(model, cfg(tmp_path, lsa_share_heads=True)) as cache:
+        out = run(model, cache, ids, 4)
+    assert (out - ref[:, : out.shape[1]]).abs().max() <= 1e-4
+    misses = {}
+    for share in (False, True):
+        c = flashmem.FlashMemoryConfig(**dict(SMALL, lsa_keep_ratio=0.2, lsa_share_heads=share))
+        with flashmem.attach(model, c) as cache:
+            with torch.no_grad():
+                model(ids, cache=cache, use_cache=True)
+            before = cache.stats()["misses"]
+            run_decode(model, cache, 20)
+            misses[share] = cache.stats()["misses"] - before
+            sel = [layer.ws_idx for layer in cache.flash_layers]
+            assert all(bool((s == s[:, :1]).all()) for s in sel) == share
+    assert misses[True] < misses[False]

@@ -74,6 +74,16 @@ def test_max_pool_lets_one_query_head_with_a_sharp_choice_win():
     assert select_blocks(scores, valid, 1, 1.0, pool="max").tolist() == [[[2]]]
 
 
+def test_shared_heads_select_the_pages_with_the_most_mass_summed_over_kv_heads():
+    # page distributions: KV head 0 wants page 0; head 1 prefers page 1 by a little over page 2
+    probs = torch.tensor([[[[0.85, 0.0, 0.15, 0.0]], [[0.15, 0.45, 0.40, 0.0]]]]) + 1e-9
+    scores = probs.log()  # [b=1, h=2, nq=1, 4]
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    assert select_blocks(scores, valid, 2, 1.0).tolist() == [[[0, 2], [1, 2]]]
+    # summed: page 0 1.0, page 2 0.55, page 1 0.45: both heads get pages 0 and 2
+    assert select_blocks(scores, valid, 2, 1.0, share_heads=True).tolist() == [[[0, 2], [0, 2]]]
+
+
 def test_quest_bound_is_an_upper_bound_of_every_key():
     keys, query = _blocks_with_needle(n=1, B=32, needle_block=0)
     scorer = SCORERS["quest"]()

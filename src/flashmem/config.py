@@ -91,6 +91,18 @@ class FlashMemoryConfig(BaseModel):
         description="how a GQA group and a chunk's queries pool their page distributions: "
         "mean (expected mass) or max (a page any query head wants strongly wins)",
     )
+    lsa_rerank: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="the index picks this many times lsa_top_k candidate pages; their exact keys, "
+        "read from the cold tier each step, keep the lsa_top_k with the most attention mass (1: off)",
+    )
+    lsa_share_heads: bool = Field(
+        False,
+        description="the KV heads of a layer select the same pages (their expected masses summed, "
+        "as InfLLM does): a step reads up to kv_heads times fewer cold blocks",
+    )
     lsa_index_dtype: IndexDtype = Field(
         "model", description="precision of resident index vectors: model dtype, float16 or int8"
     )

@@ -36,7 +36,8 @@ from flashmem.compress.fusion import FusionContext, FusionRule
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ColdStoreError, ConfigError, FlashMemError
 from flashmem.index.base import BlockScorer
-from flashmem.index.selection import select_blocks
+from flashmem.index.rerank import exact_page_mass
+from flashmem.index.selection import select_blocks, top_pages
 from flashmem.index.vectors import IndexVectors
 from flashmem.memory.budget import RECENT_QUERY_TOKENS
 from flashmem.rope import RopeRotator
@@ -152,6 +153,8 @@ class FlashLayer(CacheLayerMixin):
         self.ws_k: torch.Tensor | None = None  # [b, h, k*P, d]
         self.ws_v: torch.Tensor | None = None
         self.ws_valid: torch.Tensor | None = None  # [b, h, k*P]
+        # This step's re-rank candidates (page ids [b, h, c], k, v [b, h, c, P, d]), or None.
+        self._cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -238,15 +241,91 @@ class FlashLayer(CacheLayerMixin):
         summaries = self.hca_k[:, :, :, None] if self.scorer.uses_hca_entries else self.index.read(qg.dtype)
         return self.scorer.score(qg, summaries, scaling)
 
-    def _select(self, scores: torch.Tensor, page_valid: torch.Tensor, k_sel: int, scaling: float) -> torch.Tensor:
+    def _select(
+        self,
+        scores: torch.Tensor,
+        page_valid: torch.Tensor,
+        k_sel: int,
+        scaling: float,
+        qg: torch.Tensor | None = None,
+        page_tokens_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Top `k_sel` pages (blocks unless `lsa_page_tokens`) per KV head from index
-        scores [b, h, nq, n_pages]; page_valid: [b, n_pages] -> page ids [b, h, k] sorted."""
+        scores [b, h, nq, n_pages]; page_valid: [b, n_pages] -> page ids [b, h, k] sorted.
+
+        With `lsa_rerank` r > 1 (and qg [b, h, nq, d], page_tokens_valid [b, n_pages, P]
+        given) the index picks r * k_sel candidates and their exact keys pick the k_sel.
+        """
+        cfg = self.cfg
+        n_cand = k_sel * cfg.lsa_rerank if qg is not None and page_tokens_valid is not None else k_sel
+        n_cand = min(n_cand, scores.shape[-1])
         idx = select_blocks(
-            scores, page_valid, k_sel, scaling, follow=self.cfg.lsa_follow_pages, pool=self.cfg.lsa_pool
+            scores,
+            page_valid,
+            n_cand,
+            scaling,
+            follow=cfg.lsa_follow_pages,
+            pool=cfg.lsa_pool,
+            share_heads=cfg.lsa_share_heads,
         )
+        if n_cand > k_sel:
+            assert qg is not None and page_tokens_valid is not None
+            idx = self._rerank(idx, qg, page_tokens_valid, k_sel, scaling)
         if self.selection_hook is not None:
             idx = self.selection_hook(self.layer_idx, idx, scores)
         return idx
+
+    def _rerank(
+        self, cand: torch.Tensor, qg: torch.Tensor, page_tokens_valid: torch.Tensor, k_sel: int, scaling: float
+    ) -> torch.Tensor:
+        """The k_sel of the candidate pages cand [b, h, c] (sorted) with the most exact
+        attention mass for queries qg [b, h, nq, d] -> page ids [b, h, k_sel] sorted.
+        The candidates' K/V are kept for this step only (`_cand`): the working set is
+        cut from them, not read again."""
+        cfg = self.cfg
+        b, h, c = cand.shape
+        ck, cv = self._read_pages(cand)  # [b, h, c, P, d]
+        bi = torch.arange(b, device=cand.device)[:, None, None]
+        cvalid = page_tokens_valid[bi, cand]  # [b, h, c, P]
+        mass = exact_page_mass(qg, ck, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)  # [b, h, c]
+        n_pages = page_tokens_valid.shape[1]
+        dense = torch.full((b, h, n_pages), -1.0, device=cand.device).scatter(-1, cand, mass)
+        allowed = torch.zeros(b, h, n_pages, dtype=torch.bool, device=cand.device).scatter(-1, cand, True)
+        allowed &= page_tokens_valid.any(-1)[:, None, :]
+        idx = top_pages(dense, allowed, k_sel, cfg.lsa_follow_pages)
+        self._cand = (cand, ck, cv)
+        return idx
+
+    def _read_pages(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact K/V of pages idx [b, h, k] -> k, v [b, h, k, P, d]: cut from the memory
+        store's arena when read directly, else from whole blocks read once each."""
+        got = self._arena_pages(idx)
+        if got is not None:
+            return got
+        return self._pages_of_blocks(idx, torch.unique(idx // self.cfg.pages_per_block))
+
+    def _pages_of_blocks(self, idx: torch.Tensor, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the blocks `need` (sorted ids) once each and cut pages idx [b, h, k] out of
+        them -> k, v [b, h, k, P, d] (pages of blocks not in `need`: arbitrary rows)."""
+        ppb, P = self.cfg.pages_per_block, self.cfg.page_tokens
+        b, h, k = idx.shape
+        need_ids = need.tolist()
+        if self.prefetcher is not None and self.demand_batch:
+            # Queue every block this step needs before waiting for the first: the loader
+            # threads then read them in parallel (already ready or in flight: skipped).
+            self.prefetcher.request([(self.layer_idx, j) for j in need_ids])
+        blocks = [self.fetch_block(j) for j in need_ids]
+        pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
+        pool_v = torch.stack([bv for _, bv in blocks])
+        d = pool_k.shape[-1]
+        bi = torch.arange(b, device=idx.device)[:, None, None]
+        hi = torch.arange(h, device=idx.device)[None, :, None]
+        slot = torch.searchsorted(need, idx // ppb).clamp_max(len(need_ids) - 1)  # [b, h, k]
+        # Row of each page in the pool seen as [pages, P*d]: one index_select.
+        rows = (((slot * b + bi) * h + hi) * ppb + idx % ppb).reshape(-1)
+        new_k = pool_k.view(-1, P * d).index_select(0, rows).view(b, h, k, P, d)
+        new_v = pool_v.view(-1, P * d).index_select(0, rows).view(b, h, k, P, d)
+        return new_k, new_v
 
     def _attend(
         self,
@@ -288,10 +367,12 @@ class FlashLayer(CacheLayerMixin):
             scores = self._scores(qg, scaling) if k_sel > 0 or cfg.keeps_rest_entry else None
             if k_sel > 0:
                 assert scores is not None
-                idx = self._select(scores, page_valid, k_sel, scaling)  # [b, h, k] page ids
+                idx = self._select(scores, page_valid, k_sel, scaling, qg, page_tokens_valid)  # [b, h, k] page ids
                 selected.scatter_(-1, idx, True)
                 self._gather_working_set(idx, page_tokens_valid)
-                self.look_ahead(idx // ppb)  # prefetch for the next step
+                # prefetch for the next step (re-ranked: the candidates, which it reads again)
+                self.look_ahead((idx if self._cand is None else self._cand[0]) // ppb)
+                self._cand = None
             else:
                 self.ws_idx = self.ws_k = self.ws_v = self.ws_valid = None
             # Far blocks (out of the near band) are represented by their HCA entry, unless a
@@ -399,8 +480,9 @@ class FlashLayer(CacheLayerMixin):
 
     def _gather_working_set(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor) -> None:
         """Bring the selected pages' exact K/V to the device. idx: [b, h, k] page ids, sorted;
-        page_tokens_valid: [b, n_pages, P]. The cold tier stores whole blocks: each
-        needed block is read once and its selected pages are cut out of it.
+        page_tokens_valid: [b, n_pages, P]. Read directly from a memory store, the pages
+        come from its arena in one op; otherwise the cold tier hands out whole blocks:
+        each needed block is read once and its selected pages are cut out of it.
 
         Reused as is when the selection did not change since the last step.
         """
@@ -411,6 +493,10 @@ class FlashLayer(CacheLayerMixin):
         bi = torch.arange(b, device=idx.device)[:, None, None]
         hi = torch.arange(h, device=idx.device)[None, :, None]
         P, ppb = self.cfg.page_tokens, self.cfg.pages_per_block
+        if self._cand is not None and self._cut_from_candidates(idx, page_tokens_valid):
+            return
+        if self.prefetcher is None and self._gather_pages_directly(idx, page_tokens_valid):
+            return
         # A (row, head) keeps the pages it already holds; only the rest is fetched.
         if prev is not None and prev.shape[:2] == idx.shape[:2]:
             match = idx[..., :, None] == prev[..., None, :]  # [b, h, k, k_prev]
@@ -421,20 +507,7 @@ class FlashLayer(CacheLayerMixin):
             src = torch.zeros_like(idx)
         need = torch.unique(idx[~held] // ppb)  # blocks to read
         if need.numel():
-            need_ids = need.tolist()
-            if self.prefetcher is not None and self.demand_batch:
-                # Queue every block this step needs before waiting for the first: the loader
-                # threads then read them in parallel (already ready or in flight: skipped).
-                self.prefetcher.request([(self.layer_idx, j) for j in need_ids])
-            blocks = [self.fetch_block(j) for j in need_ids]
-            pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
-            pool_v = torch.stack([bv for _, bv in blocks])
-            u, d = pool_k.shape[0], pool_k.shape[-1]
-            pool_k = pool_k.view(u, b, h, ppb, P, d)
-            pool_v = pool_v.view(u, b, h, ppb, P, d)
-            slot = torch.searchsorted(need, idx // ppb).clamp_max(need.numel() - 1)  # [b, h, k]
-            within = idx % ppb
-            new_k, new_v = pool_k[slot, bi, hi, within], pool_v[slot, bi, hi, within]  # [b, h, k, P, d]
+            new_k, new_v = self._pages_of_blocks(idx, need)
         if held.any():
             assert self.ws_k is not None and self.ws_v is not None  # held: a previous working set exists
             d = self.ws_k.shape[-1]
@@ -449,6 +522,57 @@ class FlashLayer(CacheLayerMixin):
         self.ws_k = new_k.reshape(b, h, k * P, d)
         self.ws_v = new_v.reshape(b, h, k * P, d)
         self.ws_valid = page_tokens_valid[bi, idx].reshape(b, h, k * P)
+        self.ws_idx = idx
+
+    def _cut_from_candidates(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor) -> bool:
+        """The working set cut from this step's re-rank candidates (`_rerank`), which
+        hold every page idx [b, h, k] names unless a selection hook replaced them."""
+        assert self._cand is not None
+        cand, ck, cv = self._cand
+        pos = torch.searchsorted(cand, idx).clamp_max(cand.shape[-1] - 1)
+        if not torch.equal(cand.gather(-1, pos), idx):
+            return False
+        b, h, _ = idx.shape
+        bi = torch.arange(b, device=idx.device)[:, None, None]
+        hi = torch.arange(h, device=idx.device)[None, :, None]
+        self._set_working_set(idx, ck[bi, hi, pos], cv[bi, hi, pos], page_tokens_valid)
+        return True
+
+    def _gather_pages_directly(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor) -> bool:
+        """Without a prefetcher, a store that can cut pages out of many blocks at once
+        (MemoryStore's arena) hands over just the selected pages: one indexing op,
+        no whole blocks stacked. idx: [b, h, k] page ids. False: the store cannot."""
+        got = self._arena_pages(idx)
+        if got is None:
+            return False
+        self._set_working_set(idx, got[0], got[1], page_tokens_valid)
+        return True
+
+    def _arena_pages(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Pages idx [b, h, k] from the store's `gather_pages` (k, v [b, h, k, P, d]),
+        counted as synchronous reads (one per block touched, as fetch_block counts);
+        None without a prefetcher-free path or when the store declines."""
+        gather = getattr(self.store, "gather_pages", None)
+        if self.prefetcher is not None or gather is None:
+            return None
+        ppb = self.cfg.pages_per_block
+        t0 = time.perf_counter()
+        got = gather(self.layer_idx, idx // ppb, idx % ppb, ppb, self.device)
+        counts = self.fetch_counts
+        if got is not None and counts is not None:
+            counts["misses"] += int(torch.unique(idx // ppb).numel())
+            counts["stall_s"] += time.perf_counter() - t0
+        return got
+
+    def _set_working_set(
+        self, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_tokens_valid: torch.Tensor
+    ) -> None:
+        """idx [b, h, k] pages with their K/V [b, h, k, P, d] become the working set."""
+        b, h, _ = idx.shape
+        d = k.shape[-1]
+        self.ws_k = k.reshape(b, h, -1, d)
+        self.ws_v = v.reshape(b, h, -1, d)
+        self.ws_valid = page_tokens_valid[torch.arange(b, device=idx.device)[:, None, None], idx].reshape(b, h, -1)
         self.ws_idx = idx
 
     # ------------------------------------------------------------------- tiers

@@ -12,6 +12,7 @@ def select_blocks(
     scaling: float,
     follow: int = 0,
     pool: str = "mean",
+    share_heads: bool = False,
 ) -> torch.Tensor:
     """scores: [b, h, nq, n] per query; block_valid: [b, n] bool -> indices [b, h, k].
 
@@ -24,17 +25,35 @@ def select_blocks(
     behind) to the `follow` units after it, so a winner brings the text that
     follows it within the same k. A question's query matches the cue ("the code
     for X is"); the answer sits in the next tokens, often across a page border.
+
+    `share_heads`: the KV heads' masses are summed and every head gets the same
+    pages, so a step needs the blocks of k pages, not of up to h * k.
     """
-    n = scores.shape[-1]
-    k = min(k, n)
     logits = (scores.float() * scaling).masked_fill(~block_valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    mass = probs.amax(dim=-2) if pool == "max" else probs.mean(dim=-2)  # [b, h, n]
+    mass = pool_mass(probs, pool, share_heads)
+    return top_pages(mass, block_valid[:, None, :], k, follow)
+
+
+def pool_mass(probs: torch.Tensor, pool: str = "mean", share_heads: bool = False) -> torch.Tensor:
+    """Per-query page distributions [b, h, nq, n] -> one mass per page [b, h, n]:
+    mean (expected mass) or max over the queries, then summed over KV heads if shared."""
+    mass = probs.amax(dim=-2) if pool == "max" else probs.mean(dim=-2)
+    if share_heads:
+        mass = mass.mean(dim=1, keepdim=True).expand_as(mass)
+    return mass
+
+
+def top_pages(mass: torch.Tensor, allowed: torch.Tensor, k: int, follow: int = 0) -> torch.Tensor:
+    """The k pages of most mass [b, h, n] among `allowed` ([b, h or 1, n] bool), after
+    each lends to its `follow` successors (see select_blocks) -> sorted ids [b, h, k]."""
+    n = mass.shape[-1]
+    k = min(k, n)
     own = mass
     for j in range(1, min(follow, n - 1) + 1):
         lent = torch.zeros_like(own)
         lent[..., j:] = own[..., :-j] * (1.0 - 1e-3 * j)
         mass = torch.maximum(mass, lent)
-    mass = mass.masked_fill(~block_valid[:, None, :], -1.0)
+    mass = mass.masked_fill(~allowed, -1.0)
     idx = torch.topk(mass, k, dim=-1).indices
     return idx.sort(dim=-1).values

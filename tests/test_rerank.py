@@ -1,0 +1,90 @@
+"""Re-ranking candidate pages by their exact keys (`lsa_rerank`)."""
+
+from __future__ import annotations
+
+import torch
+
+import flashmem
+from flashmem.index import SCORERS
+from flashmem.index.rerank import exact_page_mass
+from flashmem.index.selection import select_blocks
+from test_cache import SMALL
+from tiny_models import tiny_llama
+
+torch.set_num_threads(1)
+
+
+def test_exact_mass_finds_the_page_a_mean_key_blurs():
+    # page 0: one token the query wants among 15 that point away (its mean key is weak);
+    # page 1: 16 tokens mildly aligned (a stronger mean key, less mass in total)
+    g = torch.Generator().manual_seed(0)
+    d, P = 16, 16
+    q = torch.randn(d, generator=g)
+    u = q / q.norm()
+    page0 = -0.5 * u.repeat(P, 1)
+    page0[7] = 12 * u
+    page1 = 1.0 * u.repeat(P, 1) + 0.1 * torch.randn(P, d, generator=g)
+    keys = torch.stack([page0, page1])[None, None]  # [b=1, h=1, pages=2, P, d]
+    qg = q[None, None, None]  # [1, 1, nq=1, d]
+    valid = torch.ones(1, 1, 2, P, dtype=torch.bool)
+    scorer = SCORERS["mean_key"]()
+    summaries = torch.stack([scorer.summarize(keys[:, :, j], valid[:, 0, j]) for j in range(2)], dim=2)
+    by_index = select_blocks(scorer.score(qg, summaries, 1.0), torch.ones(1, 2, dtype=torch.bool), 1, 1.0)
+    assert by_index.tolist() == [[[1]]]
+    mass = exact_page_mass(qg, keys, valid, 1.0)
+    assert mass.argmax(-1).tolist() == [[0]]
+    # the mass is each page's share of one softmax over all candidate tokens
+    logits = (keys.reshape(-1, d) @ q).float()
+    ref = torch.softmax(logits, 0).view(2, P).sum(-1)
+    assert torch.allclose(mass[0, 0], ref, atol=1e-6)
+    # padding tokens carry no mass
+    valid[..., 7] = False
+    assert exact_page_mass(qg, keys, valid, 1.0)[0, 0, 0] < 0.01
+
+
+def _run(model, ids, steps, **kw):
+    """Prefill + greedy decode; the pages each layer selected at every step."""
+    seen = []
+    cfg = flashmem.FlashMemoryConfig(**{**SMALL, **kw})
+    with flashmem.attach(model, cfg) as cache, torch.no_grad():
+        cache.selection_hook = lambda layer, idx, scores: seen.append((layer, idx.clone())) or idx
+        out = model(ids, cache=cache, use_cache=True).logits[:, -1:]
+        logits = [out]
+        for _ in range(steps):
+            out = model(out.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
+            logits.append(out)
+    return torch.cat(logits, 1), seen
+
+
+def test_with_one_token_pages_and_every_candidate_rerank_keeps_the_exact_ranking():
+    """Pages of 1 token, scored by their own (model-dtype) key, rank as dense attention
+    does; re-ranking every page by its exact key must then choose the same pages."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(1))
+    kw = dict(lsa_scorer="mean_key", lsa_page_tokens=1, lsa_index_dtype="model", lsa_top_k=12, csa_chunk_size=1)
+    plain, sel_plain = _run(model, ids, 4, **kw)
+    reranked, sel_rerank = _run(model, ids, 4, **kw, lsa_rerank=16)  # 12 * 16 candidates >= every page
+    assert len(sel_plain) == len(sel_rerank) > 0
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(sel_plain, sel_rerank))
+    assert torch.allclose(plain, reranked, atol=1e-5)
+
+
+def test_rerank_changes_the_choice_of_a_blurred_index_and_reads_the_same_both_ways():
+    """Pages scored by an int8 mean key: the exact keys of 4x the candidates pick
+    differently on some steps, and the same whether the candidates come from the
+    memory store's arena or as whole blocks through the prefetcher."""
+    from flashmem.cache.flash_layer import FlashLayer
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(2))
+    kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=3)
+    _, sel_plain = _run(model, ids, 6, **kw)
+    direct, sel_rerank = _run(model, ids, 6, **kw, lsa_rerank=4)
+    assert any(not torch.equal(a[1], b[1]) for a, b in zip(sel_plain, sel_rerank))
+    FlashLayer.read_memory_directly = False
+    try:
+        through, sel_through = _run(model, ids, 6, **kw, lsa_rerank=4)
+    finally:
+        FlashLayer.read_memory_directly = True
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(sel_rerank, sel_through))
+    assert torch.equal(direct, through)
