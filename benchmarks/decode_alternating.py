@@ -2,6 +2,7 @@
 
     python benchmarks/decode_alternating.py [--lengths 32768,131072] [--steps 24]
                                             [--json results/decode_alternating_tiny.json]
+                                            [--variants norerank] [--no-fixed]
 
 Model: the tiny random Llama of bench_prefetch.py (4 layers, 4 KV heads x 64,
 fp32) on random tokens, 1 torch thread. Per length, three caches live side by
@@ -59,16 +60,19 @@ def main() -> None:
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--json", default="results/decode_alternating_tiny.json")
+    ap.add_argument("--variants", default="", help="more caches: for_budget variants at 1/8, e.g. norerank")
+    ap.add_argument("--no-fixed", action="store_true", help="leave out bench_scale's fixed config")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
     for n in map(int, args.lengths.split(",")):
         model = tiny(n + args.steps + 8)
         ids = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(0))
-        configs = {
-            "recipe": flashmem.FlashMemoryConfig.for_budget(1 / 8, n, model),
-            "fixed": flashmem.FlashMemoryConfig(gpu_cache_limit=1024, lsa_top_k=16, use_summaries=False),
-        }
+        configs = {"recipe": flashmem.FlashMemoryConfig.for_budget(1 / 8, n, model)}
+        for v in filter(None, args.variants.split(",")):
+            configs[f"recipe:{v}"] = flashmem.FlashMemoryConfig.for_budget(1 / 8, n, model, variant=v)
+        if not args.no_fixed:
+            configs["fixed"] = flashmem.FlashMemoryConfig(gpu_cache_limit=1024, lsa_top_k=16, use_summaries=False)
         caches: dict = {}
         nxt: dict = {}
         prefill_s: dict = {}
@@ -109,7 +113,8 @@ def main() -> None:
                 row["resident_fraction"] = rep["peak_managed_resident_bytes"] / full
                 row["prefill_s"] = prefill_s[name]
                 row["config"] = {
-                    k: getattr(configs[name], k) for k in ("gpu_cache_limit", "lsa_top_k", "lsa_page_tokens")
+                    k: getattr(configs[name], k)
+                    for k in ("gpu_cache_limit", "lsa_top_k", "lsa_page_tokens", "lsa_rerank")
                 }
                 caches[name].close()
             rows.append(row)

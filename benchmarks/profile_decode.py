@@ -1,7 +1,7 @@
 """Where a decode step of the budget recipe spends its time (cProfile), on the tiny model.
 
     python benchmarks/profile_decode.py [--tokens 32768] [--budget 0.125] [--steps 6] [--prefetch-threads 2]
-                                        [--through-prefetcher]
+                                        [--through-prefetcher] [--variant norerank]
 
 Prefills the tiny random Llama of bench_prefetch.py through
 `FlashMemoryConfig.for_budget(budget, tokens, model)` (memory cold tier),
@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.125)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prefetch-threads", type=int, default=2)
+    ap.add_argument("--variant", default="default", help="a for_budget variant, e.g. norerank")
     ap.add_argument(
         "--through-prefetcher", action="store_true", help="read the memory store through the prefetcher (as before)"
     )
@@ -45,7 +46,9 @@ def main() -> None:
     torch.set_num_threads(1)
     model = tiny_llama_long(args.tokens + args.steps + 8)
     ids = torch.randint(0, 1024, (1, args.tokens), generator=torch.Generator().manual_seed(0))
-    cfg = flashmem.FlashMemoryConfig.for_budget(args.budget, args.tokens, model, prefetch_threads=args.prefetch_threads)
+    cfg = flashmem.FlashMemoryConfig.for_budget(
+        args.budget, args.tokens, model, variant=args.variant, prefetch_threads=args.prefetch_threads
+    )
     with flashmem.attach(model, cfg) as cache, torch.no_grad():
         tok = flashmem.prefill(model, cache, ids, chunk=8192)[:, -1].argmax(-1, keepdim=True)
         tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)

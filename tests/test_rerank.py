@@ -88,3 +88,16 @@ def test_rerank_changes_the_choice_of_a_blurred_index_and_reads_the_same_both_wa
         FlashLayer.read_memory_directly = True
     assert all(torch.equal(a[1], b[1]) for a, b in zip(sel_rerank, sel_through))
     assert torch.equal(direct, through)
+
+
+def test_chunks_longer_than_the_limit_keep_the_index_choice(monkeypatch):
+    from flashmem.cache import flash_layer
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(2))
+    kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=3)
+    plain_out, plain = _run(model, ids, 6, **kw)
+    monkeypatch.setattr(flash_layer, "RERANK_MAX_QUERIES", 0)  # every chunk (and step) is longer
+    out, sel = _run(model, ids, 6, **kw, lsa_rerank=4)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, sel))
+    assert torch.equal(out, plain_out)

@@ -53,6 +53,14 @@ if TYPE_CHECKING:
 SelectionHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# Chunks of at most this many queries are re-ranked (`lsa_rerank`): decode steps, the
+# prompt's tail (cache/attention.py) and short teacher-forced chunks. A long prefill
+# chunk pools hundreds of queries into one choice, and scoring its candidates'
+# tokens costs r times its attention (tiny model, 32K at 1/8: prefill 33 s -> 169 s
+# when every chunk was re-ranked).
+RERANK_MAX_QUERIES = 64
+
+
 class FlashLayer(CacheLayerMixin):
     """Cache layer whose attention runs through `flashmem.cache.attention`, which
     calls `take_pending` and then `step` per chunk of queries."""
@@ -154,7 +162,7 @@ class FlashLayer(CacheLayerMixin):
         self.ws_v: torch.Tensor | None = None
         self.ws_valid: torch.Tensor | None = None  # [b, h, k*P]
         # This step's re-rank candidates (page ids [b, h, c], k, v [b, h, c, P, d]), or None.
-        self._cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -284,7 +292,7 @@ class FlashLayer(CacheLayerMixin):
         cut from them, not read again."""
         cfg = self.cfg
         b, h, c = cand.shape
-        ck, cv = self._read_pages(cand)  # [b, h, c, P, d]
+        ck, cv = self._read_candidates(cand)  # [b, h, c, P, d]; cv None: read for the winners only
         bi = torch.arange(b, device=cand.device)[:, None, None]
         cvalid = page_tokens_valid[bi, cand]  # [b, h, c, P]
         mass = exact_page_mass(qg, ck, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)  # [b, h, c]
@@ -296,12 +304,19 @@ class FlashLayer(CacheLayerMixin):
         self._cand = (cand, ck, cv)
         return idx
 
-    def _read_pages(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact K/V of pages idx [b, h, k] -> k, v [b, h, k, P, d]: cut from the memory
-        store's arena when read directly, else from whole blocks read once each."""
-        got = self._arena_pages(idx)
+    def _take_candidates(self) -> torch.Tensor | None:
+        """This step's re-rank candidates [b, h, c] (None without), dropping their K/V."""
+        cand, self._cand = self._cand, None
+        return None if cand is None else cand[0]
+
+    def _read_candidates(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Exact keys of pages idx [b, h, c] -> k [b, h, c, P, d] and v: from the memory
+        store's arena only the keys (v None: the winners' values are read after), else
+        both, cut from whole blocks read once each."""
+        got = self._arena_pages(idx, values=False)
         if got is not None:
-            return got
+            assert got[0] is not None
+            return got[0], None
         return self._pages_of_blocks(idx, torch.unique(idx // self.cfg.pages_per_block))
 
     def _pages_of_blocks(self, idx: torch.Tensor, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,14 +380,17 @@ class FlashLayer(CacheLayerMixin):
             selected = torch.zeros(b, hkv, n * ppb, dtype=torch.bool, device=q.device)  # per page
             page_valid = page_tokens_valid.any(-1)  # [b, pages]
             scores = self._scores(qg, scaling) if k_sel > 0 or cfg.keeps_rest_entry else None
+            self._cand = None  # never a previous step's (one that raised, or before a reset)
             if k_sel > 0:
                 assert scores is not None
-                idx = self._select(scores, page_valid, k_sel, scaling, qg, page_tokens_valid)  # [b, h, k] page ids
+                rerank = cfg.lsa_rerank > 1 and m <= RERANK_MAX_QUERIES
+                ctx = (qg, page_tokens_valid) if rerank else (None, None)
+                idx = self._select(scores, page_valid, k_sel, scaling, *ctx)  # [b, h, k] page ids
                 selected.scatter_(-1, idx, True)
                 self._gather_working_set(idx, page_tokens_valid)
                 # prefetch for the next step (re-ranked: the candidates, which it reads again)
-                self.look_ahead((idx if self._cand is None else self._cand[0]) // ppb)
-                self._cand = None
+                cand = self._take_candidates()
+                self.look_ahead((idx if cand is None else cand) // ppb)
             else:
                 self.ws_idx = self.ws_k = self.ws_v = self.ws_valid = None
             # Far blocks (out of the near band) are represented by their HCA entry, unless a
@@ -532,10 +550,23 @@ class FlashLayer(CacheLayerMixin):
         pos = torch.searchsorted(cand, idx).clamp_max(cand.shape[-1] - 1)
         if not torch.equal(cand.gather(-1, pos), idx):
             return False
-        b, h, _ = idx.shape
+        b, h, k = idx.shape
+        c, P, d = ck.shape[2:]
         bi = torch.arange(b, device=idx.device)[:, None, None]
         hi = torch.arange(h, device=idx.device)[None, :, None]
-        self._set_working_set(idx, ck[bi, hi, pos], cv[bi, hi, pos], page_tokens_valid)
+        rows = ((bi * h + hi) * c + pos).reshape(-1)  # page rows of [b*h*c, P*d]
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, P * d).index_select(0, rows).view(b, h, k, P, d)
+
+        if cv is not None:
+            v = cut(cv)
+        else:
+            got = self._arena_pages(idx, keys=False)
+            if got is None or got[1] is None:
+                return False
+            v = got[1]
+        self._set_working_set(idx, cut(ck), v, page_tokens_valid)
         return True
 
     def _gather_pages_directly(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor) -> bool:
@@ -545,19 +576,21 @@ class FlashLayer(CacheLayerMixin):
         got = self._arena_pages(idx)
         if got is None:
             return False
+        assert got[0] is not None and got[1] is not None
         self._set_working_set(idx, got[0], got[1], page_tokens_valid)
         return True
 
-    def _arena_pages(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Pages idx [b, h, k] from the store's `gather_pages` (k, v [b, h, k, P, d]),
-        counted as synchronous reads (one per block touched, as fetch_block counts);
-        None without a prefetcher-free path or when the store declines."""
-        gather = getattr(self.store, "gather_pages", None)
-        if self.prefetcher is not None or gather is None:
+    def _arena_pages(
+        self, idx: torch.Tensor, keys: bool = True, values: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """Pages idx [b, h, k] from the store's `gather_pages` (k, v [b, h, k, P, d], a part
+        not asked for None), counted as synchronous reads (one per block touched, as
+        fetch_block counts); None without a prefetcher-free path or when the store declines."""
+        if self.prefetcher is not None:
             return None
         ppb = self.cfg.pages_per_block
         t0 = time.perf_counter()
-        got = gather(self.layer_idx, idx // ppb, idx % ppb, ppb, self.device)
+        got = self.store.gather_pages(self.layer_idx, idx // ppb, idx % ppb, ppb, self.device, keys, values)
         counts = self.fetch_counts
         if got is not None and counts is not None:
             counts["misses"] += int(torch.unique(idx // ppb).numel())

@@ -72,6 +72,21 @@ class ColdStore(ABC):
         `coded_reads` is True."""
         raise NotImplementedError(f"{type(self).__name__} has no coded reads (coded_reads is False)")
 
+    def gather_pages(
+        self,
+        layer_idx: int,
+        blocks: torch.Tensor,
+        within: torch.Tensor,
+        pages_per_block: int,
+        device: torch.device | str,
+        keys: bool = True,
+        values: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """Pages of many blocks in one op: blocks, within [b, h, k] -> k, v [b, h, k, P, d]
+        (None for a part not asked for), or None where the store cannot (the default:
+        the caller reads whole blocks with `get`). MemoryStore's arena can."""
+        return None
+
     @abstractmethod
     def __contains__(self, key: BlockKey) -> bool: ...
 

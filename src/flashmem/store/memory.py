@@ -114,12 +114,19 @@ class MemoryStore(ColdStore):
         return arena.k[j], arena.v[j]
 
     def gather_pages(
-        self, layer_idx: int, blocks: torch.Tensor, within: torch.Tensor, pages_per_block: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self,
+        layer_idx: int,
+        blocks: torch.Tensor,
+        within: torch.Tensor,
+        pages_per_block: int,
+        device: torch.device | str,
+        keys: bool = True,
+        values: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """Pages cut out of many blocks in one op: blocks, within: [b, h, k] (block id
-        and page within it, per row and KV head) -> k, v [b, h, k, P, d] on `device`.
-        None when this store cannot (coded blocks, or a block outside the layer's arena):
-        the caller then reads whole blocks with `get`."""
+        and page within it, per row and KV head) -> k, v [b, h, k, P, d] on `device`
+        (None for a part not asked for). None when this store cannot (coded blocks, or
+        a block outside the layer's arena): the caller then reads whole blocks with `get`."""
         if self.codec.name != "exact":
             return None
         with self._lock:
@@ -141,12 +148,15 @@ class MemoryStore(ColdStore):
         bi = torch.arange(b)[:, None, None]
         hi = torch.arange(h)[None, :, None]
         rows = (((blocks.cpu() * b + bi) * h + hi) * pages_per_block + within.cpu()).reshape(-1)
-        out_k = ak.view(-1, P * d).index_select(0, rows).view(b, h, k, P, d)
-        out_v = av.view(-1, P * d).index_select(0, rows).view(b, h, k, P, d)
+        parts = [
+            t.view(-1, P * d).index_select(0, rows).view(b, h, k, P, d) if want else None
+            for t, want in ((ak, keys), (av, values))
+        ]
         with self._lock:
             self.stats.gets += 1
-            self.stats.bytes_read += 2 * out_k.numel() * out_k.element_size()
-        return to_device(out_k, device), to_device(out_v, device)
+            self.stats.bytes_read += sum(t.numel() * t.element_size() for t in parts if t is not None)
+        out_k, out_v = (None if t is None else to_device(t, device) for t in parts)
+        return out_k, out_v
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._blocks
