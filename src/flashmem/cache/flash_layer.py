@@ -42,7 +42,7 @@ from flashmem.index.vectors import IndexVectors
 from flashmem.memory.budget import RECENT_QUERY_TOKENS
 from flashmem.rope import RopeRotator
 from flashmem.store.base import ColdStore
-from flashmem.store.memory import MemoryStore
+from flashmem.store.memory import MemoryStore, cut_pages
 from flashmem.store.prefetch import Prefetcher
 
 if TYPE_CHECKING:
@@ -322,8 +322,7 @@ class FlashLayer(CacheLayerMixin):
     def _pages_of_blocks(self, idx: torch.Tensor, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the blocks `need` (sorted ids) once each and cut pages idx [b, h, k] out of
         them -> k, v [b, h, k, P, d] (pages of blocks not in `need`: arbitrary rows)."""
-        ppb, P = self.cfg.pages_per_block, self.cfg.page_tokens
-        b, h, k = idx.shape
+        ppb = self.cfg.pages_per_block
         need_ids = need.tolist()
         if self.prefetcher is not None and self.demand_batch:
             # Queue every block this step needs before waiting for the first: the loader
@@ -332,15 +331,8 @@ class FlashLayer(CacheLayerMixin):
         blocks = [self.fetch_block(j) for j in need_ids]
         pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
         pool_v = torch.stack([bv for _, bv in blocks])
-        d = pool_k.shape[-1]
-        bi = torch.arange(b, device=idx.device)[:, None, None]
-        hi = torch.arange(h, device=idx.device)[None, :, None]
         slot = torch.searchsorted(need, idx // ppb).clamp_max(len(need_ids) - 1)  # [b, h, k]
-        # Row of each page in the pool seen as [pages, P*d]: one index_select.
-        rows = (((slot * b + bi) * h + hi) * ppb + idx % ppb).reshape(-1)
-        new_k = pool_k.view(-1, P * d).index_select(0, rows).view(b, h, k, P, d)
-        new_v = pool_v.view(-1, P * d).index_select(0, rows).view(b, h, k, P, d)
-        return new_k, new_v
+        return cut_pages(pool_k, slot, idx % ppb, ppb), cut_pages(pool_v, slot, idx % ppb, ppb)
 
     def _attend(
         self,
@@ -507,14 +499,14 @@ class FlashLayer(CacheLayerMixin):
         prev = self.ws_idx
         if prev is not None and prev.shape == idx.shape and torch.equal(prev, idx):
             return
-        b, h, k = idx.shape
-        bi = torch.arange(b, device=idx.device)[:, None, None]
-        hi = torch.arange(h, device=idx.device)[None, :, None]
-        P, ppb = self.cfg.page_tokens, self.cfg.pages_per_block
         if self._cand is not None and self._cut_from_candidates(idx, page_tokens_valid):
             return
         if self.prefetcher is None and self._gather_pages_directly(idx, page_tokens_valid):
             return
+        b, h, _ = idx.shape
+        bi = torch.arange(b, device=idx.device)[:, None, None]
+        hi = torch.arange(h, device=idx.device)[None, :, None]
+        P, ppb = self.cfg.page_tokens, self.cfg.pages_per_block
         # A (row, head) keeps the pages it already holds; only the rest is fetched.
         if prev is not None and prev.shape[:2] == idx.shape[:2]:
             match = idx[..., :, None] == prev[..., None, :]  # [b, h, k, k_prev]
@@ -536,11 +528,7 @@ class FlashLayer(CacheLayerMixin):
                 new_k, new_v = torch.where(keep, old_k, new_k), torch.where(keep, old_v, new_v)
             else:
                 new_k, new_v = old_k, old_v
-        d = new_k.shape[-1]
-        self.ws_k = new_k.reshape(b, h, k * P, d)
-        self.ws_v = new_v.reshape(b, h, k * P, d)
-        self.ws_valid = page_tokens_valid[bi, idx].reshape(b, h, k * P)
-        self.ws_idx = idx
+        self._set_working_set(idx, new_k, new_v, page_tokens_valid)
 
     def _cut_from_candidates(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor) -> bool:
         """The working set cut from this step's re-rank candidates (`_rerank`), which

@@ -25,6 +25,20 @@ from flashmem.store.codecs.base import check_pair
 from flashmem.store.transfer import ensure_host, pinning, to_device, to_host
 
 
+def cut_pages(pool: torch.Tensor, slot: torch.Tensor, within: torch.Tensor, pages_per_block: int) -> torch.Tensor:
+    """Pages out of a pool of blocks in one op: pool [u, b, h, B, d] (blocks stacked, or a
+    layer's arena), slot / within [b, h, k] (block in the pool, page in the block)
+    -> [b, h, k, P, d]. The pool seen as [pages, P*d] rows gives one index_select (a
+    memcpy per page) instead of a four-tensor advanced index."""
+    _, b, h, B, d = pool.shape
+    k = slot.shape[-1]
+    P = B // pages_per_block
+    bi = torch.arange(b, device=slot.device)[:, None, None]
+    hi = torch.arange(h, device=slot.device)[None, :, None]
+    rows = (((slot * b + bi) * h + hi) * pages_per_block + within).reshape(-1)
+    return pool.view(-1, P * d).index_select(0, rows.to(pool.device)).view(b, h, k, P, d)
+
+
 class _LayerArena:
     """One layer's exact blocks: k, v [slots, b, h, B, d], slot = block id.
 
@@ -138,20 +152,11 @@ class MemoryStore(ColdStore):
         flat = blocks.reshape(-1).cpu()
         if flat.numel() == 0 or int(flat.max()) >= present.numel() or not bool(present[flat].all()):
             return None
-        b, h, k = blocks.shape
-        _, ab, ah, B, d = ak.shape
-        if (ab, ah) != (b, h) or B % pages_per_block:
+        _, ab, ah, B, _ = ak.shape
+        if (ab, ah) != tuple(blocks.shape[:2]) or B % pages_per_block:
             return None
-        P = B // pages_per_block
-        # Row of page (block, row, head, page) in the arena seen as [pages, P*d]: one
-        # index_select (a memcpy per page) instead of a four-tensor advanced index.
-        bi = torch.arange(b)[:, None, None]
-        hi = torch.arange(h)[None, :, None]
-        rows = (((blocks.cpu() * b + bi) * h + hi) * pages_per_block + within.cpu()).reshape(-1)
-        parts = [
-            t.view(-1, P * d).index_select(0, rows).view(b, h, k, P, d) if want else None
-            for t, want in ((ak, keys), (av, values))
-        ]
+        slot, wi = blocks.cpu(), within.cpu()
+        parts = [cut_pages(t, slot, wi, pages_per_block) if want else None for t, want in ((ak, keys), (av, values))]
         with self._lock:
             self.stats.gets += 1
             self.stats.bytes_read += sum(t.numel() * t.element_size() for t in parts if t is not None)
