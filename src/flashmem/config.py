@@ -33,6 +33,8 @@ IndexDtype = Literal["model", "float16", "int8"]
 FusionRope = Literal["rerotate", "raw"]
 PositionMode = Literal["real", "window"]
 SelectionPool = Literal["mean", "max"]
+ColdLowRank = Literal["none", "keys", "values", "kv"]
+ColdKeyBasis = Literal["attention", "pca"]
 
 
 class FlashMemoryConfig(BaseModel):
@@ -121,7 +123,23 @@ class FlashMemoryConfig(BaseModel):
     keep_full_layers: list[int] = Field(
         default_factory=list, description="layers with a plain full cache; negatives from the end"
     )
-    low_rank_dim: int | None = Field(None, ge=1, description="MLA-style latent dim of K/V")
+    low_rank_dim: int | None = Field(
+        None,
+        ge=1,
+        description="MLA-style latent dim r: the lowrank/learned scorers' rank and the cold tier's "
+        "with cold_low_rank (default for the scorers: the calibration's rank)",
+    )
+    cold_low_rank: ColdLowRank = Field(
+        "none",
+        description="keep sealed blocks' keys (pre-RoPE), values or both in the cold tier as "
+        "low_rank_dim coefficients on the calibration's bases, reconstructed on every read "
+        "(keys re-rotated at their positions); none: exact (or cold_codec-coded) K/V",
+    )
+    cold_key_basis: ColdKeyBasis = Field(
+        "attention",
+        description="cold_low_rank keys' code: attention (the rank-r code with the least expected "
+        "q.k error over the calibration's queries) or pca (the keys' own principal directions)",
+    )
     # --- execution ------------------------------------------------------------------
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens per prefill chunk (bounds peak memory)")
     prefill_split_tail: bool = Field(
@@ -163,6 +181,11 @@ class FlashMemoryConfig(BaseModel):
             raise ValueError(
                 "position_mode: window places selected blocks only (summaries have no place yet); "
                 "allowed: window with use_summaries: false, or position_mode: real"
+            )
+        if self.cold_low_rank != "none" and self.low_rank_dim is None:
+            raise ValueError(
+                f"cold_low_rank: {self.cold_low_rank!r} needs low_rank_dim (coefficients kept per token "
+                "and KV head); allowed: low_rank_dim: 1..head_dim (e.g. 32 of 64), or cold_low_rank: none"
             )
         if len(set(self.keep_full_layers)) != len(self.keep_full_layers):
             raise ValueError(f"keep_full_layers: {self.keep_full_layers} repeats a layer; allowed: distinct layers")

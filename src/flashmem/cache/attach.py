@@ -33,8 +33,8 @@ def attach(
     Pass the cache to `model.generate(..., cache=cache)` or to manual forwards
     (`model(input_ids, cache=cache, use_cache=True)`). Layers that the cache
     does not manage run plain SDPA attention, so the model keeps working with
-    other caches too. A scorer that needs a calibration (`lowrank`, `learned`)
-    reads `cfg.calibration`, else the one cached for this model by
+    other caches too. A scorer that needs a calibration (`lowrank`, `learned`), and
+    `cold_low_rank`, read `cfg.calibration`, else the one cached for this model by
     `flashmem calibrate`; with `tokenizer` given, a missing one is built once
     and cached (`flashmem.calibration.cached_calibration`).
     """
@@ -50,7 +50,7 @@ def attach(
     kinds = set(geometry.layer_types(text_cfg, text_cfg.num_hidden_layers, infer_sliding=False))
     rotators: dict[str | None, RopeRotator | None] = {kind: find_rotator(model, kind, head_dim) for kind in kinds}
     calibration = None
-    if policies.SCORERS[cfg.lsa_scorer].needs_calibration:
+    if policies.SCORERS[cfg.lsa_scorer].needs_calibration or cfg.cold_low_rank != "none":
         from flashmem.calibration import cached_calibration, load_calibration
 
         if cfg.calibration is not None:

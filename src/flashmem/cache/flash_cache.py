@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
 from flashmem.cache.guard import StepGuard
+from flashmem.cache.latent import make_latent
 from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
 from flashmem.index import ScorerContext, make_scorer
@@ -59,7 +60,7 @@ class FlashMemoryCache(Cache):
         dtype: torch.dtype = torch.float32,
         calibration: Any | None = None,
     ) -> None:
-        """calibration: a `flashmem.calibration.Calibration` (scorers that need one)."""
+        """calibration: a `flashmem.calibration.Calibration` (scorers that need one, `cold_low_rank`)."""
         text_cfg = model_config.get_text_config(decoder=True)
         n_layers = text_cfg.num_hidden_layers
         full = cfg.resolve_full_layers(n_layers)
@@ -110,6 +111,8 @@ class FlashMemoryCache(Cache):
                     )
                 )
                 layers[-1].guard = self._guard
+                # cold_low_rank: sealed blocks go to the store as calibrated low-rank coefficients
+                layers[-1].latent = make_latent(cfg, calibration, i, rotators.get(kind), head_dim)
         # transformers builds one mask for all full-attention layers from the first one's
         # sizes: a plain full layer needs it over every position, so FlashLayers then ask for that too.
         compact = not any(type(layer) is DynamicLayer for layer in layers)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
+from flashmem.cache.latent import LatentKV
 from flashmem.cache.lookahead import predict_next_blocks
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
@@ -83,6 +84,9 @@ class FlashLayer(CacheLayerMixin):
     # A memory store on the CPU is read directly, not through the prefetcher (see
     # lazy_initialization); tests of the prefetcher over a memory store turn this off.
     read_memory_directly: bool = True
+    # cold_low_rank: codes sealed blocks to calibrated low-rank coefficients for the store and
+    # back on every read (`_seal`, `fetch_block`, `_arena_pages`); set by FlashMemoryCache.
+    latent: LatentKV | None = None
 
     def __init__(
         self,
@@ -577,12 +581,16 @@ class FlashLayer(CacheLayerMixin):
         if self.prefetcher is not None:
             return None
         ppb = self.cfg.pages_per_block
+        lat = self.latent
+        slots = (keys, values) if lat is None else lat.slots(keys, values)  # store slots holding them
         t0 = time.perf_counter()
-        got = self.store.gather_pages(self.layer_idx, idx // ppb, idx % ppb, ppb, self.device, keys, values)
+        got = self.store.gather_pages(self.layer_idx, idx // ppb, idx % ppb, ppb, self.device, *slots)
         counts = self.fetch_counts
         if got is not None and counts is not None:
             counts["misses"] += int(torch.unique(idx // ppb).numel())
             counts["stall_s"] += time.perf_counter() - t0
+        if got is not None and lat is not None:  # coefficients -> K/V, keys rotated at their positions
+            got = lat.decode_pages(got[0], got[1], idx, self.block_start, keys, values)
         return got
 
     def _set_working_set(
@@ -692,8 +700,10 @@ class FlashLayer(CacheLayerMixin):
         if cfg.keeps_rest_entry:
             self.v_sum += (v.float() * valid[:, None, :, None].to(torch.float32)).sum(-2)
         failure: ColdStoreError | None = None
+        # the cold tier's form of the blocks: exact, or low-rank coefficients [b, h, T, width]
+        ck, cv = (k, v) if self.latent is None else self.latent.encode(k, v, pos)
         for j in range(nb):
-            kj, vj = k[:, :, j * B : (j + 1) * B], v[:, :, j * B : (j + 1) * B]
+            kj, vj = ck[:, :, j * B : (j + 1) * B], cv[:, :, j * B : (j + 1) * B]
             try:
                 self.store.put((self.layer_idx, first + j), kj, vj)
             except ColdStoreError as exc:  # the store kept the block; raised once the layer is consistent
@@ -744,13 +754,16 @@ class FlashLayer(CacheLayerMixin):
         key = (self.layer_idx, int(block_idx))
         pf = self.prefetcher
         if pf is not None:
-            return pf.get(key, self.device)
-        t0 = time.perf_counter()
-        out = self.store.get(key, self.device)
-        counts = self.fetch_counts
-        if counts is not None:
-            counts["misses"] += 1
-            counts["stall_s"] += time.perf_counter() - t0
+            out = pf.get(key, self.device)
+        else:
+            t0 = time.perf_counter()
+            out = self.store.get(key, self.device)
+            counts = self.fetch_counts
+            if counts is not None:
+                counts["misses"] += 1
+                counts["stall_s"] += time.perf_counter() - t0
+        if self.latent is not None:  # coefficients -> K/V, keys rotated at their positions
+            out = self.latent.decode_block(*out, self.block_start + int(block_idx) * self.cfg.hca_chunk_size)
         return out
 
     def look_ahead(self, idx: torch.Tensor) -> None:
@@ -771,6 +784,8 @@ class FlashLayer(CacheLayerMixin):
         n = self._pf_block_bytes
         if n is None:
             b, h, _, d = self.sink_k.shape
+            if self.latent is not None:
+                d = self.latent.width  # the store's slots hold low-rank coefficients
             shape = (b, h, self.cfg.hca_chunk_size, d)
             if self.store.coded_reads:
                 n = int(self.store.codec.nbytes(shape, self.dtype))

@@ -6,7 +6,9 @@
 The model runs over calibration text (never the text a benchmark evaluates on)
 in sequences of `seq_tokens`; per calibrated layer (every layer that is not
 sliding-window) and KV head, `fit.fit_layer` fits the PCA key basis and the
-trained dual encoder. Saved as safetensors + a JSON manifest (`artifact`).
+trained dual encoder, and `fit.fit_cold_bases` the full-rank pre-RoPE key and
+value bases of the low-rank cold tier (`cold_low_rank`). Saved as safetensors +
+a JSON manifest (`artifact`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from flashmem.calibration.artifact import FORMAT, Calibration, load_calibration, model_fingerprint
 from flashmem.calibration.capture import capture_qk
-from flashmem.calibration.fit import fit_layer
+from flashmem.calibration.fit import fit_cold_bases, fit_layer
 from flashmem.calibration.texts import calibration_text
 
 __all__ = ["Calibration", "cached_calibration", "calibrate", "default_folder", "load_calibration", "model_fingerprint"]
@@ -101,9 +103,26 @@ def calibrate(
             chunk = bos + ids[s * seq_tokens : (s + 1) * seq_tokens - len(bos)]
             model(input_ids=torch.tensor([chunk], device=device), use_cache=False)
             bar.update(1)
+    from flashmem.models import geometry
+    from flashmem.rope import find_rotator
+
+    kinds_all = geometry.layer_types(cfg, cfg.num_hidden_layers, infer_sliding=False)
     tensors: dict[str, torch.Tensor] = {}
     kl: dict[str, list[float]] = {}
     for i in layers:
+        d = cap.keys[i][0].shape[-1]
+        rot = find_rotator(model, kinds_all[i], d)
+        # Keys are un-rotated with the layer's own RoPE; without one only the values get a basis.
+        unrot = rot.unrotate if rot is not None else (lambda x, pos: x)
+        cold = fit_cold_bases(cap.keys[i], cap.values[i], unrot, skip=sinks, queries=cap.queries[i])
+        if rot is not None:
+            tensors[f"layer.{i}.key_basis_pre"] = cold.key_basis_pre
+            tensors[f"layer.{i}.key_energy_pre"] = cold.key_energy_pre
+            assert cold.key_enc_pre is not None and cold.key_dec_pre is not None
+            tensors[f"layer.{i}.key_enc_pre"] = cold.key_enc_pre
+            tensors[f"layer.{i}.key_dec_pre"] = cold.key_dec_pre
+        tensors[f"layer.{i}.value_basis"] = cold.value_basis
+        tensors[f"layer.{i}.value_energy"] = cold.value_energy
         fit = fit_layer(
             cap.queries[i],
             cap.keys[i],
@@ -128,13 +147,15 @@ def calibrate(
         "tokens": n_seq * seq_tokens,
         "seq_tokens": seq_tokens,
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "rank": min(rank, int(next(iter(tensors.values())).shape[-1])) if tensors else rank,
+        "rank": min(rank, int(tensors[f"layer.{layers[0]}.key_basis"].shape[-1])) if layers else rank,
         "page_tokens": page_tokens,
         "window": window,
         "sinks": sinks,
         "steps": steps,
         "layers": layers,
         "indexer_kl": kl,
+        # cold-tier bases (format 2): full rank, fitted without each sequence's first `sinks` tokens
+        "cold_bases": {"ranks": "1..head_dim", "skip_tokens": sinks, "keys": "pre-RoPE, pca and attention-weighted"},
         "seconds": round(time.perf_counter() - t0, 1),
     }
     cal = Calibration(manifest, tensors)

@@ -1,4 +1,4 @@
-"""Record the post-RoPE queries and keys that attention layers see, for calibration.
+"""Record the post-RoPE queries and keys (and the values) that attention layers see, for calibration.
 
 One forward per calibration sequence with `use_cache=False`: each layer's
 attention function receives this sequence's whole query and key tensors. A
@@ -23,12 +23,13 @@ NAME = "qk_capture"
 
 
 class Captured:
-    """Per layer: lists of queries [Hq, T, d] and keys [Hkv, T, d] (float32, CPU), and the scaling."""
+    """Per layer: lists of queries [Hq, T, d], keys and values [Hkv, T, d] (float32, CPU), and the scaling."""
 
     def __init__(self, layers: set[int]) -> None:
         self.layers = layers
         self.queries: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
         self.keys: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+        self.values: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
         self.scaling: dict[int, float] = {}
 
 
@@ -48,6 +49,7 @@ def _capturing_attention(
     if cap is not None and idx in cap.layers:
         cap.queries[idx].append(query[0].detach().float().cpu())  # [Hq, T, d]
         cap.keys[idx].append(key[0].detach().float().cpu())  # [Hkv, T, d]
+        cap.values[idx].append(value[0].detach().float().cpu())  # [Hkv, T, d] (the cold tier's bases)
         cap.scaling[idx] = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 

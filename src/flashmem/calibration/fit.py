@@ -12,10 +12,25 @@ Two fits per KV head, both in the post-RoPE space attention scores live in:
   trained so that its distribution over history pages matches the model's own
   attention mass over the same pages (KL, as DeepSeek-V3.2 warms up its
   lightning indexer against dense attention).
+
+One more fit per KV head for the cold tier's low-rank layout (`cold_low_rank`,
+`flashmem.cache.latent`), over every rank at once (any `low_rank_dim` <= d
+truncates it):
+
+* `key_basis_pre` [d, d]: principal directions (uncentred) of the PRE-RoPE keys,
+  descending. Before RoPE a head's keys share a few directions at every
+  position; after it each position turns them differently, so the post-RoPE
+  keys spread over more directions (SmolLM2: docs/measurements.md, "Low-rank
+  cold tier").
+* `value_basis` [d, d]: the same for the values.
+* `key_energy_pre`, `value_energy` [d]: the eigenvalues (mean squared coefficient
+  along each direction): the expected reconstruction error at rank r is the sum
+  past r.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +49,80 @@ def key_pca(keys: torch.Tensor, rank: int) -> torch.Tensor:
     cov = keys.T @ keys / max(1, keys.shape[0])
     _, vecs = torch.linalg.eigh(cov.double())
     return vecs.flip(-1)[:, :rank].T.float().contiguous()
+
+
+def second_moment_basis(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, d] -> every eigenvector of E[x x^T] as rows [d, d], descending, and the
+    eigenvalues [d] (clamped at 0)."""
+    cov = (x.T.double() @ x.double()) / max(1, x.shape[0])
+    ev, vecs = torch.linalg.eigh(cov)
+    return vecs.flip(-1).T.float().contiguous(), ev.flip(-1).clamp_min(0).float().contiguous()
+
+
+@dataclass
+class ColdBases:
+    key_basis_pre: torch.Tensor  # [Hkv, d, d], rows descending
+    key_energy_pre: torch.Tensor  # [Hkv, d]
+    value_basis: torch.Tensor  # [Hkv, d, d]
+    value_energy: torch.Tensor  # [Hkv, d]
+    key_enc_pre: torch.Tensor | None = None  # [Hkv, d, d] attention-weighted encoder rows, descending
+    key_dec_pre: torch.Tensor | None = None  # [Hkv, d, d] its decoder rows: k_hat = dec[:r]^T (enc[:r] k)
+
+
+def logit_weighted_basis(keys: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank-r key code with the least expected logit error E[(q.(k - k_hat))^2]
+    over pairs of calibration queries and keys (both pre-RoPE: RoPE is a rotation, so
+    the logit error is the same before and after it), for every r at once.
+
+    With S = E[q q^T]^(1/2) and V the eigenvectors of S E[k k^T] S (descending), the
+    encoder is V^T S and the decoder S^-1 V (as `qk_init`): the key error is weighted by
+    how much queries look along it. keys [N, d], queries [M, d] -> enc, dec [d, d] rows.
+    """
+    cq = (queries.T.double() @ queries.double()) / max(1, queries.shape[0])
+    ev, vec = torch.linalg.eigh(cq)
+    ev = ev.clamp_min(float(ev.max()) * 1e-6)
+    half = vec @ torch.diag(ev.sqrt()) @ vec.T
+    inv_half = vec @ torch.diag(ev.rsqrt()) @ vec.T
+    ck = (keys.T.double() @ keys.double()) / max(1, keys.shape[0])
+    _, v = torch.linalg.eigh(half @ ck @ half)
+    v = v.flip(-1)
+    return (v.T @ half).float().contiguous(), (inv_half @ v).T.float().contiguous()
+
+
+def fit_cold_bases(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    unrotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    skip: int = 0,
+    queries: list[torch.Tensor] | None = None,
+) -> ColdBases:
+    """keys (post-RoPE), values: per sequence [Hkv, T, d]; queries (post-RoPE, optional):
+    per sequence [Hq, T, d]; token t at position t (each calibration sequence starts at
+    0); unrotate(x [.., T, d], pos [T]) undoes RoPE. The first `skip` tokens of each
+    sequence (the sinks, never in the cold tier) are left out. With queries, the
+    attention-weighted key code (`logit_weighted_basis`) is fitted too, a KV head's
+    GQA group pooled."""
+    pre = [unrotate(k, torch.arange(k.shape[-2]))[:, skip:] for k in keys]
+    vals = [v[:, skip:] for v in values]
+    hkv = keys[0].shape[0]
+    qpre = None
+    if queries is not None:
+        qpre = [unrotate(q, torch.arange(q.shape[-2]))[:, skip:] for q in queries]
+    group = 1 if queries is None else queries[0].shape[0] // hkv
+    out: dict[str, list[torch.Tensor]] = {"kb": [], "ke": [], "vb": [], "ve": [], "enc": [], "dec": []}
+    for h in range(hkv):
+        k_all = torch.cat([k[h] for k in pre])
+        kb, ke = second_moment_basis(k_all)
+        vb, ve = second_moment_basis(torch.cat([v[h] for v in vals]))
+        for name, t in (("kb", kb), ("ke", ke), ("vb", vb), ("ve", ve)):
+            out[name].append(t)
+        if qpre is not None:
+            q_all = torch.cat([q[h * group : (h + 1) * group].reshape(-1, q.shape[-1]) for q in qpre])
+            enc, dec = logit_weighted_basis(k_all, q_all)
+            out["enc"].append(enc)
+            out["dec"].append(dec)
+    st = {n: torch.stack(ts) for n, ts in out.items() if ts}
+    return ColdBases(st["kb"], st["ke"], st["vb"], st["ve"], st.get("enc"), st.get("dec"))
 
 
 def qk_init(queries: torch.Tensor, keys: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,6 +88,9 @@ def _print(est: Any) -> None:
         f = est.flashmem
         t.add_row("flashmem device", f"{f.device_resident_bytes:,} B", fmt_bytes(f.device_resident_bytes))
         t.add_row(f"flashmem cold ({f.cold_codec})", f"{f.cold_bytes:,} B", fmt_bytes(f.cold_bytes))
+        if f.cold_layout != "exact":
+            t.add_row("cold low-rank", f.cold_layout, "cold_low_rank, low_rank_dim")
+        t.add_row("cold bytes per token", f"{f.cold_bytes_per_token:,.1f}", "one sequence")
         if est.full_cache_bytes:
             t.add_row("device / full", f"{f.device_resident_bytes / est.full_cache_bytes:.4f}", "")
     con.print(t)

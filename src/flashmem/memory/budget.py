@@ -81,6 +81,27 @@ SHAPE = (0.08, 0.7, 0.0)
 # Variants that change the split rather than config keys.
 SHAPES: dict[str, tuple[float, float, float]] = {"balanced": (0.4, 0.4, 0.0), "windowed": (0.6, 0.25, 0.0)}
 VARIANTS.update({name: dict(RECIPE) for name in SHAPES})
+# The cold tier in the calibrated low-rank space (`cold_low_rank`; needs the model's
+# calibration, `flashmem calibrate`): lr<parts><rank>, parts kv / k (keys) / v (values);
+# -i8 / -i4: the stored coefficients int8 / int4-coded too (docs/measurements.md, "Low-rank cold tier").
+VARIANTS.update(
+    {
+        f"lr{tag}{r}": {**RECIPE, "cold_low_rank": mode, "low_rank_dim": r}
+        for tag, mode in (("kv", "kv"), ("k", "keys"), ("v", "values"))
+        for r in (16, 32, 48)
+    }
+)
+VARIANTS.update(
+    {
+        f"lr{tag}{r}-i{codec[3:]}": {**RECIPE, "cold_low_rank": mode, "low_rank_dim": r, "cold_codec": codec}
+        for tag, mode in (("kv", "kv"), ("k", "keys"))
+        for r in (32, 48)
+        for codec in ("int8", "int4")
+    }
+)
+# The keys' plain PCA code instead of the attention-weighted one (`cold_key_basis: pca`).
+_LOW_RANK_KEYS = [n for n in VARIANTS if n.startswith("lrk") and "-" not in n]
+VARIANTS.update({f"{n}-pca": {**VARIANTS[n], "cold_key_basis": "pca"} for n in _LOW_RANK_KEYS})
 
 
 def predicted_ratio(

@@ -22,6 +22,24 @@ from flashmem.memory.specs import MLA, FullAttention, ModelSpec, from_dims, reso
 from flashmem.memory.tiers import codec_bytes_per_element, index_bytes, tier_counts
 from flashmem.memory.units import DTYPE_BYTES, normalize_dtype, parse_tokens
 
+# The int8/int4 codecs' group (flashmem.store.codecs.kivi.GROUP): values are coded per
+# token in groups of this many elements, a shorter row padded to it.
+CODE_GROUP = 32
+
+
+def cold_elements_per_token(mode: str, rank: int | None, head_dim: int, v_head_dim: int | None = None) -> int:
+    """Cold-tier elements per token and KV head, K and V together, under `cold_low_rank`
+    (`flashmem.cache.latent.LatentKV` stores exactly this): a low-rank part keeps
+    `rank` coefficients instead of its head_dim, and the packed row of two unequal
+    parts is rounded up to an even width (two equal store slots)."""
+    v = head_dim if v_head_dim is None else v_head_dim
+    if mode == "none" or rank is None:
+        return head_dim + v
+    rk = rank if mode in ("keys", "kv") else head_dim
+    rv = rank if mode in ("values", "kv") else v
+    return rk + rv + (rk + rv) % 2
+
+
 # Common accelerators, memory as nvidia-smi reports it (MiB): the KV cache alone
 # must fit (weights and activations not counted).
 ACCELERATORS: dict[str, int] = {
@@ -84,12 +102,16 @@ class FlashEstimate:
     full_layers: list[int]
     tier_counts: dict[str, int]  # per managed layer, per sequence (token-equivalents)
     fits: dict[str, bool] = field(default_factory=dict)  # device-resident bytes vs accelerators
+    cold_layout: str = "exact"  # "exact" or the cold_low_rank layout, e.g. "kv r=32"
+    cold_bytes_per_token: float = 0.0  # cold-tier bytes per sealed token, one sequence, all managed layers
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "device_resident_bytes": self.device_resident_bytes,
             "cold_bytes": self.cold_bytes,
             "cold_codec": self.cold_codec,
+            "cold_layout": self.cold_layout,
+            "cold_bytes_per_token": self.cold_bytes_per_token,
             "tiers": dict(self.tiers),
             "managed_layers": self.managed_layers.to_json(),
             "full_layers": list(self.full_layers),
@@ -241,6 +263,10 @@ def _load_config(config: Any) -> FlashMemoryConfig | None:
     raise ConfigError(f"--config: {config!r} is not allowed; allowed: a YAML file path")
 
 
+def _cold_layout(cfg: FlashMemoryConfig) -> str:
+    return "exact" if cfg.cold_low_rank == "none" else f"{cfg.cold_low_rank} r={cfg.low_rank_dim}"
+
+
 def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: int, eb: int) -> FlashEstimate:
     cfg.check_for_model(spec.num_layers)
     full_idx = cfg.resolve_full_layers(spec.num_layers)
@@ -248,6 +274,7 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
     cold_eb = codec_bytes_per_element(cfg.cold_codec, eb)
     tiers = {k: 0 for k in TIER_KEYS}
     cold = Fraction(0)
+    cold_per_token = Fraction(0)  # one sequence, every managed layer
     managed: list[range] = []
     n_managed = 0
     for layer, where in spec.layer_positions():  # arithmetic per layer kind, not per layer
@@ -273,12 +300,24 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
         tiers["working_set"] += counts.working_set * entry * n
         heads, width = layer.index_heads()
         tiers["index"] += heads * index_bytes(cfg, counts, width, eb) * n  # type: ignore[assignment]
-        cold += Fraction(counts.cold_tokens * layer.entry_elems()) * Fraction(cold_eb) * n
+        cold_elems = layer.entry_elems()
+        if isinstance(layer, FullAttention) and cfg.cold_low_rank != "none":
+            per_head = cold_elements_per_token(cfg.cold_low_rank, cfg.low_rank_dim, layer.head_dim, layer.v_head_dim)
+            if cfg.cold_codec != "exact":
+                # int8/int4 code the second slot per token in groups of CODE_GROUP: a coefficient
+                # row narrower than a group is padded to it (r=16 costs what r=32 does there)
+                w = per_head // 2
+                per_head = w + -(-w // CODE_GROUP) * CODE_GROUP
+            cold_elems = layer.kv_heads * per_head
+        cold_per_token += Fraction(cold_elems) * Fraction(cold_eb) * n
+        cold += Fraction(counts.cold_tokens * cold_elems) * Fraction(cold_eb) * n
     tiers = {k: v * batch for k, v in tiers.items()}
     return FlashEstimate(
         device_resident_bytes=sum(tiers.values()),
         cold_bytes=int(round(cold * batch)),
         cold_codec=cfg.cold_codec,
+        cold_layout=_cold_layout(cfg),
+        cold_bytes_per_token=float(cold_per_token),
         tiers=tiers,
         managed_layers=ManagedLayers(managed, full_idx, n_managed),
         full_layers=sorted(full_idx),
