@@ -80,6 +80,27 @@ python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 71
   --json-out $O/target_8k_smollm2_rerank.json
 python benchmarks/decode_alternating.py --lengths 32768,65536 --variants norerank --no-fixed \
   --json $O/decode_alternating_tiny_rerank.json
+# 8K seeds 1-2 and 16K (seed 0 with 1/32; seeds 1-2) under the re-ranked recipe, the full cache in the same run
+flashmem bench retrieval --methods full,flashmem --budgets 1/16,1/8 --lengths 8k --seeds 1,2 \
+  --depths 0.5 $P --json-out $O/retrieval_gemma3_seeds.json
+flashmem bench retrieval --methods full,flashmem --budgets 1/32,1/16,1/8 --lengths 16k --seeds 0 \
+  --depths 0.5 $P --json-out $O/retrieval_gemma3_16k.json
+flashmem bench retrieval --methods full,flashmem --budgets 1/16,1/8 --lengths 16k --seeds 1,2 \
+  --depths 0.5 $P --json-out $O/retrieval_gemma3_16k.json
+# 1/32 at 4K and 8K (seed 0; the full cache's rows are in retrieval_gemma3_pages.json)
+flashmem bench retrieval --methods flashmem --budgets 1/32 --lengths 4k --seeds 0 \
+  --depths 0.15,0.5,0.85 $P --json-out $O/retrieval_gemma3_rerank.json
+flashmem bench retrieval --methods flashmem --budgets 1/32 --lengths 8k --seeds 0 \
+  --depths 0.5 $P --json-out $O/retrieval_gemma3_rerank.json
+# index recall at 2K and 8K with the recipe's two stages (docs/measurements.md, "Index recall at 2K and 8K")
+(cd benchmarks && for L in 2048 8192; do
+  PYTHONPATH=../evaluation python page_recall.py dump $L 100 passkey,locker_pydoc /tmp/n$L.pt &&
+  PYTHONPATH=../evaluation python page_recall.py rank /tmp/n$L.pt --sinks 20
+done)
+# why 2K at 1/16 stays short (docs/measurements.md, "Why 2K at 1/16 stays short")
+(cd benchmarks && M="passkey:kjv:2048:0.3:3 passkey:stdlib-doc:2048:0.6:3 passkey:kjv:2048:0.5:0" &&
+  PYTHONPATH=../evaluation python answer_mass.py mass $M passkey:kjv:2048:0.6:3 locker:kjv:2048:0.6:3 &&
+  PYTHONPATH=../evaluation python answer_mass.py tokens $M)
 
 # ---- issue 13: decode against DynamicCache (alternating) and positions beyond the window
 # (the committed decode_alternating_tiny.json ran before lsa_rerank joined the recipe:
@@ -106,6 +127,24 @@ flashmem bench fidelity --methods kvpress:TOVAPress,kvpress:KeyDiffPress --budge
 flashmem bench fidelity --methods full,flashmem:balanced,flashmem:windowed --budgets 1/4,1/8 --lengths 4k $F
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/8,1/32 --lengths 7936 $F
 flashmem report $O/fidelity_smollm2.json --plot $O/fidelity_smollm2.png
+
+# ---- low-rank cold tier (docs/measurements.md, "Low-rank cold tier"): SmolLM2 calibrated on
+# pydoc (not the fidelity text, KJV) into the model's default calibration folder, then the
+# cold tier exact / int8 / int4 / low-rank at 1/8 and 1/16, 4K. The first three commands ran
+# when the keys' code was PCA only: their key variants are the `-pca` ones here.
+flashmem calibrate --model smollm2 --threads ${THREADS:-1}
+python benchmarks/lowrank_residual.py --model smollm2 --threads ${THREADS:-1} --json $O/lowrank_residual_smollm2.json
+LR="--model smollm2 --lengths 4k --seeds 0 $C"
+flashmem bench fidelity --methods flashmem,flashmem:int8,flashmem:int4,flashmem:lrkv48-pca,flashmem:lrkv32-pca,flashmem:lrkv16-pca,flashmem:lrk32-pca,flashmem:lrv32,flashmem:lrkv32-i8 \
+  --budgets 1/8 $LR --json-out $O/fidelity_smollm2_lowrank_b8.json
+flashmem bench fidelity --methods flashmem:lrk48-pca,flashmem:lrk16-pca,flashmem:lrv48 --budgets 1/8 $LR --json-out $O/fidelity_smollm2_lowrank_b8b.json
+flashmem bench fidelity --methods flashmem,flashmem:int8,flashmem:int4,flashmem:lrk48-pca,flashmem:lrk32-pca,flashmem:lrkv48-pca,flashmem:lrkv32-pca,flashmem:lrv32 \
+  --budgets 1/16 $LR --json-out $O/fidelity_smollm2_lowrank_b16.json
+# the attention-weighted key code (cold_key_basis: attention, the default)
+flashmem bench fidelity --methods flashmem:lrk48,flashmem:lrk32,flashmem:lrkv48,flashmem:lrkv32,flashmem:lrk16 --budgets 1/8 $LR \
+  --json-out $O/fidelity_smollm2_lowrank_attn_b8.json
+flashmem bench fidelity --methods flashmem:lrk48,flashmem:lrk32,flashmem:lrkv48 --budgets 1/16 $LR \
+  --json-out $O/fidelity_smollm2_lowrank_attn_b16.json
 
 # ---- memory (each cell in a fresh process) and speed
 flashmem bench memory --model smollm2 --methods full,streaming,snapkv,flashmem --budgets 1/8,1/32 \
