@@ -96,7 +96,9 @@ flashmem bench retrieval --methods flashmem --budgets 1/32 --lengths 8k --seeds 
 (cd benchmarks && for L in 2048 8192; do
   PYTHONPATH=../evaluation python page_recall.py dump $L 100 passkey,locker_pydoc /tmp/n$L.pt &&
   PYTHONPATH=../evaluation python page_recall.py rank /tmp/n$L.pt --sinks 20
-done)
+done
+flashmem calibrate --model gemma3-270m --out /tmp/cal_gemma --threads 2 &&
+  for L in 2048 8192; do PYTHONPATH=../evaluation python page_recall.py rank /tmp/n$L.pt --sinks 20 --calibration /tmp/cal_gemma; done)
 # why 2K at 1/16 stays short (docs/measurements.md, "Why 2K at 1/16 stays short")
 (cd benchmarks && M="passkey:kjv:2048:0.3:3 passkey:stdlib-doc:2048:0.6:3 passkey:kjv:2048:0.5:0" &&
   PYTHONPATH=../evaluation python answer_mass.py mass $M passkey:kjv:2048:0.6:3 locker:kjv:2048:0.6:3 &&
