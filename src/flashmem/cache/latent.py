@@ -213,10 +213,6 @@ class LatentKV:
         pos = start + idx.to(like.device)[..., None] * P + torch.arange(P, device=like.device)  # [b, h, k, P]
         return self.decode(ks, vs, pos, keys, values)
 
-    def elements_per_token(self) -> int:
-        """Stored elements per token and KV head (both slots)."""
-        return 2 * self.width
-
 
 def make_latent(
     cfg: FlashMemoryConfig, calibration: Any, layer_idx: int, rotator: RopeRotator | None, head_dim: int

@@ -46,9 +46,7 @@ class LayerFit:
 
 def key_pca(keys: torch.Tensor, rank: int) -> torch.Tensor:
     """keys [N, d] -> the top-`rank` eigenvectors of E[k k^T] as rows [rank, d]."""
-    cov = keys.T @ keys / max(1, keys.shape[0])
-    _, vecs = torch.linalg.eigh(cov.double())
-    return vecs.flip(-1)[:, :rank].T.float().contiguous()
+    return second_moment_basis(keys)[0][:rank].contiguous()
 
 
 def second_moment_basis(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
