@@ -3,6 +3,7 @@
     python benchmarks/bench_prefetch.py [--dir /tmp] [--smollm-tokens 8192] [--tiny-tokens 65536]
                                         [--steps 24] [--threads 2] [--skip-smollm] [--skip-tiny]
                                         [--store disk|lmdb] [--batch-ab] [--top-k K]
+                                        [--queue fifo|urgent|now] [--share-heads] [--prefill-queries N]
 
 Per model: one prefill with cold_store=disk (gpu_cache_limit = prefetch_window =
 1024 by default), then two decode phases of --steps greedy tokens on the same
@@ -19,6 +20,18 @@ the same run the same way.
 With --batch-ab a third phase runs prefetch on without queuing a step's missing
 blocks together (FlashLayer.demand_batch off: the previous behaviour, one
 synchronous read at a time), between off and on.
+
+--queue sets how the prefetcher serves the prefetch-on phases: "fifo" (one queue,
+a step's missing blocks wait behind earlier look-ahead loads, and a block leaves
+the ready buffer when it is used: the behaviour before `Prefetcher.urgent_first`
+and `keep_used`), "urgent" (a step's misses first) or "now" (urgent first, used
+blocks kept: the defaults). Decoding is deterministic whatever the prefetcher
+does, so runs of one command with different --queue read the same blocks in the
+same steps: compare them across runs (phases of one run decode different steps,
+and this model's greedy tokens settle into a loop whose selections barely move).
+--share-heads sets lsa_share_heads (every KV head the same blocks);
+--prefill-queries sets lsa_prefill_queries. The prompt goes in through
+`flashmem.prefill` (model-level chunks of 8192 tokens).
 
 Models: (a) SmolLM2-135M (`flashmem.load_model("smollm2")`) on
 `flashmem.texts.load_text()`; (b) a tiny random Llama (4 layers, 4 KV
@@ -53,11 +66,14 @@ def set_prefetch(cache, on: bool) -> None:
 
 
 def decode_phase(
-    model, cache, tok: torch.Tensor, steps: int, prefetch: bool, batch: bool = True
+    model, cache, tok: torch.Tensor, steps: int, prefetch: bool, batch: bool = True, queue: str = "now"
 ) -> tuple[dict, torch.Tensor]:
     set_prefetch(cache, prefetch)
     for layer in cache.flash_layers:  # a step's missing blocks queued together (FlashLayer.demand_batch)
         layer.demand_batch = batch
+    if cache.prefetcher is not None:
+        cache.prefetcher.urgent_first = queue != "fifo"
+        cache.prefetcher.keep_used = queue == "now"
     if cache.prefetcher is not None:
         cache.prefetcher.discard()
     with torch.no_grad():  # one untimed step so each phase starts in its steady state
@@ -88,6 +104,8 @@ def decode_phase(
     return {
         "prefetch": prefetch,
         "demand_batch": batch,
+        "queue": queue,
+        "disk_reads": d1.get("gets", 0) - d0.get("gets", 0),
         "steps": steps,
         "ms_per_token": 1e3 * wall / steps,
         "stall_pct": 100 * stall / wall,
@@ -110,29 +128,34 @@ def run_model(name, model, ids, args, raw) -> list[dict]:
         cold_codec=args.codec,
         prefetch_threads=args.threads,
         lsa_top_k=args.top_k,
+        lsa_share_heads=args.share_heads,
+        lsa_prefill_queries=args.prefill_queries,
     )
     rows = []
     with flashmem.attach(model, cfg) as cache:
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model(ids, cache=cache, use_cache=True)
+            logits = flashmem.prefill(model, cache, ids, chunk=8192)
         prefill = time.perf_counter() - t0
         cache.store.flush()
         rep = cache.memory_report()
         print(
             f"[{name}] prefill {ids.shape[1]} tokens in {prefill:.1f} s; sealed blocks {rep['sealed_blocks']}, "
             f"cold {rep['cold_bytes'] / 2**20:.1f} MiB, blocks selected/layer/step "
-            f"{cfg.blocks_to_select(rep['sealed_blocks'] // max(1, len(cache.flash_layers)))}",
+            f"{cfg.blocks_to_select(rep['sealed_blocks'] // max(1, len(cache.flash_layers)))} "
+            f"({ids.shape[1] / prefill:.0f} tokens/s)",
             flush=True,
         )
-        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        tok = logits[:, -1].argmax(-1, keepdim=True)
         phases = [(False, False), (True, False), (True, True)] if args.batch_ab else [(False, False), (True, True)]
         for prefetch, batch in phases:
-            row, tok = decode_phase(model, cache, tok, args.steps, prefetch, batch)
-            row.update(model=name, context=int(ids.shape[1]), raw_seq_MBps=raw / 1e6)
+            queue = args.queue if prefetch else "now"
+            row, tok = decode_phase(model, cache, tok, args.steps, prefetch, batch, queue)
+            row.update(model=name, context=int(ids.shape[1]), raw_seq_MBps=raw / 1e6, prefill_s=prefill)
             rows.append(row)
             print(
-                f"[{name}] prefetch {'on ' if prefetch else 'off'}{' +batch' if batch else ''}: "
+                f"[{name}] prefetch {'on ' if prefetch else 'off'}{' +batch' if batch else ''}"
+                f"{' ' + queue if prefetch else ''}: "
                 f"{row['ms_per_token']:7.1f} ms/token, "
                 f"stall {row['stall_pct']:5.1f}% ({row['stall_s']:.2f} s), hits {row['hits']}, misses {row['misses']}, "
                 f"disk read {row['disk_bytes_read'] / 2**20:.0f} MiB at {row['disk_read_MBps']:.0f} MB/s in pread "
@@ -172,6 +195,9 @@ def main() -> None:
     ap.add_argument("--store", choices=["disk", "lmdb"], default="disk")
     ap.add_argument("--batch-ab", action="store_true", help="also run prefetch on without queuing a step's misses")
     ap.add_argument("--top-k", type=int, default=None, help="lsa_top_k (default: lsa_keep_ratio)")
+    ap.add_argument("--queue", choices=["fifo", "urgent", "now"], default="now", help="prefetcher queue (see above)")
+    ap.add_argument("--share-heads", action="store_true", help="lsa_share_heads: true")
+    ap.add_argument("--prefill-queries", type=int, default=0, help="lsa_prefill_queries")
     ap.add_argument(
         "--no-drop", action="store_true", help="keep the page cache (LMDB's touched pages stay mapped anyway)"
     )

@@ -3,6 +3,7 @@
     python benchmarks/bench_scale.py [--lengths 16384,65536,262144,1048576] [--steps 16]
                                      [--dir /tmp] [--json results/scale_tiny.json]
                                      [--plot results/scale_tiny.png] [--dynamic-max 1048576]
+                                     [--methods flashmem,flashmem-shared,dynamic] [--prefill-queries 64]
 
 Model: the tiny random Llama of bench_prefetch.py (4 layers, hidden 256, 4 KV
 heads x 64 dims, fp32: 8 KiB of K/V per token) on random tokens. Every length
@@ -14,7 +15,8 @@ off; the prompt goes in through `flashmem.prefill` (model-level chunks of 8192
 tokens), then `--steps` greedy decode steps (after one untimed one), prefetch on,
 with the store's page cache dropped before every step (outside the timed
 region). Method `flashmem-shared`: the same with `lsa_share_heads: true` (the 4
-KV heads select the same blocks, so a step reads up to 4x fewer). Reported: peak RSS, device-resident bytes, cold bytes on disk, prefill
+KV heads select the same blocks, so a step reads up to 4x fewer). --prefill-queries
+sets `lsa_prefill_queries` (a prefill chunk's selection from that many of its queries). Reported: peak RSS, device-resident bytes, cold bytes on disk, prefill
 tokens/s, median decode ms/token, stall % of decode time.
 
 DynamicCache: the same model with SDPA attention. Its prefill is O(n^2) and
@@ -74,9 +76,10 @@ def run_flashmem(n: int, args, share_heads: bool = False) -> dict:
         cold_dir=args.dir,
         prefetch_threads=2,
         lsa_share_heads=share_heads,
+        **({} if args.prefill_queries is None else {"lsa_prefill_queries": args.prefill_queries}),
     )
     method = "flashmem-shared" if share_heads else "flashmem"
-    row: dict = {"method": method, "tokens": n, "load_start": load()}
+    row: dict = {"method": method, "tokens": n, "load_start": load(), "lsa_prefill_queries": cfg.lsa_prefill_queries}
     with flashmem.attach(model, cfg) as cache:
         t0 = time.perf_counter()
         logits = flashmem.prefill(model, cache, ids, chunk=args.chunk)
@@ -202,6 +205,7 @@ def main() -> None:
     ap.add_argument("--methods", default="flashmem,dynamic")
     ap.add_argument("--dynamic-max", type=int, default=2**20, help="longest DynamicCache run")
     ap.add_argument("--dynamic-prefill-max", type=int, default=16384, help="longest real DynamicCache prefill")
+    ap.add_argument("--prefill-queries", type=int, default=None, help="lsa_prefill_queries (default: the config's)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -228,6 +232,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", method, "--tokens", str(n), "--steps", str(args.steps)]
             cmd += ["--chunk", str(args.chunk), "--dir", args.dir]
             cmd += ["--dynamic-prefill-max", str(args.dynamic_prefill_max)]
+            if args.prefill_queries is not None:
+                cmd += ["--prefill-queries", str(args.prefill_queries)]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]

@@ -69,6 +69,9 @@ for L in 2k 4k; do
 done
 flashmem bench retrieval --methods flashmem --budgets 1/16,1/8 --lengths 8k --seeds 0 \
   --depths 0.5 $P --json-out $O/retrieval_gemma3_rerank.json
+# the kvpress presses on the same prompts (seed 0, 2K and 4K)
+flashmem bench retrieval --methods kvpress:SnapKVPress,kvpress:ExpectedAttentionPress,kvpress:TOVAPress,kvpress:KeyDiffPress \
+  --budgets 1/16,1/8 --lengths 2k,4k --seeds 0 --depths 0.15,0.5,0.85 $P --json-out $O/retrieval_gemma3_kvpress_pages.json
 R="--model smollm2 --methods flashmem --budgets 1/8,1/16 --threads 1 --no-progress"
 flashmem bench fidelity $R --lengths 4k --seeds 0 --json-out $O/fidelity_smollm2_rerank.json
 flashmem bench fidelity $R --lengths 4k --seeds 1 --json-out $O/fidelity_smollm2_rerank.json
@@ -104,6 +107,11 @@ flashmem calibrate --model gemma3-270m --out /tmp/cal_gemma --threads 2 &&
   PYTHONPATH=../evaluation python answer_mass.py mass $M passkey:kjv:2048:0.6:3 locker:kjv:2048:0.6:3 &&
   PYTHONPATH=../evaluation python answer_mass.py tokens $M)
 
+# ---- issue 13: 16K to 2^20 tokens on the disk tier against DynamicCache (each row its own process)
+python benchmarks/bench_scale.py --methods flashmem,flashmem-shared,dynamic --prefill-queries 64 \
+  --json $O/scale_tiny.json --plot $O/scale_tiny.png
+# (the previous run, before lsa_prefill_queries and the prefetcher's queues: scale_tiny_before.json,
+# `--methods flashmem,dynamic`)
 # ---- issue 13: decode against DynamicCache (alternating) and positions beyond the window
 # (the committed decode_alternating_tiny.json ran before lsa_rerank joined the recipe:
 # for that config today add `--variants norerank`)
@@ -115,6 +123,31 @@ python benchmarks/bench_scale.py --lengths 262144 --methods flashmem-shared,flas
 for SEED in 0 1; do
   flashmem bench fidelity --model smollm2 --methods flashmem,flashmem:shared --budgets 1/8,1/16 --lengths 4k \
     --seeds $SEED --threads 1 --no-progress --json-out $O/fidelity_smollm2_shared.json
+done
+# the prefetcher's queues on the disk tier (docs/measurements.md, "A step's misses first"):
+# one process per row, each with prefetch off then on; decoding is deterministic, so the
+# rows read the same blocks in the same steps
+for L in 262144 65536; do
+  for Q in fifo now; do  # (urgent, at 256K only, and under a heavier load: --queue urgent)
+    python benchmarks/bench_prefetch.py --skip-smollm --tiny-tokens $L --steps 16 --share-heads --top-k 16 \
+      --prefill-queries 64 --queue $Q --json /tmp/pfq_${L}_$Q.json
+  done
+  python benchmarks/bench_prefetch.py --skip-smollm --tiny-tokens $L --steps 16 --share-heads --top-k 16 \
+    --prefill-queries 64 --queue now --codec int8 --json /tmp/pfq_${L}_now_int8.json
+done
+python benchmarks/bench_prefetch.py --skip-smollm --tiny-tokens 262144 --steps 16 --share-heads --top-k 16 \
+  --prefill-queries 64 --queue now --threads 4 --json /tmp/pfq_262144_now_t4.json
+# a prefill chunk's selection from a sample of its queries (lsa_prefill_queries): where prefill
+# time goes at 128K (all queries / 64), prefill at 256K both ways, recipe fidelity with the sample
+python benchmarks/profile_scale.py --tokens 131072
+python benchmarks/profile_scale.py --tokens 131072 --prefill-queries 64
+for Q in 0 64; do
+  python benchmarks/bench_scale.py --lengths 262144 --methods flashmem --prefill-queries $Q --json /tmp/scale_pq$Q.json --plot ''
+done
+python benchmarks/prefill_queries_ab.py   # SmolLM2 8K at 1/8: prefill time, all queries vs 64 re-ranked
+for a in '4k 0' '4k 1' '8k 0'; do set -- $a
+  flashmem bench fidelity --model smollm2 --methods flashmem:pq64 --budgets 1/8,1/16 --threads 1 --no-progress \
+    --lengths $1 --seeds $2 --json-out $O/fidelity_smollm2_prefill_queries.json
 done
 PYTHONPATH=evaluation python benchmarks/beyond_window.py --lengths 8192,16384 --seeds 0 --threads 1 \
   --json $O/beyond_window_smollm2.json

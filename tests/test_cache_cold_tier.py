@@ -119,6 +119,25 @@ def test_prefetch_on_off_identical_and_hits_during_decode(model_and_ref, tmp_pat
     assert on["tiers"]["disk"]["bytes_read"] > 0 or on["tiers"]["disk"].get("pending_hits", 0) > 0
 
 
+def test_blocks_kept_after_use_save_reads_and_change_nothing(model_and_ref, tmp_path):
+    """The prefetcher keeps a block after handing it out (`keep_used`): selections that
+    come back to a block, and look-ahead asking for the blocks just used, read less from
+    disk; the outputs are the same."""
+    model, ids, _ = model_and_ref
+    c = dict(SMALL, lsa_keep_ratio=0.3)
+    outs, reads = [], []
+    for keep in (False, True):
+        with flashmem.attach(model, cfg(tmp_path, **c)) as cache:
+            cache.prefetcher.keep_used = keep
+            with torch.no_grad():
+                model(ids, cache=cache, use_cache=True)
+            before = cache.stats()["tiers"]["disk"]["gets"]
+            outs.append(run_decode(model, cache, 30))
+            reads.append(cache.stats()["tiers"]["disk"]["gets"] - before)
+    assert torch.equal(outs[0], outs[1])
+    assert reads[1] < reads[0]
+
+
 def run_decode(model, cache, steps):
     outs = []
     tok = torch.full((1, 1), 5)

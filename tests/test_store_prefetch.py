@@ -83,6 +83,85 @@ def test_miss_counts_stall_time():
         assert st["stall_s"] >= 0.05
 
 
+class GatedStore(MemoryStore):
+    """A memory store that logs the order of its reads; the first waits for `gate`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.order: list[int] = []
+
+    def get(self, key, device=None):
+        if not self.order:
+            self.order.append(-1)  # the first read is taken at once: hold the loader on it
+            assert self.gate.wait(10)
+            self.order.pop()
+        self.order.append(key[1])
+        return super().get(key, device)
+
+
+def wait_reading(s: GatedStore) -> None:
+    """Until the loader holds the first read at the gate."""
+    end = time.time() + 10
+    while s.order != [-1]:
+        assert time.time() < end
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("urgent_first", [True, False])
+def test_urgent_loads_go_before_queued_look_ahead(urgent_first):
+    s = filled(GatedStore(), n=8)
+    with Prefetcher(s, threads=1) as pf:
+        pf.urgent_first = urgent_first
+        pf.request([(0, i) for i in range(5)])  # look-ahead: 0 is taken by the loader, 1-4 wait
+        wait_reading(s)
+        pf.request([(0, 7), (0, 3)], urgent=True)  # a step needs 7 and 3 (3 already queued)
+        s.gate.set()
+        k, _ = pf.get((0, 7))
+        assert torch.equal(k, block(0, 7)[0])
+        wait_ready(pf, 6)  # 0-4 parked (3 too: asked for, not yet taken), 7 kept after use
+        if urgent_first:
+            assert s.order == [0, 7, 3, 1, 2, 4]  # each block read once
+        else:
+            assert s.order == [0, 1, 2, 3, 4, 7]
+        assert pf.stats()["loaded"] == 6
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_used_block_stays_ready_until_evicted(keep):
+    s = filled(MemoryStore(), n=8)
+    one = s.nbytes() // 8
+    with Prefetcher(s, threads=1, ready_bytes=2 * one) as pf:
+        pf.keep_used = keep
+        pf.get((0, 1))  # a miss: read synchronously, then kept (or not)
+        assert pf.request([(0, 1)]) == (0 if keep else 1)  # look-ahead asks for it again
+        k, _ = pf.get((0, 1))  # selected again
+        assert torch.equal(k, block(0, 1)[0])
+        st = pf.stats()
+        assert st["loaded"] == (1 if keep else 2)  # one read from the store, or two
+        if keep:
+            assert st["hits"] == 1
+            pf.request([(0, 2), (0, 3)])
+            wait_ready(pf, 2)
+            while pf.stats()["evicted"] < 1:
+                time.sleep(0.005)
+            pf.get((0, 1))  # least recently used: evicted by 2 and 3
+            assert pf.stats()["misses"] == 2
+
+
+def test_get_moves_a_queued_block_ahead_of_look_ahead():
+    s = filled(GatedStore(), n=8)
+    with Prefetcher(s, threads=1) as pf:
+        pf.request([(0, i) for i in range(6)])
+        wait_reading(s)
+        done = threading.Event()
+        threading.Thread(target=lambda: (pf.get((0, 5)), done.set()), daemon=True).start()
+        time.sleep(0.05)  # the getter is waiting on block 5's queued load
+        s.gate.set()
+        assert done.wait(10)
+        assert s.order[:2] == [0, 5]
+
+
 def test_threads_zero_is_synchronous():
     s = filled(MemoryStore())
     with Prefetcher(s, threads=0) as pf:

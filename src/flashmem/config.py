@@ -100,6 +100,13 @@ class FlashMemoryConfig(BaseModel):
         description="the index picks this many times lsa_top_k candidate pages; their exact keys, "
         "read from the cold tier each step, keep the lsa_top_k with the most attention mass (1: off)",
     )
+    lsa_prefill_queries: int = Field(
+        0,
+        ge=0,
+        description="queries of a longer prefill chunk that score the index for its selection (evenly "
+        "spaced, the last included; 0: all): the index work per chunk stays fixed (long inputs), "
+        "and with lsa_rerank the sample is re-ranked",
+    )
     lsa_share_heads: bool = Field(
         False,
         description="the KV heads of a layer select the same pages (their expected masses summed, "

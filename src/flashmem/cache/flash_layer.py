@@ -54,11 +54,11 @@ if TYPE_CHECKING:
 SelectionHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-# Chunks of at most this many queries are re-ranked (`lsa_rerank`): decode steps, the
-# prompt's tail (cache/attention.py) and short teacher-forced chunks. A long prefill
-# chunk pools hundreds of queries into one choice, and scoring its candidates'
-# tokens costs r times its attention (tiny model, 32K at 1/8: prefill 33 s -> 169 s
-# when every chunk was re-ranked).
+# Selections scored by at most this many queries are re-ranked (`lsa_rerank`): decode
+# steps, the prompt's tail (cache/attention.py), short teacher-forced chunks, and long
+# prefill chunks when `lsa_prefill_queries` samples at most this many of their queries.
+# Re-ranking with all of a long chunk's hundreds of queries costs r times its attention
+# (tiny model, 32K at 1/8: prefill 33 s -> 169 s when every chunk was re-ranked).
 RERANK_MAX_QUERIES = 64
 
 
@@ -331,7 +331,7 @@ class FlashLayer(CacheLayerMixin):
         if self.prefetcher is not None and self.demand_batch:
             # Queue every block this step needs before waiting for the first: the loader
             # threads then read them in parallel (already ready or in flight: skipped).
-            self.prefetcher.request([(self.layer_idx, j) for j in need_ids])
+            self.prefetcher.request([(self.layer_idx, j) for j in need_ids], urgent=True)
         blocks = [self.fetch_block(j) for j in need_ids]
         pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
         pool_v = torch.stack([bv for _, bv in blocks])
@@ -375,12 +375,15 @@ class FlashLayer(CacheLayerMixin):
             k_sel = cfg.blocks_to_select(n * ppb)
             selected = torch.zeros(b, hkv, n * ppb, dtype=torch.bool, device=q.device)  # per page
             page_valid = page_tokens_valid.any(-1)  # [b, pages]
-            scores = self._scores(qg, scaling) if k_sel > 0 or cfg.keeps_rest_entry else None
+            # The rest entry needs every query's scores; a selection pools them, so a sample will do.
+            q_index = qg if cfg.keeps_rest_entry else _sample_queries(qg, m, cfg.lsa_prefill_queries)
+            scores = self._scores(q_index, scaling) if k_sel > 0 or cfg.keeps_rest_entry else None
             self._cand = None  # never a previous step's (one that raised, or before a reset)
             if k_sel > 0:
                 assert scores is not None
-                rerank = cfg.lsa_rerank > 1 and m <= RERANK_MAX_QUERIES
-                ctx = (qg, page_tokens_valid) if rerank else (None, None)
+                positions = q_index.shape[2] * m // qg.shape[2]  # query positions scoring the index
+                rerank = cfg.lsa_rerank > 1 and positions <= RERANK_MAX_QUERIES
+                ctx = (q_index, page_tokens_valid) if rerank else (None, None)
                 idx = self._select(scores, page_valid, k_sel, scaling, *ctx)  # [b, h, k] page ids
                 selected.scatter_(-1, idx, True)
                 self._gather_working_set(idx, page_tokens_valid)
@@ -826,6 +829,17 @@ def _group_queries(q: torch.Tensor, group: int) -> torch.Tensor:
     """[b, Hq, m, d] -> [b, Hkv, m*group, d], token-major, each KV head's GQA group."""
     b, hq, m, d = q.shape
     return q.view(b, hq // group, group, m, d).transpose(2, 3).reshape(b, hq // group, m * group, d)
+
+
+def _sample_queries(qg: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """n evenly spaced of a chunk's m query positions, the last included, each with its
+    whole GQA group: [b, h, m*group, d] -> [b, h, n*group, d]; all of them when n is 0 or >= m."""
+    if n <= 0 or m <= n:
+        return qg
+    group = qg.shape[2] // m
+    pos = (m - 1 - torch.arange(n, device=qg.device) * m // n).flip(0)  # distinct: m > n
+    rows = (pos[:, None] * group + torch.arange(group, device=qg.device)).reshape(-1)
+    return qg.index_select(2, rows)
 
 
 def _entry_bias(counts: torch.Tensor, use: torch.Tensor, rule: str, dtype: torch.dtype) -> torch.Tensor:

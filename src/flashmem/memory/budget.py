@@ -75,6 +75,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "block": {**RECIPE, "lsa_page_tokens": None, "lsa_index_dtype": "model", "use_summaries": True},
     "lowrank": {**RECIPE, "lsa_scorer": "lowrank"},
     "learned": {**RECIPE, "lsa_scorer": "learned"},
+    # a long prefill chunk's selection from 64 of its queries, re-ranked: better SmolLM2 KL at
+    # 8K, 3 of 56 needles lost on Gemma3 (docs/measurements.md, "Prefill: a chunk's selection")
+    "pq64": {**RECIPE, "lsa_prefill_queries": 64},
 }
 # Target shares of the resident budget: window, selected blocks, CSA band.
 SHAPE = (0.08, 0.7, 0.0)

@@ -2,13 +2,24 @@
 
     pf = Prefetcher(store, threads=2)
     pf.request([(layer, block), ...])   # non-blocking, de-duplicated
+    pf.request(keys, urgent=True)       # a step waits on these: read before any look-ahead
     k, v = pf.get((layer, block), device)  # hit if already loaded; else miss + stall time
 
 Loaded blocks wait host-side in a bounded ready buffer (coded payloads when the
 store can hand them out, so int4 blocks are decoded on the target device; for a
-layered store the load also fills its RAM tier). `get` takes a block out of
-the ready buffer. threads=0: `request` does nothing and every `get` is a
-synchronous load (counted as a miss). Thread-safe.
+layered store the load also fills its RAM tier), least recently used first out.
+A block stays there after `get` hands it out (`keep_used`), so a block that
+leaves a selection and comes back a few steps later (selections flicker at the
+cut) is a hit, and look-ahead asking again for a block just used reads nothing.
+threads=0: `request` does nothing and every `get` is a synchronous load
+(counted as a miss), nothing kept. Thread-safe.
+
+Two queues feed the loader threads: urgent loads (the blocks a decode step is
+about to wait on) are taken before any look-ahead load, so a step's misses do
+not queue behind predictions for later steps. An urgent request for a block
+already queued as look-ahead moves it to the urgent queue. (`urgent_first =
+False` and `keep_used = False` give the previous behaviour, one FIFO and a
+block taken out by `get`, for A/B runs: docs/measurements.md, "Scale".)
 
 Blocks are keyed (layer, block) by the cache, but the same key names another
 block once a layer starts a new sequence: `new_sequence(layer)` moves the layer
@@ -21,9 +32,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -42,10 +53,12 @@ class Prefetcher:
         self.threads = int(threads)
         self.ready_bytes = int(ready_bytes)
         self._coded = store.coded_reads
-        self._pool = (
-            ThreadPoolExecutor(self.threads, thread_name_prefix="flashmem-prefetch") if self.threads > 0 else None
-        )
+        self.urgent_first = True
+        self.keep_used = self.threads > 0
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        # queued loads; a future taken by a loader (running) or already done is skipped
+        self._queues: dict[bool, deque[tuple[Scoped, Future]]] = {True: deque(), False: deque()}
         self._ready: OrderedDict[Scoped, Entry] = OrderedDict()
         self._ready_size = 0
         self._inflight: dict[Scoped, Future] = {}
@@ -54,24 +67,40 @@ class Prefetcher:
         self._c = {"hits": 0, "misses": 0, "late": 0, "requested": 0, "loaded": 0, "evicted": 0, "errors": 0}
         self._stall_s = 0.0
         self._load_s = 0.0
+        self._workers = [
+            threading.Thread(target=self._worker, name=f"flashmem-prefetch-{i}", daemon=True)
+            for i in range(max(0, self.threads))
+        ]
+        for t in self._workers:
+            t.start()
 
     # ------------------------------------------------------------------ API
-    def request(self, keys: Iterable[BlockKey]) -> int:
-        """Queue background loads of `keys` not yet ready or in flight; returns how many were queued."""
-        if self._pool is None:
+    def request(self, keys: Iterable[BlockKey], urgent: bool = False) -> int:
+        """Queue background loads of `keys` not yet ready or in flight; returns how many were
+        queued. urgent: a step is about to wait on them (read before look-ahead loads; one
+        queued as look-ahead is moved up)."""
+        if not self._workers:
             return 0
         n = 0
+        urgent = urgent and self.urgent_first
         with self._lock:
             if self._closed:
                 return 0
             for key in keys:
                 key = (int(key[0]), int(key[1]))
                 sk = self._scoped(key)
-                if sk in self._ready or sk in self._inflight or key not in self.store:
+                if sk in self._ready or key not in self.store:
                     continue
-                self._inflight[sk] = self._pool.submit(self._background, sk)
+                fut = self._inflight.get(sk)
+                if fut is not None:
+                    if urgent and not fut.running() and not fut.done():
+                        self._queues[True].append((sk, fut))  # its look-ahead entry is skipped later
+                    continue
+                self._inflight[sk] = fut = Future()
+                self._queues[urgent].append((sk, fut))
                 n += 1
             self._c["requested"] += n
+            self._wake.notify(n)
         return n
 
     def get(self, key: BlockKey, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,13 +109,19 @@ class Prefetcher:
         t0 = time.perf_counter()
         with self._lock:
             sk = self._scoped(key)
-            entry = self._ready.pop(sk, None)
+            entry = self._ready.get(sk)
             fut = None
             if entry is not None:
-                self._ready_size -= _size(entry)
+                if self.keep_used:
+                    self._ready.move_to_end(sk)
+                else:
+                    self._drop_ready(sk)
                 self._c["hits"] += 1
             else:
                 fut = self._inflight.pop(sk, None)  # claimed: the loader will not park it
+                if fut is not None and self.urgent_first and not fut.running() and not fut.done():
+                    self._queues[True].append((sk, fut))  # still queued behind look-ahead: move it up
+                    self._wake.notify()
         if entry is None:
             try:
                 entry = fut.result() if fut is not None else self._load(key)
@@ -95,6 +130,10 @@ class Prefetcher:
                     self._c["misses"] += 1
                     self._c["late"] += fut is not None
                     self._stall_s += time.perf_counter() - t0
+            if self.keep_used:
+                with self._lock:
+                    if sk[2] == self._generation.get(key[0], 0) and not self._closed:
+                        self._park(sk, entry)
         return self._materialize(entry, device)
 
     def discard(self, keys: Iterable[BlockKey] | None = None) -> None:
@@ -132,8 +171,12 @@ class Prefetcher:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            for q in self._queues.values():
+                while q:
+                    q.popleft()[1].cancel()  # a get waiting on it raises CancelledError
+            self._wake.notify_all()
+        for t in self._workers:
+            t.join()
         with self._lock:
             self._ready.clear()
             self._ready_size = 0
@@ -165,6 +208,25 @@ class Prefetcher:
             self._c["loaded"] += 1
         return entry
 
+    def _worker(self) -> None:
+        """A loader thread: urgent loads first, then look-ahead loads, each in request order."""
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        return
+                    q = self._queues[True] or self._queues[False]
+                    if not q:
+                        self._wake.wait()
+                        continue
+                    sk, fut = q.popleft()
+                    if not fut.running() and not fut.done() and fut.set_running_or_notify_cancel():
+                        break
+            try:
+                fut.set_result(self._background(sk))
+            except BaseException as exc:  # kept in the future; an unclaimed one is retried by get
+                fut.set_exception(exc)
+
     def _background(self, sk: Scoped) -> Entry:
         try:
             entry = self._load((sk[0], sk[1]))
@@ -177,13 +239,18 @@ class Prefetcher:
             # parked only while still wanted: not claimed by `get`, not of an ended sequence
             if self._inflight.get(sk) is not None and not self._closed:
                 del self._inflight[sk]
-                self._ready[sk] = entry
-                self._ready_size += _size(entry)
-                while self._ready_size > self.ready_bytes and len(self._ready) > 1:
-                    _, old = self._ready.popitem(last=False)
-                    self._ready_size -= _size(old)
-                    self._c["evicted"] += 1
+                self._park(sk, entry)
         return entry
+
+    def _park(self, sk: Scoped, entry: Entry) -> None:
+        """Put a loaded block in the ready buffer (newest), evicting the least recently used."""
+        self._drop_ready(sk)
+        self._ready[sk] = entry
+        self._ready_size += _size(entry)
+        while self._ready_size > self.ready_bytes and len(self._ready) > 1:
+            _, old = self._ready.popitem(last=False)
+            self._ready_size -= _size(old)
+            self._c["evicted"] += 1
 
     def _materialize(self, entry: Entry, device) -> tuple[torch.Tensor, torch.Tensor]:
         if entry[0] == "coded":
