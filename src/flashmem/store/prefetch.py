@@ -19,7 +19,8 @@ about to wait on) are taken before any look-ahead load, so a step's misses do
 not queue behind predictions for later steps. An urgent request for a block
 already queued as look-ahead moves it to the urgent queue. (`urgent_first =
 False` and `keep_used = False` give the previous behaviour, one FIFO and a
-block taken out by `get`, for A/B runs: docs/measurements.md, "Scale".)
+block taken out by `get`, for A/B runs: docs/measurements.md, "A step's misses
+first, used blocks kept".)
 
 Blocks are keyed (layer, block) by the cache, but the same key names another
 block once a layer starts a new sequence: `new_sequence(layer)` moves the layer
