@@ -26,7 +26,7 @@ import flashmem
 from flashmem_eval.suites import make_probe, score_answer
 
 
-def answer(model, tok, ids, method: str, budget: float) -> str:
+def answer(model, tok, ids, method: str, budget: float, variant: str = "default") -> str:
     with torch.no_grad():
         if method == "full":
             model.set_attn_implementation("sdpa")
@@ -35,7 +35,9 @@ def answer(model, tok, ids, method: str, budget: float) -> str:
                 out = model(ids[:, a : a + 2048], cache=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits
         else:
-            cfg = flashmem.FlashMemoryConfig.for_budget(budget, ids.shape[1], model, position_mode=method)
+            cfg = flashmem.FlashMemoryConfig.for_budget(
+                budget, ids.shape[1], model, variant=variant, position_mode=method
+            )
             cache = flashmem.attach(model, cfg)
             logits = flashmem.prefill(model, cache, ids, chunk=4096)
         gen = []
@@ -55,6 +57,7 @@ def main() -> None:
     ap.add_argument("--json", default="results/beyond_window_smollm2.json")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget", type=float, default=0.125)
+    ap.add_argument("--variant", default="default", help="a for_budget recipe variant (e.g. even)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = flashmem.load_model("smollm2")
@@ -65,9 +68,10 @@ def main() -> None:
             ids = tok(probe.context + probe.question, return_tensors="pt").input_ids
             for method in args.methods.split(","):
                 t0 = time.perf_counter()
-                text = answer(model, tok, ids, method, args.budget)
+                text = answer(model, tok, ids, method, args.budget, args.variant)
                 row = dict(
                     method=method,
+                    variant=None if method == "full" else args.variant,
                     budget=1.0 if method == "full" else args.budget,
                     length=n,
                     tokens=int(ids.shape[1]),

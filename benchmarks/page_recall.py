@@ -24,6 +24,13 @@ int8 mean key picks 4k candidate pages, their exact keys keep k; counted as a
 hit at top k when the needle's page is among those k).
 
     python benchmarks/page_recall.py rank n8k.pt --sinks 20
+    python benchmarks/page_recall.py dump 8192 1 passkey,locker_kjv n8k_smollm2.pt --model smollm2
+    python benchmarks/page_recall.py coverage n8k_smollm2.pt
+
+`--model` dumps another model's managed layers (KV heads ranked one by one);
+`coverage` prints, per layer, how much of the last query's attention the sinks
+(20) and the recent window (112) hold alone, and with 48 pages added: the 48
+best, the recipe's and the int8 mean key's.
 
 `--sinks` sets where pages start (the recipe keeps 20 sink tokens; the 4K table
 in docs/measurements.md was ranked with 4).
@@ -74,12 +81,12 @@ def probe(tok, fmt: str, length: int, depth: float, seed: int, salt: str = "") -
     return insert_needles(hay, [(needle, depth)], own_paragraph=True), question, code
 
 
-def dump(length: int, seeds: list[int], fmts: list[str], out: str) -> None:
+def dump(length: int, seeds: list[int], fmts: list[str], out: str, model_name: str = "gemma3-270m") -> None:
     from flashmem_eval import harness as H
     from flashmem_eval.suites import _global_layers
 
     torch.set_num_threads(1)
-    ld = H.load("gemma3-270m")
+    ld = H.load(model_name)
     tok, model = ld.tokenizer, ld.model
     rows = []
     for seed in seeds:
@@ -117,53 +124,106 @@ def rank(files: list[str], calibration: str | None, sinks: int = 4) -> None:
     res: dict[tuple, list[int]] = {}
     for row in rows:
         for li, lay in row["layers"].items():
-            K, Q, s = lay["K"][0].float(), lay["Q"].float(), lay["s"]  # one KV head (Gemma3)
-            Kh = K[sinks : row["nctx"]]
-            for P in (16, 64):
-                n = Kh.shape[0] // P
-                needle = sorted({(t - sinks) // P for t in row["ntok"] if sinks <= t and (t - sinks) // P < n})
-                if not needle:
-                    continue
-                pages = Kh[: n * P].reshape(n, P, -1)
+            n_kv = lay["K"].shape[0]
+            group = lay["Q"].shape[0] // n_kv
+            for kvh in range(n_kv):  # each KV head ranks its pages with its GQA group's queries
+                K, s = lay["K"][kvh].float(), lay["s"]
+                Q = lay["Q"][kvh * group : (kvh + 1) * group].float()
+                Kh = K[sinks : row["nctx"]]
+                for P in (16, 64):
+                    n = Kh.shape[0] // P
+                    needle = sorted({(t - sinks) // P for t in row["ntok"] if sinks <= t and (t - sinks) // P < n})
+                    if not needle:
+                        continue
+                    pages = Kh[: n * P].reshape(n, P, -1)
 
-                def rec(name: str, logits: torch.Tensor, li: int = li, P: int = P, needle: list = needle) -> None:
-                    """logits: [Hq, nq, n] page scores; the last query's pooled page mass ranks."""
-                    mass = torch.softmax(logits[:, -1:], -1).mean(1).sum(0)
-                    res.setdefault((li, P, name), []).append(int((mass > mass[needle].max()).sum()))
+                    def rec(
+                        name: str, logits: torch.Tensor, li: int = li, kvh: int = kvh, P: int = P, needle: list = needle
+                    ) -> None:
+                        """logits: [Hq, nq, n] page scores; the last query's pooled page mass ranks."""
+                        mass = torch.softmax(logits[:, -1:], -1).mean(1).sum(0)
+                        res.setdefault((li, kvh, P, name), []).append(int((mass > mass[needle].max()).sum()))
 
-                tokens = (Q @ Kh[: n * P].T * s).reshape(*Q.shape[:2], n, P)
-                rec("exact", torch.logsumexp(tokens, -1))
-                rec("mean", Q @ pages.mean(1).T * s)
-                rec("mean8", Q @ q8(pages.mean(1)).T * s)
-                # two stages: hit at k when the needle's page is in the exact top k of the
-                # index's top RERANK * k (stored as a rank: the smallest k that hits)
-                idx_mass = torch.softmax((Q @ q8(pages.mean(1)).T * s)[:, -1:], -1).mean(1).sum(0)
-                ex_mass = torch.softmax(torch.logsumexp(tokens, -1)[:, -1:], -1).mean(1).sum(0)
-                first = n
-                for k in range(1, n + 1):
-                    cand = idx_mass.topk(min(n, RERANK * k)).indices
-                    win = cand[ex_mass[cand].topk(min(k, len(cand))).indices]
-                    if any(p in needle for p in win.tolist()):
-                        first = k - 1
-                        break
-                res.setdefault((li, P, f"rerank{RERANK}"), []).append(first)
-                lo, hi = pages.amin(1), pages.amax(1)
-                rec("quest", torch.maximum(Q[..., None, :] * lo, Q[..., None, :] * hi).sum(-1) * s)
-                layer = cal.layer(li) if cal is not None else None
-                if layer is not None:
-                    for name, qk, kk in (("lowrank", "key_basis", "key_basis"), ("learned", "query_proj", "key_proj")):
-                        a, b = layer[qk][0], layer[kk][0]
-                        tok = ((Q @ a.T) @ q8(Kh[: n * P] @ b.T).T * s).reshape(*Q.shape[:2], n, P)
-                        rec(name, torch.logsumexp(tok, -1))
+                    tokens = (Q @ Kh[: n * P].T * s).reshape(*Q.shape[:2], n, P)
+                    rec("exact", torch.logsumexp(tokens, -1))
+                    rec("mean", Q @ pages.mean(1).T * s)
+                    rec("mean8", Q @ q8(pages.mean(1)).T * s)
+                    # two stages: hit at k when the needle's page is in the exact top k of the
+                    # index's top RERANK * k (stored as a rank: the smallest k that hits)
+                    idx_mass = torch.softmax((Q @ q8(pages.mean(1)).T * s)[:, -1:], -1).mean(1).sum(0)
+                    ex_mass = torch.softmax(torch.logsumexp(tokens, -1)[:, -1:], -1).mean(1).sum(0)
+                    first = n
+                    for k in range(1, n + 1):
+                        cand = idx_mass.topk(min(n, RERANK * k)).indices
+                        win = cand[ex_mass[cand].topk(min(k, len(cand))).indices]
+                        if any(p in needle for p in win.tolist()):
+                            first = k - 1
+                            break
+                    res.setdefault((li, kvh, P, f"rerank{RERANK}"), []).append(first)
+                    lo, hi = pages.amin(1), pages.amax(1)
+                    rec("quest", torch.maximum(Q[..., None, :] * lo, Q[..., None, :] * hi).sum(-1) * s)
+                    layer = cal.layer(li) if cal is not None else None
+                    if layer is not None:
+                        for name, qk, kk in (
+                            ("lowrank", "key_basis", "key_basis"),
+                            ("learned", "query_proj", "key_proj"),
+                        ):
+                            a, b = layer[qk][kvh], layer[kk][kvh]
+                            tok = ((Q @ a.T) @ q8(Kh[: n * P] @ b.T).T * s).reshape(*Q.shape[:2], n, P)
+                            rec(name, torch.logsumexp(tok, -1))
     for key in sorted(res):
         v = res[key]
         tops = " ".join(f"top{k} {sum(x < k for x in v)}" for k in TOPS)
-        print(f"layer {key[0]:2d} page {key[1]:2d} {key[2]:8s} median {statistics.median(v):5.1f} {tops} of {len(v)}")
+        print(
+            f"layer {key[0]:2d} kv head {key[1]} page {key[2]:2d} {key[3]:8s} median {statistics.median(v):5.1f} {tops} of {len(v)}"
+        )
+
+
+def coverage(files: list[str], sinks: int = 20, window: int = 112, k: int = 48, page: int = 16) -> None:
+    """Per layer, the last query's attention mass (GQA group mean, KV heads and prompts
+    averaged) on the sinks and the recent `window` tokens alone, and with k pages more:
+    the k best by exact mass, the recipe's (int8 mean key picks RERANK * k, exact mass
+    keeps k), the int8 mean key's k."""
+    rows = sum((torch.load(f) for f in files), [])
+    acc: dict[int, dict[str, list[float]]] = {}
+    for row in rows:
+        end = row["nctx"] - window
+        for li, lay in row["layers"].items():
+            n_kv = lay["K"].shape[0]
+            group = lay["Q"].shape[0] // n_kv
+            for kvh in range(n_kv):
+                K, s = lay["K"][kvh].float(), lay["s"]
+                Q = lay["Q"][kvh * group : (kvh + 1) * group, -1].float()  # [g, d]
+                p = torch.softmax(Q @ K.T * s, -1)  # [g, T]
+                n = (end - sinks) // page
+                pe = sinks + n * page
+                pm = p[:, sinks:pe].reshape(len(Q), n, page).sum(-1)  # [g, n]
+                fixed = p[:, :sinks].sum(-1) + p[:, pe:].sum(-1)
+                pooled = pm.mean(0)
+                idx = torch.softmax(Q @ q8(K[sinks:pe].reshape(n, page, -1).mean(1)).T * s, -1).mean(0)
+                cand = idx.topk(min(n, RERANK * k)).indices
+                picks = {
+                    "best": pooled.topk(k).indices,
+                    "recipe": cand[pooled[cand].topk(k).indices],
+                    "mean8": idx.topk(k).indices,
+                }
+                a = acc.setdefault(li, {})
+                a.setdefault("fixed", []).append(float(fixed.mean()))
+                for name, sel in picks.items():
+                    a.setdefault(name, []).append(float((fixed + pm[:, sel].sum(-1)).mean()))
+    for li in sorted(acc):
+        cells = " ".join(f"{name} {statistics.mean(v):.2f}" for name, v in acc[li].items())
+        print(f"layer {li:2d} sinks+window {cells}")
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "dump":
-        dump(int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")], sys.argv[4].split(","), sys.argv[5])
+    if sys.argv[1] == "coverage":
+        coverage([f for f in sys.argv[2:] if f.endswith(".pt")])
+    elif sys.argv[1] == "dump":
+        model_name = sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "gemma3-270m"
+        dump(
+            int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")], sys.argv[4].split(","), sys.argv[5], model_name
+        )
     else:
         cal = sys.argv[sys.argv.index("--calibration") + 1] if "--calibration" in sys.argv else None
         sinks = int(sys.argv[sys.argv.index("--sinks") + 1]) if "--sinks" in sys.argv else 4

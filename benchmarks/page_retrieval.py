@@ -1,9 +1,9 @@
 """Retrieval through the cache on needle formats and haystacks the retrieval suite does not use.
 
-    python benchmarks/page_retrieval.py 4096 0.0625 full,default,summaries,block passkey,locker_kjv,locker_pydoc 7 0.2,0.5,0.8
+    python benchmarks/page_retrieval.py 4096 0.0625 full,default,summaries,block passkey,locker_kjv,locker_pydoc 7 0.2,0.5,0.8 [MODEL]
 
 For each format and depth (formats and prompts: `page_recall.probe`) the
-Gemma3-270m full cache answers, then flashmem with each recipe variant of
+full cache of MODEL (default Gemma3-270m) answers, then flashmem with each recipe variant of
 `flashmem.memory.budget.VARIANTS` mapped to the budget by
 `FlashMemoryConfig.for_budget`; greedy, 8 new tokens, right when the first
 number in the answer is the needle's. One JSON line per prompt: 1/0 per
@@ -32,7 +32,7 @@ def main() -> None:
     methods, fmts, seed = sys.argv[3].split(","), sys.argv[4].split(","), int(sys.argv[5])
     depths = [float(x) for x in sys.argv[6].split(",")]
     torch.set_num_threads(1)
-    ld = H.load("gemma3-270m")
+    ld = H.load(sys.argv[7] if len(sys.argv) > 7 else "gemma3-270m")
     tok, model = ld.tokenizer, ld.model
     impl = model.config._attn_implementation
     geo = model_geometry(model)

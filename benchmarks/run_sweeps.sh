@@ -154,6 +154,28 @@ PYTHONPATH=evaluation python benchmarks/beyond_window.py --lengths 8192,16384 --
 PYTHONPATH=evaluation python benchmarks/beyond_window.py --lengths 32768 --methods window,real --seeds 0 \
   --threads 1 --json $O/beyond_window_smollm2.json
 
+# pages per layer by the layer profile (lsa_layer_shares: profile, the recipe) against the even split
+# (flashmem:even), SmolLM2: where layer 7's attention goes (full-cache dump), retrieval, fidelity;
+# Gemma3 at 1/16 (shares 46-49 of 48), the 8K passkeys fed as one sequence, the main job's prompts
+python benchmarks/page_recall.py dump 8192 1 passkey,locker_kjv /tmp/n8k_smollm2.pt --model smollm2
+python benchmarks/page_recall.py rank /tmp/n8k_smollm2.pt --sinks 20
+S="--model smollm2 --methods full,flashmem,flashmem:even --budgets 1/16,1/8 --seeds 0 --tasks passkey,locker \
+  --haystacks kjv,stdlib-doc $C"
+flashmem bench retrieval $S --lengths 4k --depths 0.15,0.5,0.85 --json-out $O/retrieval_smollm2_layers4k.json
+flashmem bench retrieval $S --lengths 8k --depths 0.5 --json-out $O/retrieval_smollm2_layers8k.json
+flashmem bench fidelity --model smollm2 --methods flashmem,flashmem:even --budgets 1/8,1/16 --lengths 4k,8k $C \
+  --json-out $O/fidelity_smollm2_layers.json
+flashmem bench fidelity --model smollm2 --methods flashmem --budgets 1/8,1/16 --lengths 4k --seeds 1 $C \
+  --json-out $O/fidelity_smollm2_layers_seed1.json
+flashmem bench retrieval --model gemma3-270m --methods flashmem --budgets 1/16 --lengths 2k,4k --seeds 0 \
+  --depths 0.15,0.5,0.85 --tasks passkey,locker --haystacks kjv,stdlib-doc $C --json-out $O/retrieval_gemma3_layers.json
+for V in default even half; do
+  PYTHONPATH=evaluation python benchmarks/beyond_window.py --lengths 8192 --seeds 0,1,2 --methods real --variant $V \
+    --threads 1 --json $O/beyond_window_smollm2_layers.json
+done
+flashmem run --text kjv --context-tokens 8192 --compare-full --threads 1
+flashmem run --text kjv --context-tokens 7000 --fact-depth 0.45 --compare-full --threads 1
+
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F

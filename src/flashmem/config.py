@@ -70,6 +70,19 @@ class FlashMemoryConfig(BaseModel):
     lsa_keep_ratio: float = Field(0.135, gt=0.0, le=1.0, description="fraction of sealed blocks selected per step")
     lsa_top_k: int | None = Field(None, ge=0, description="selected blocks per step; overrides lsa_keep_ratio when set")
     lsa_min_blocks: int = Field(1, ge=0, description="at least this many blocks are selected when any are sealed")
+    lsa_layer_shares: dict[int, float] | Literal["profile"] | None = Field(
+        None,
+        description="pages per layer relative to lsa_top_k ({layer: share}, layers not named: 1): the "
+        "managed layers split their lsa_top_k x layers pages by share, so the total stays the same; "
+        "profile: the shares from the model's layer profile (how far each layer attends), read or "
+        "measured at attach; null: every layer selects lsa_top_k",
+    )
+    lsa_layer_profile_weight: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="with lsa_layer_shares: profile, how far the split moves from even (0) to the profile's (1)",
+    )
     lsa_page_tokens: int | None = Field(
         None,
         ge=1,
@@ -194,6 +207,18 @@ class FlashMemoryConfig(BaseModel):
                 f"cold_low_rank: {self.cold_low_rank!r} needs low_rank_dim (coefficients kept per token "
                 "and KV head); allowed: low_rank_dim: 1..head_dim (e.g. 32 of 64), or cold_low_rank: none"
             )
+        if isinstance(self.lsa_layer_shares, dict):
+            bad = {i: v for i, v in self.lsa_layer_shares.items() if i < 0 or not 0 <= v < float("inf")}
+            if bad:
+                i, v = next(iter(bad.items()))
+                raise ValueError(
+                    f"lsa_layer_shares: {{{i}: {v}}}; allowed: layer indices >= 0 mapped to finite shares >= 0"
+                )
+            if self.lsa_top_k is None:
+                raise ValueError(
+                    "lsa_layer_shares splits lsa_top_k pages over the layers; allowed: set lsa_top_k, "
+                    "or lsa_layer_shares: null"
+                )
         if len(set(self.keep_full_layers)) != len(self.keep_full_layers):
             raise ValueError(f"keep_full_layers: {self.keep_full_layers} repeats a layer; allowed: distinct layers")
         return self
@@ -274,6 +299,10 @@ class FlashMemoryConfig(BaseModel):
         dtype from; without it give group / head_dim / dtype_bytes (defaults 1 / 64 / 4).
         variant: a recipe of flashmem.memory.budget.VARIANTS; overrides: config keys laid
         over it. See flashmem.memory.budget.budget_config and docs/measurements.md.
+
+        The recipe splits its pages over the layers by how far each attends
+        (`lsa_layer_shares: profile`): `attach` reads the model's layer profile from the
+        cache or measures it there once (`flashmem.calibration.layer_profile`).
         """
         from flashmem.memory.budget import budget_config, model_geometry
 
@@ -335,6 +364,21 @@ class FlashMemoryConfig(BaseModel):
     @property
     def pages_per_block(self) -> int:
         return self.hca_chunk_size // self.page_tokens
+
+    def layer_top_k(self, managed: list[int]) -> dict[int, int]:
+        """Pages each managed layer selects: lsa_top_k x len(managed) split by
+        lsa_layer_shares (largest remainder, so the total is exact); {} without shares."""
+        if not isinstance(self.lsa_layer_shares, dict) or self.lsa_top_k is None or not managed:
+            return {}
+        w = {i: self.lsa_layer_shares.get(i, 1.0) for i in managed}
+        total, s = self.lsa_top_k * len(managed), sum(w.values())
+        if s <= 0:
+            return {}
+        exact = {i: total * v / s for i, v in w.items()}
+        k = {i: int(x) for i, x in exact.items()}
+        for i in sorted(exact, key=lambda i: k[i] - exact[i])[: total - sum(k.values())]:
+            k[i] += 1
+        return k
 
     def blocks_to_select(self, num_sealed: int) -> int:
         """How many selection units (sealed blocks, or pages with `lsa_page_tokens`) the

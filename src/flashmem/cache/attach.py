@@ -36,7 +36,9 @@ def attach(
     other caches too. A scorer that needs a calibration (`lowrank`, `learned`), and
     `cold_low_rank`, read `cfg.calibration`, else the one cached for this model by
     `flashmem calibrate`; with `tokenizer` given, a missing one is built once
-    and cached (`flashmem.calibration.cached_calibration`).
+    and cached (`flashmem.calibration.cached_calibration`). `lsa_layer_shares:
+    profile` reads the model's layer profile, or measures it once with `tokenizer`
+    (or the one `flashmem.load_model` returned with the model).
     """
     cfg = cfg if cfg is not None else FlashMemoryConfig()
     if overrides:
@@ -58,4 +60,8 @@ def attach(
             calibration.check_model(model)
         else:
             calibration = cached_calibration(model, tokenizer)
+    if cfg.lsa_layer_shares == "profile":
+        from flashmem.calibration.layer_profile import resolve_profile_shares
+
+        cfg = resolve_profile_shares(cfg, model, tokenizer)
     return FlashMemoryCache(model.config, cfg, rotators=rotators, dtype=model.dtype, calibration=calibration)

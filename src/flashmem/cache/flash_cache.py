@@ -29,6 +29,7 @@ from flashmem.cache.guard import StepGuard
 from flashmem.cache.latent import make_latent
 from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
+from flashmem.errors import ConfigError
 from flashmem.index import ScorerContext, make_scorer
 from flashmem.models import geometry
 from flashmem.rope import RopeRotator
@@ -88,6 +89,15 @@ class FlashMemoryCache(Cache):
         if self.prefetcher is not None:  # 10% slack for in-flight loads
             share = int(0.9 * self.prefetcher.ready_bytes) // max(1, n_flash)
         kv_heads, head_dim = geometry.kv_heads(text_cfg) or 0, geometry.head_dim(text_cfg) or 0
+        managed = [i for i in range(n_layers) if not sliding[i] and i not in full]
+        shares = cfg.lsa_layer_shares if isinstance(cfg.lsa_layer_shares, dict) else {}
+        outside = sorted(i for i in shares if i >= n_layers)
+        if outside:
+            raise ConfigError(
+                f"lsa_layer_shares: layer {outside[0]} is outside the model's {n_layers} layers; "
+                f"allowed: 0..{n_layers - 1}"
+            )
+        top_k = cfg.layer_top_k(managed)  # lsa_layer_shares: pages per layer ("profile": attach resolves it)
         layers: list[Any] = []
         for i, kind in enumerate(layer_types):
             if sliding[i]:
@@ -96,11 +106,14 @@ class FlashMemoryCache(Cache):
                 layers.append(DynamicLayer())
             else:
                 layer_cal = calibration.layer(i) if calibration is not None else None
-                ctx = ScorerContext(layer_idx=i, kv_heads=kv_heads, head_dim=head_dim, cfg=cfg, calibration=layer_cal)
+                layer_cfg = cfg if i not in top_k else cfg.model_copy(update={"lsa_top_k": top_k[i]})
+                ctx = ScorerContext(
+                    layer_idx=i, kv_heads=kv_heads, head_dim=head_dim, cfg=layer_cfg, calibration=layer_cal
+                )
                 layers.append(
                     FlashLayer(
                         i,
-                        cfg,
+                        layer_cfg,
                         self.store,
                         make_scorer(cfg.lsa_scorer, ctx),
                         make_rule(cfg.fusion_rule),

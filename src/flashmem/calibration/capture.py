@@ -25,8 +25,9 @@ NAME = "qk_capture"
 class Captured:
     """Per layer: lists of queries [Hq, T, d], keys and values [Hkv, T, d] (float32, CPU), and the scaling."""
 
-    def __init__(self, layers: set[int]) -> None:
+    def __init__(self, layers: set[int], keep_values: bool = True) -> None:
         self.layers = layers
+        self.keep_values = keep_values
         self.queries: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
         self.keys: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
         self.values: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
@@ -49,20 +50,21 @@ def _capturing_attention(
     if cap is not None and idx in cap.layers:
         cap.queries[idx].append(query[0].detach().float().cpu())  # [Hq, T, d]
         cap.keys[idx].append(key[0].detach().float().cpu())  # [Hkv, T, d]
-        cap.values[idx].append(value[0].detach().float().cpu())  # [Hkv, T, d] (the cold tier's bases)
+        if cap.keep_values:
+            cap.values[idx].append(value[0].detach().float().cpu())  # [Hkv, T, d] (the cold tier's bases)
         cap.scaling[idx] = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
 @contextmanager
-def capture_qk(model: Any, layers: set[int]) -> Iterator[Captured]:
-    """Within the block, forwards of `model` record queries and keys of `layers`."""
+def capture_qk(model: Any, layers: set[int], keep_values: bool = True) -> Iterator[Captured]:
+    """Within the block, forwards of `model` record queries and keys (and values) of `layers`."""
     global _ACTIVE
     AttentionInterface.register(NAME, _capturing_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
-    _ACTIVE = cap = Captured(layers)
+    _ACTIVE = cap = Captured(layers, keep_values)
     try:
         yield cap
     finally:

@@ -46,6 +46,10 @@ RECIPE: dict[str, Any] = {
     # and short chunks only): SmolLM2 KL at 1/8 and 1/16 about halved, more 2K needles
     # found (docs/measurements.md, "Re-ranking candidates by their exact keys").
     "lsa_rerank": 4,
+    # Pages split over the layers by how far each attends (the model's layer profile, read
+    # or measured at attach): SmolLM2 answers 8K passkeys an even split misses
+    # (docs/measurements.md, "Pages per layer by how far it attends").
+    "lsa_layer_shares": "profile",
 }
 # From this budget up a selected page brings the page after it (the answer after
 # its cue, `lsa_follow_pages: 1`); below it the pairs halve too few distinct pages
@@ -78,6 +82,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # a long prefill chunk's selection from 64 of its queries, re-ranked: better SmolLM2 KL at
     # 8K, 3 of 56 needles lost on Gemma3 (docs/measurements.md, "Prefill: a chunk's selection")
     "pq64": {**RECIPE, "lsa_prefill_queries": 64},
+    # every layer selects lsa_top_k pages
+    "even": {**RECIPE, "lsa_layer_shares": None},
+    # halfway between the even split and the profile's
+    "half": {**RECIPE, "lsa_layer_profile_weight": 0.5},
 }
 # Target shares of the resident budget: window, selected blocks, CSA band.
 SHAPE = (0.08, 0.7, 0.0)

@@ -237,11 +237,14 @@ def _load_folder(folder: Path, dtype: Any, device: Any) -> tuple[Any, Any]:
     return model, tok
 
 
-def _finish(model: Any, device: Any) -> Any:
+def _finish(model: Any, device: Any, tok: Any) -> Any:
+    from flashmem.calibration.layer_profile import remember_tokenizer
+
     model = model.to(device)
     model.eval()
     if getattr(model.config, "_attn_implementation", None) not in ("eager", "sdpa"):
         model.set_attn_implementation("sdpa")
+    remember_tokenizer(model, tok)  # attach measures a missing layer profile with it
     return model
 
 
@@ -282,7 +285,7 @@ def load_model(
         if not has_weights:
             raise FlashMemError(f"{src.path} has a config.json but no weights (*.safetensors or *.bin)")
         model, tok = _load_folder(src.path, dtype, device)
-        return _finish(model, device), tok
+        return _finish(model, device, tok), tok
 
     target = src.cache_dir()
     if cache_is_complete(target):
@@ -294,14 +297,14 @@ def load_model(
             log.warning("cached model %s failed to load (%s); rebuilding", target, e)
             _discard(target)
         else:
-            return _finish(model, device), tok
+            return _finish(model, device, tok), tok
     elif target.exists():
         log.warning("cached model %s is incomplete; rebuilding", target)
     _build_cache(src, target)
     if not cache_is_complete(target):  # pragma: no cover - defensive
         raise FlashMemError(f"could not write a complete model cache in {target}")
     model, tok = _load_folder(target, dtype, device)
-    return _finish(model, device), tok
+    return _finish(model, device, tok), tok
 
 
 # ------------------------------------------------------------------------------ info
