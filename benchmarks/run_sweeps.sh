@@ -169,6 +169,12 @@ flashmem bench fidelity --model smollm2 --methods flashmem --budgets 1/8,1/16 --
   --json-out $O/fidelity_smollm2_layers_seed1.json
 flashmem bench retrieval --model gemma3-270m --methods flashmem --budgets 1/16 --lengths 2k,4k --seeds 0 \
   --depths 0.15,0.5,0.85 --tasks passkey,locker --haystacks kjv,stdlib-doc $C --json-out $O/retrieval_gemma3_layers.json
+flashmem bench retrieval --model gemma3-270m --methods flashmem:int8 --budgets 1/16 --lengths 2k,4k --seeds 0 \
+  --depths 0.15,0.5,0.85 --tasks passkey,locker --haystacks kjv,stdlib-doc $C --json-out $O/retrieval_gemma3_int8.json
+for B in 0.125 0.0625; do  # held-out needle formats (rows in $O/page_retrieval_smollm2_layers.jsonl)
+  PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 $B full,default,even multikey,locker_kjv 11 \
+    0.2,0.5,0.8 smollm2
+done
 for V in default even half; do
   PYTHONPATH=evaluation python benchmarks/beyond_window.py --lengths 8192 --seeds 0,1,2 --methods real --variant $V \
     --threads 1 --json $O/beyond_window_smollm2_layers.json

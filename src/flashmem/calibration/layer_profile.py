@@ -40,7 +40,7 @@ SINKS = 20  # the recipe's sink tokens: attention to them is never missing
 QUERY_STRIDE = 8  # sampled queries: every 8th of each sequence's second half
 
 
-# model -> the tokenizer flashmem.load_model returned with it, so for_budget can measure a
+# model -> the tokenizer flashmem.load_model returned with it, so attach can measure a
 # missing profile without being handed one.
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
