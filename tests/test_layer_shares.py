@@ -120,3 +120,16 @@ def test_the_recipe_splits_pages_by_the_profile_at_attach(tmp_path, monkeypatch)
     assert prof is not None and shares == LP.layer_shares(prof, cfg.gpu_cache_limit + cfg.hca_chunk_size // 2)
     # the same total of pages: the budget does not move
     assert sum(layer.cfg.lsa_top_k for layer in split.layers) == 2 * cfg.lsa_top_k
+
+
+def test_profile_weight_moves_the_split_toward_even(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHMEM_CACHE_DIR", str(tmp_path))
+    model = tiny_llama()
+    prof = {"format": LP.FORMAT, "windows": [16, 64], "far": {"0": [0.9, 0.8], "1": [0.1, 0.0]}}
+    monkeypatch.setattr(LP, "cached_layer_profile", lambda *a, **k: prof)
+    base = flashmem.FlashMemoryConfig(**PAGED, lsa_top_k=8, lsa_layer_shares="profile")
+    full = LP.resolve_profile_shares(base, model).lsa_layer_shares
+    half = LP.resolve_profile_shares(base.model_copy(update={"lsa_layer_profile_weight": 0.5}), model).lsa_layer_shares
+    even = LP.resolve_profile_shares(base.model_copy(update={"lsa_layer_profile_weight": 0.0}), model).lsa_layer_shares
+    assert full[0] > half[0] > even[0] == 1.0 == even[1]
+    assert half[0] == pytest.approx((1 + full[0]) / 2, abs=1e-3)
