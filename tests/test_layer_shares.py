@@ -32,6 +32,8 @@ def test_layer_top_k_splits_the_total_by_share():
         ({"lsa_top_k": 4, "lsa_layer_shares": {0: -1.0}}, "finite shares >= 0"),
         ({"lsa_top_k": 4, "lsa_layer_shares": {-2: 1.0}}, "layer indices >= 0"),
         ({"lsa_layer_shares": {0: 1.0}}, "set lsa_top_k"),
+        ({"lsa_top_k": 4, "lsa_layer_shares": "profil"}, "allowed: profile, null, or a mapping"),
+        ({"lsa_top_k": 4, "lsa_layer_shares": [1, 2]}, "allowed: profile, null, or a mapping"),
     ],
 )
 def test_bad_shares_are_one_line_errors(data, words):

@@ -436,6 +436,8 @@ def _describe(field: Any, kind: str, err: Any) -> str:
         s = str(ann).replace("typing.", "")
         if s.startswith("list[int]"):
             text = "a list of integers (layer indices)"
+        elif "dict[int, float]" in s:
+            text = "profile, null, or a mapping {layer index: share}"
         elif "int" in s and "None" in s:
             text = "an integer or null"
         elif "str" in s and "None" in s:
