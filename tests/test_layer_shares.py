@@ -102,7 +102,9 @@ def test_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert prof is not None and set(prof["far"]) == {"0", "1"}
     assert json.loads(LP.profile_path(model).read_text())["far"] == prof["far"]
     monkeypatch.setattr(LP, "measure_layer_profile", lambda *a, **k: pytest.fail("measured again"))
-    assert LP.cached_layer_profile(model, _Tok())["far"] == prof["far"]
+    assert LP.cached_layer_profile(model, _Tok())["far"] == prof["far"]  # held for this model
+    LP._PROFILES.clear()
+    assert LP.cached_layer_profile(model, _Tok())["far"] == prof["far"]  # read from the file
 
 
 def test_the_recipe_splits_pages_by_the_profile_at_attach(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ import torch
 from flashmem.calibration.artifact import FORMAT, Calibration, load_calibration, model_fingerprint
 from flashmem.calibration.capture import capture_qk
 from flashmem.calibration.fit import fit_cold_bases, fit_layer
-from flashmem.calibration.texts import calibration_text
+from flashmem.calibration.texts import attention_layers, token_sequences
 
 __all__ = ["Calibration", "cached_calibration", "calibrate", "default_folder", "load_calibration", "model_fingerprint"]
 
@@ -81,26 +81,14 @@ def calibrate(
     t0 = time.perf_counter()
     cfg = model.config.get_text_config(decoder=True)
     if layers is None:
-        kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-        layers = [i for i, k in enumerate(kinds) if k not in ("sliding_attention", "chunked_attention")]
-    body, source = calibration_text(text)
+        layers = attention_layers(cfg)
     seq_tokens = min(seq_tokens, tokens)
     n_seq = max(1, tokens // seq_tokens)
-    # Tokenize only what is needed (English BPE: well under 12 characters a token).
-    ids = tokenizer(body[: 12 * n_seq * seq_tokens + 4096], add_special_tokens=False)["input_ids"]
-    if len(ids) < n_seq * seq_tokens:
-        from flashmem.errors import ConfigError
-
-        raise ConfigError(
-            f"calibration text {text!r}: {len(ids)} tokens, fewer than the {n_seq * seq_tokens} asked for; "
-            "allowed: --tokens up to the text's length, or a longer --text FILE"
-        )
-    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
+    sequences, source = token_sequences(tokenizer, text, n_seq, seq_tokens)
     bar = _bar(progress, n_seq + len(layers))
     device = next(model.parameters()).device
     with capture_qk(model, set(layers)) as cap, torch.no_grad():
-        for s in range(n_seq):
-            chunk = bos + ids[s * seq_tokens : (s + 1) * seq_tokens - len(bos)]
+        for chunk in sequences:
             model(input_ids=torch.tensor([chunk], device=device), use_cache=False)
             bar.update(1)
     from flashmem.models import geometry

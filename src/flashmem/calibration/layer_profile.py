@@ -28,7 +28,7 @@ import torch
 
 from flashmem.calibration.artifact import model_fingerprint
 from flashmem.calibration.capture import capture_qk
-from flashmem.calibration.texts import calibration_text
+from flashmem.calibration.texts import attention_layers, token_sequences
 
 if TYPE_CHECKING:
     from flashmem.config import FlashMemoryConfig
@@ -43,6 +43,9 @@ QUERY_STRIDE = 8  # sampled queries: every 8th of each sequence's second half
 # model -> the tokenizer flashmem.load_model returned with it, so attach can measure a
 # missing profile without being handed one.
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# model -> its profile once read or measured: a server attaches a cache per sequence, and
+# the fingerprint hashes weights, so each model's file is read once.
+_PROFILES: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def remember_tokenizer(model: Any, tokenizer: Any) -> None:
@@ -71,18 +74,12 @@ def measure_layer_profile(
     heads and sampled queries in each sequence's second half) outside the first SINKS
     tokens and the last W -> {"far": {layer: [share per WINDOWS]}, ...manifest}."""
     t0 = time.perf_counter()
-    cfg = model.config.get_text_config(decoder=True)
-    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    layers = [i for i, k in enumerate(kinds) if k not in ("sliding_attention", "chunked_attention")]
-    body, source = calibration_text(text)
+    layers = attention_layers(model.config.get_text_config(decoder=True))
     n_seq = max(1, tokens // seq_tokens)
-    ids = tokenizer(body[: 12 * n_seq * seq_tokens + 4096], add_special_tokens=False)["input_ids"]
-    seq_tokens = min(seq_tokens, len(ids) // n_seq)
-    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
+    sequences, source = token_sequences(tokenizer, text, n_seq, seq_tokens)
     device = next(model.parameters()).device
     far: dict[int, list[list[float]]] = {i: [] for i in layers}
-    for s in range(n_seq):
-        chunk = bos + ids[s * seq_tokens : (s + 1) * seq_tokens - len(bos)]
+    for chunk in sequences:
         with capture_qk(model, set(layers), keep_values=False) as cap:
             model(input_ids=torch.tensor([chunk], device=device), use_cache=False)
         for i in layers:
@@ -122,21 +119,33 @@ def far_shares(q: torch.Tensor, k: torch.Tensor, scaling: float) -> list[float]:
 def cached_layer_profile(model: Any, tokenizer: Any = None) -> dict[str, Any] | None:
     """This model's profile from the cache, or measured and cached when a tokenizer is
     given (seconds on CPU for SmolLM2); None when neither."""
+    try:
+        known = _PROFILES.get(model)
+    except TypeError:  # not weak-referenceable
+        known = None
+    if known is not None:
+        return known
     path = profile_path(model)
+    prof = None
     if path.is_file():
         try:
             prof = json.loads(path.read_text(encoding="utf-8"))
-            if prof.get("format") == FORMAT and prof.get("model_fingerprint") == model_fingerprint(model):
-                return prof
         except (OSError, ValueError):
-            pass  # unreadable: measured again below
-    if tokenizer is None:
-        return None
-    prof = measure_layer_profile(model, tokenizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(prof, indent=1), encoding="utf-8")
-    tmp.replace(path)
+            prof = None  # unreadable: measured again below
+        if prof is not None and (prof.get("format") != FORMAT or prof.get("model_fingerprint") != path.stem):
+            prof = None
+    if prof is None:
+        if tokenizer is None:
+            return None
+        prof = measure_layer_profile(model, tokenizer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(prof, indent=1), encoding="utf-8")
+        tmp.replace(path)
+    try:
+        _PROFILES[model] = prof
+    except TypeError:
+        pass
     return prof
 
 
