@@ -163,6 +163,8 @@ S="--model smollm2 --methods full,flashmem,flashmem:even --budgets 1/16,1/8 --se
   --haystacks kjv,stdlib-doc $C"
 flashmem bench retrieval $S --lengths 4k --depths 0.15,0.5,0.85 --json-out $O/retrieval_smollm2_layers4k.json
 flashmem bench retrieval $S --lengths 8k --depths 0.5 --json-out $O/retrieval_smollm2_layers8k.json
+flashmem bench retrieval $S --lengths 4k --seeds 5 --depths 0.3,0.7 --haystacks stdlib-doc \
+  --json-out $O/retrieval_smollm2_layers_seed5.json  # held out: a seed and haystack not used to choose the split
 flashmem bench fidelity --model smollm2 --methods flashmem,flashmem:even --budgets 1/8,1/16 --lengths 4k,8k $C \
   --json-out $O/fidelity_smollm2_layers.json
 flashmem bench fidelity --model smollm2 --methods flashmem --budgets 1/8,1/16 --lengths 4k --seeds 1 $C \
