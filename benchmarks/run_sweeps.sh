@@ -184,6 +184,29 @@ done
 flashmem run --text kjv --context-tokens 8192 --compare-full --threads 1
 flashmem run --text kjv --context-tokens 7000 --fact-depth 0.45 --compare-full --threads 1
 
+# the working set as int8 on the device (working_set_codec: int8, the recipe since; flashmem:wsint8 in
+# these runs, the recipe before = the plain flashmem rows, now flashmem:wsmodel); docs/measurements.md,
+# "An int8 working set". Run before the recipe changed, so `flashmem` / `default` there is wsmodel now.
+W="--model smollm2 --methods full,flashmem:wsmodel,flashmem:wsint8 --seeds 0 --tasks passkey,locker --haystacks kjv,stdlib-doc $C"
+flashmem bench retrieval $W --budgets 1/16 --lengths 4k --depths 0.15,0.5,0.85 --json-out $O/retrieval_smollm2_wsint8.json
+flashmem bench retrieval $W --budgets 1/8 --lengths 4k --depths 0.15,0.5,0.85 --json-out $O/retrieval_smollm2_wsint8_b8.json
+flashmem bench retrieval $W --budgets 1/16,1/8 --lengths 8k --depths 0.5 --json-out $O/retrieval_smollm2_wsint8_8k.json
+flashmem bench retrieval --model gemma3-270m --methods full,flashmem:wsmodel,flashmem:wsint8 --budgets 1/16 --lengths 4k \
+  --depths 0.15,0.5,0.85 --seeds 0 --tasks passkey,locker --haystacks kjv,stdlib-doc $C --json-out $O/retrieval_gemma3_wsint8.json
+flashmem bench fidelity --model smollm2 --methods streaming,snapkv,flashmem:wsmodel,flashmem:wsint8 --budgets 1/8,1/16 \
+  --lengths 4k,8k $C --json-out $O/fidelity_smollm2_wsint8.json
+flashmem bench fidelity --model smollm2 --methods streaming,snapkv,flashmem:wsmodel,flashmem:wsint8 --budgets 1/8,1/16 \
+  --lengths 4k --seeds 1 $C --json-out $O/fidelity_smollm2_wsint8_seed1.json
+flashmem bench fidelity --model smollm2 --methods flashmem:norerank,flashmem:rerank2 --budgets 1/8,1/16 \
+  --lengths 4k $C --json-out $O/fidelity_smollm2_wsint8_rerank.json
+for B in 0.0625 0.125; do  # held-out needle formats (rows in $O/page_retrieval_smollm2_wsint8.jsonl)
+  PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 $B full,wsmodel,wsint8 multikey,locker_kjv 11 \
+    0.2,0.5,0.8 smollm2
+done
+python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 7192 --decode 300 \
+  --json-out $O/target_8k_smollm2_wsint8.json
+flashmem run --text kjv --context-tokens 8192 --compare-full --threads 1
+
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F

@@ -222,10 +222,11 @@ def test_deepseek_v4_sliding_csa_hca():
         assert 0 <= scratch <= 4 * (4 * 2 * (32 + 16) * 2) + 16 * 32 * 2 * 4 * 2
 
 
-def test_flashmem_cache_memory_report_agrees_with_estimate(llama):
+@pytest.mark.parametrize("ws_codec", ["model", "int8"])
+def test_flashmem_cache_memory_report_agrees_with_estimate(llama, ws_codec):
     """The cache's measured memory_report and the calculator share tiers.py: the
-    per-tier bytes agree exactly; the total within 5% (the cache also keeps a
-    small buffer of recent queries that the calculator does not count)."""
+    per-tier bytes agree exactly (an int8 working set too); the total within 5% (the
+    cache also keeps a small buffer of recent queries that the calculator does not count)."""
     try:
         import flashmem
         from flashmem.config import FlashMemoryConfig
@@ -244,6 +245,7 @@ def test_flashmem_cache_memory_report_agrees_with_estimate(llama):
         prefill_chunk=64,
         keep_full_layers=[-1],
         prefetch_threads=0,
+        working_set_codec=ws_codec,
     )
     cache = attach(model, fc)
     try:

@@ -135,6 +135,12 @@ class FlashMemoryConfig(BaseModel):
     cold_store: ColdStoreKind = Field("memory", description="where exact K/V of sealed blocks live")
     cold_dir: str | None = Field(None, description="folder of the disk cold tier")
     cold_codec: ColdCodec = Field("exact", description="coding of K/V in the cold tier")
+    working_set_codec: Literal["model", "int8"] = Field(
+        "model",
+        description="the selected pages' K/V on the device: model (its dtype) or int8 (per token "
+        "row with an fp32 scale, decoded for each step's attention; a budget then holds about 2x "
+        "(bf16) or 4x (fp32) the pages)",
+    )
     cold_ram_bytes: int = Field(256 * 2**20, ge=0, description="layered store: RAM LRU of blocks in front of the disk")
     prefetch_window: int = Field(16384, ge=0, description="tokens around selected blocks that may be prefetched")
     prefetch_threads: int = Field(2, ge=0, description="background loader threads (0: off)")
@@ -293,7 +299,8 @@ class FlashMemoryConfig(BaseModel):
     ) -> FlashMemoryConfig:
         """The best measured recipe at `budget` x the full cache's device-resident KV bytes
         after `tokens` tokens (0 < budget <= 1): 16-token pages scored by their mean key
-        (int8), 64-token blocks, the split of window / selected pages searched to fit.
+        (int8), 64-token blocks, the selected pages held as int8 on the device, the split
+        of window / selected pages searched to fit.
 
         model: a transformers model (or its config) to read the GQA group, head dim and
         dtype from; without it give group / head_dim / dtype_bytes (defaults 1 / 64 / 4).

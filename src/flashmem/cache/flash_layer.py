@@ -32,6 +32,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from flashmem.cache.latent import LatentKV
 from flashmem.cache.lookahead import predict_next_blocks
+from flashmem.compress import page_code
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
 from flashmem.config import FlashMemoryConfig
@@ -162,12 +163,47 @@ class FlashLayer(CacheLayerMixin):
         self._valid_len = 0
         self.recent_q: torch.Tensor | None = None  # [b, h, n, d]
         self.ws_idx: torch.Tensor | None = None  # last selection of pages [b, h, k]
-        self.ws_k: torch.Tensor | None = None  # [b, h, k*P, d]
-        self.ws_v: torch.Tensor | None = None
+        # The working set's K/V [b, h, k*P, d], as held on the device (working_set_codec:
+        # int8 codes and scales); ws_k / ws_v read them in the model's dtype.
+        self._ws_code: list[tuple[torch.Tensor, ...] | None] = [None, None]
         self.ws_valid: torch.Tensor | None = None  # [b, h, k*P]
         # This step's re-rank candidates (page ids [b, h, c], k, v [b, h, c, P, d]), or None.
         self._cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.is_initialized = True
+
+    # The working set (see _ws_code): coded on assignment, decoded on read.
+    @property
+    def ws_k(self) -> torch.Tensor | None:
+        return self._ws_read(0)
+
+    @ws_k.setter
+    def ws_k(self, t: torch.Tensor | None) -> None:
+        self._ws_store(0, t)
+
+    @property
+    def ws_v(self) -> torch.Tensor | None:
+        return self._ws_read(1)
+
+    @ws_v.setter
+    def ws_v(self, t: torch.Tensor | None) -> None:
+        self._ws_store(1, t)
+
+    def _ws_store(self, slot: int, t: torch.Tensor | None) -> None:
+        if t is None:
+            self._ws_code[slot] = None
+        elif self.cfg.working_set_codec == "int8":
+            self._ws_code[slot] = page_code.encode(t)
+        else:
+            self._ws_code[slot] = (t,)
+
+    def _ws_read(self, slot: int) -> torch.Tensor | None:
+        code = self._ws_code[slot]
+        if code is None:
+            return None
+        return code[0] if len(code) == 1 else page_code.decode(code[0], code[1], self.dtype)
+
+    def _ws_bytes(self) -> int:
+        return sum(tensor_bytes(t) for code in self._ws_code if code is not None for t in code)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Stash the new K/V; attention appends them after it has read the tiers.
@@ -808,7 +844,7 @@ class FlashLayer(CacheLayerMixin):
             "csa_entries": nb(self.csa_k) + nb(self.csa_v),
             "hca_entries": nb(self.hca_k) + nb(self.hca_v),
             "index": self.index.nbytes(),
-            "working_set": nb(self.ws_k) + nb(self.ws_v),
+            "working_set": self._ws_bytes(),
             "query_buffer": nb(self.recent_q),
             "rest_entry": nb(self.v_sum),
         }

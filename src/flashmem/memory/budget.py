@@ -15,7 +15,7 @@ from typing import Any
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
-from flashmem.memory.tiers import index_bytes, tier_counts
+from flashmem.memory.tiers import index_bytes, tier_counts, working_set_bytes_per_element
 from flashmem.models import geometry
 
 # Recent query positions each managed layer keeps for the attention-mass fusion
@@ -50,6 +50,10 @@ RECIPE: dict[str, Any] = {
     # or measured at attach): SmolLM2 answers 8K passkeys an even split misses
     # (docs/measurements.md, "Pages per layer by how far it attends").
     "lsa_layer_shares": "profile",
+    # The selected pages held on the device as int8 rows: the budget buys ~3.8x the pages
+    # of an fp32 model (~1.9x at bf16); SmolLM2 KL at 1/8 and 1/16 down 2-8x, more needles
+    # found (docs/measurements.md, "An int8 working set").
+    "working_set_codec": "int8",
 }
 # From this budget up a selected page brings the page after it (the answer after
 # its cue, `lsa_follow_pages: 1`); below it the pairs halve too few distinct pages
@@ -71,7 +75,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sink4": {**RECIPE, "sink_tokens": 4},
     "shared": {**RECIPE, "lsa_share_heads": True},
     "norerank": {**RECIPE, "lsa_rerank": 1},
+    "rerank2": {**RECIPE, "lsa_rerank": 2},
     "rerank8": {**RECIPE, "lsa_rerank": 8},
+    "rerank16": {**RECIPE, "lsa_rerank": 16},
+    # the working set in the model's dtype (the recipe until "An int8 working set");
+    # wsint8 names the recipe in that section's runs
+    "wsmodel": {**RECIPE, "working_set_codec": "model"},
+    "wsint8": {**RECIPE, "working_set_codec": "int8"},
     "restfollow": {**RECIPE, "rest_entry": True, "lsa_follow_pages": 1},
     "int8": {**RECIPE, "cold_codec": "int8"},
     "int4": {**RECIPE, "cold_codec": "int4"},
@@ -128,7 +138,14 @@ def predicted_ratio(
     c = tier_counts(cfg, tokens)
     qbuf = 0.5 * RECENT_QUERY_TOKENS * group if tokens > 0 and cfg.use_summaries else 0.0
     index = index_bytes(cfg, c, head_dim, dtype_bytes) / (2 * head_dim * dtype_bytes)
-    return (c.resident_kv + index + qbuf) / max(1, tokens)
+    # a coded working set (working_set_codec) counts its coded bytes
+    ws_saved = c.working_set * (1 - working_set_scale(cfg, head_dim, dtype_bytes))
+    return (c.resident_kv - ws_saved + index + qbuf) / max(1, tokens)
+
+
+def working_set_scale(cfg: FlashMemoryConfig, head_dim: int, dtype_bytes: int) -> float:
+    """Bytes of a working-set token over a token at the model's dtype (1 unless coded)."""
+    return min(1.0, working_set_bytes_per_element(cfg.working_set_codec, head_dim, dtype_bytes) / dtype_bytes)
 
 
 def budget_config(
@@ -164,7 +181,8 @@ def budget_config(
     target = budget * tokens
     cands = []
     # selected pages: every count to 64, then steps of 8 (long prompts at 1/8 select hundreds)
-    ks = [*range(0, 65), *range(72, max(73, int(target / base.page_tokens) + 9), 8)]
+    per_page = base.page_tokens * working_set_scale(base, head_dim, dtype_bytes)
+    ks = [*range(0, 65), *range(72, max(73, int(target / per_page) + 9), 8)]
     bands = range(0, 33) if base.use_summaries else [0]  # the band is dropped without summaries
     for k in ks:
         for band_blocks in bands:
@@ -202,7 +220,7 @@ def budget_config(
     def shape(c: tuple[float, FlashMemoryConfig, float]) -> float:
         cfg = c[1]
         w = cfg.gpu_cache_limit / target
-        sel = (cfg.lsa_top_k or 0) * cfg.page_tokens / target
+        sel = (cfg.lsa_top_k or 0) * per_page / target  # its share of the bytes
         csa = cfg.csa_band_tokens / cfg.csa_chunk_size / target
         sw, ss, sc = SHAPES.get(variant, SHAPE)
         return (w - sw) ** 2 + (sel - ss) ** 2 + (csa - sc) ** 2

@@ -18,6 +18,7 @@ from typing import Any
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
+from flashmem.memory.budget import working_set_scale
 from flashmem.memory.specs import MLA, FullAttention, ModelSpec, from_dims, resolve_model
 from flashmem.memory.tiers import codec_bytes_per_element, index_bytes, tier_counts
 from flashmem.memory.units import DTYPE_BYTES, normalize_dtype, parse_tokens
@@ -297,7 +298,8 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
         tiers["open_block"] += counts.open_block * entry * n
         tiers["csa_entries"] += counts.csa_entries * entry * n
         tiers["hca_entries"] += counts.hca_entries * entry * n
-        tiers["working_set"] += counts.working_set * entry * n
+        ws_scale = working_set_scale(cfg, int(getattr(layer, "head_dim", 0) or 64), eb)
+        tiers["working_set"] += int(round(counts.working_set * entry * n * ws_scale))
         heads, width = layer.index_heads()
         tiers["index"] += heads * index_bytes(cfg, counts, width, eb) * n  # type: ignore[assignment]
         cold_elems = layer.entry_elems()

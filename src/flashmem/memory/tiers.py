@@ -86,3 +86,12 @@ def codec_bytes_per_element(codec: str, dtype_bytes: int) -> float:
     """Cold-tier bytes per K or V element under a codec, as it declares in
     `flashmem.policies.CODECS`."""
     return policies.lookup(policies.CODECS, "cold_codec", codec).bytes_per_element(dtype_bytes)
+
+
+def working_set_bytes_per_element(codec: str, head_dim: int, dtype_bytes: float) -> float:
+    """Device bytes of one working-set element (a K or V channel of one token) under
+    `working_set_codec`: int8 codes plus one fp32 scale per row of head_dim
+    (`flashmem.compress.page_code`), else the model's dtype."""
+    if codec == "int8":
+        return 1.0 + 4.0 / max(1, head_dim)
+    return float(dtype_bytes)

@@ -1,0 +1,76 @@
+"""The working set held as int8 on the device (`working_set_codec: int8`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashmem
+from flashmem.compress import page_code
+from flashmem.errors import ConfigError
+from flashmem.memory.budget import budget_config, predicted_ratio
+from flashmem.memory.tiers import working_set_bytes_per_element
+from test_cache import ALL_EXACT, reference, run
+from tiny_models import tiny_llama
+
+torch.set_num_threads(1)
+
+
+def test_codes_round_trip_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 64, generator=g) * torch.rand(2, 3, 40, 1, generator=g) * 10
+    x[0, 0, 0] = 0.0  # an all-zero row decodes to zeros
+    codes, scale = page_code.encode(x)
+    assert codes.dtype == torch.int8 and scale.shape == (2, 3, 40, 1)
+    back = page_code.decode(codes, scale, torch.float32)
+    assert torch.all((back - x).abs() <= scale / 2 + 1e-6)
+    assert torch.equal(back[0, 0, 0], torch.zeros(64))
+    # decoding and coding again changes nothing (a kept page is not coded twice over)
+    codes2, scale2 = page_code.encode(back)
+    assert torch.equal(codes2, codes) and torch.allclose(scale2, scale)
+    assert working_set_bytes_per_element("int8", 64, 4) == pytest.approx(1 + 4 / 64)
+    assert working_set_bytes_per_element("model", 64, 2) == 2
+
+
+def _logits_and_ws_bytes(model, ids, **kw):
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**ALL_EXACT, **kw))
+    try:
+        out = run(model, cache, ids, 8)
+        ws = sum(layer.resident_bytes()["working_set"] for layer in cache.layers)
+    finally:
+        cache.close()
+    return out, ws
+
+
+def test_int8_working_set_stays_close_to_dense_at_a_quarter_of_the_bytes():
+    """Every page selected: the model-dtype working set is exact; the int8 one differs
+    from it (it is coded) by a small error, and holds (1 + 4/d) / 4 of its bytes."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    ref = reference(model, ids, 8)
+    exact, ws_exact = _logits_and_ws_bytes(model, ids)
+    coded, ws_coded = _logits_and_ws_bytes(model, ids, working_set_codec="int8")
+    assert torch.allclose(exact, ref, atol=1e-4)
+    err = (coded - ref).abs().max().item()
+    assert 0 < err < 0.05 * ref.abs().max().item()
+    d = model.config.hidden_size // model.config.num_attention_heads
+    assert ws_coded == pytest.approx(ws_exact * (1 + 4 / d) / 4, rel=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [4096, 8192])
+@pytest.mark.parametrize("budget", [1 / 8, 1 / 16])
+def test_the_budget_buys_more_pages_with_an_int8_working_set(tokens, budget):
+    geo = {"group": 3, "head_dim": 64, "dtype_bytes": 4}
+    plain = budget_config(budget, tokens, variant="wsmodel", **geo)
+    coded = budget_config(budget, tokens, **geo)  # the recipe
+    assert coded.working_set_codec == "int8" and plain.working_set_codec == "model"
+    assert predicted_ratio(coded, tokens, **geo) <= 1.03 * budget
+    assert coded.lsa_top_k >= 2.5 * plain.lsa_top_k
+    # counted at the model's dtype, the same pages would be far over the budget
+    assert predicted_ratio(coded.model_copy(update={"working_set_codec": "model"}), tokens, **geo) > 1.5 * budget
+
+
+def test_a_bad_working_set_codec_is_a_one_line_error():
+    with pytest.raises(ConfigError) as e:
+        flashmem.FlashMemoryConfig(working_set_codec="int4")
+    assert "working_set_codec" in str(e.value) and "int8" in str(e.value) and "\n" not in str(e.value)
