@@ -205,6 +205,11 @@ for B in 0.0625 0.125; do  # held-out needle formats (rows in $O/page_retrieval_
 done
 python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 7192 --decode 300 \
   --json-out $O/target_8k_smollm2_wsint8.json
+for R in 1 2; do  # the same with fewer re-rank candidates
+  sed "s/lsa_rerank: 4 /lsa_rerank: $R /" configs/cpu-small.yaml > /tmp/cpu-small-rr$R.yaml
+  python benchmarks/bench_target_8k.py --config /tmp/cpu-small-rr$R.yaml --prompt 7192 --decode 300 \
+    --json-out $O/target_8k_smollm2_wsint8_rerank$R.json
+done
 flashmem run --text kjv --context-tokens 8192 --compare-full --threads 1
 
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
