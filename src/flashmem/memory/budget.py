@@ -15,7 +15,7 @@ from typing import Any
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
-from flashmem.memory.tiers import index_bytes, tier_counts, working_set_bytes_per_element
+from flashmem.memory.tiers import index_bytes, tier_counts, working_set_scale
 from flashmem.models import geometry
 
 # Recent query positions each managed layer keeps for the attention-mass fusion
@@ -141,11 +141,6 @@ def predicted_ratio(
     # a coded working set (working_set_codec) counts its coded bytes
     ws_saved = c.working_set * (1 - working_set_scale(cfg, head_dim, dtype_bytes))
     return (c.resident_kv - ws_saved + index + qbuf) / max(1, tokens)
-
-
-def working_set_scale(cfg: FlashMemoryConfig, head_dim: int, dtype_bytes: int) -> float:
-    """Bytes of a working-set token over a token at the model's dtype (1 unless coded)."""
-    return min(1.0, working_set_bytes_per_element(cfg.working_set_codec, head_dim, dtype_bytes) / dtype_bytes)
 
 
 def budget_config(

@@ -18,9 +18,8 @@ from typing import Any
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
-from flashmem.memory.budget import working_set_scale
 from flashmem.memory.specs import MLA, FullAttention, ModelSpec, from_dims, resolve_model
-from flashmem.memory.tiers import codec_bytes_per_element, index_bytes, tier_counts
+from flashmem.memory.tiers import codec_bytes_per_element, index_bytes, tier_counts, working_set_scale
 from flashmem.memory.units import DTYPE_BYTES, normalize_dtype, parse_tokens
 
 # The int8/int4 codecs' group (flashmem.store.codecs.kivi.GROUP): values are coded per

@@ -95,3 +95,8 @@ def working_set_bytes_per_element(codec: str, head_dim: int, dtype_bytes: float)
     if codec == "int8":
         return 1.0 + 4.0 / max(1, head_dim)
     return float(dtype_bytes)
+
+
+def working_set_scale(cfg: FlashMemoryConfig, head_dim: int, dtype_bytes: float) -> float:
+    """Bytes of a working-set token over a token at the model's dtype (1 unless coded)."""
+    return working_set_bytes_per_element(cfg.working_set_codec, head_dim, dtype_bytes) / dtype_bytes
