@@ -2,14 +2,16 @@
 
     python benchmarks/decode_alternating.py [--lengths 32768,131072] [--steps 24]
                                             [--json results/decode_alternating_tiny.json]
-                                            [--variants norerank] [--no-fixed]
+                                            [--variants norerank] [--no-fixed] [--budget 0.125]
+                                            [--model smollm2]
 
 Model: the tiny random Llama of bench_prefetch.py (4 layers, 4 KV heads x 64,
-fp32) on random tokens, 1 torch thread. Per length, three caches live side by
+fp32) on random tokens, 1 torch thread; `--model smollm2`: SmolLM2-135M on the
+KJV text (trained to 8K, so lengths up to 8192). Per length, three caches live side by
 side and decode in turn, the order rotating every step so machine noise hits
 them alike (as bench_target_8k.py does on SmolLM2):
 
-- `recipe`: `FlashMemoryConfig.for_budget(1/8, n, model)` (16-token pages,
+- `recipe`: `FlashMemoryConfig.for_budget(budget, n, model)` (budget 1/8 unless `--budget`) (16-token pages,
   int8 mean-key index), memory cold tier;
 - `fixed`: bench_scale.py's config (window 1024, 16 blocks of 128, no summaries),
   memory cold tier: resident size independent of the length;
@@ -60,17 +62,25 @@ def main() -> None:
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--json", default="results/decode_alternating_tiny.json")
-    ap.add_argument("--variants", default="", help="more caches: for_budget variants at 1/8, e.g. norerank")
+    ap.add_argument("--variants", default="", help="more caches: for_budget variants at the budget, e.g. norerank")
+    ap.add_argument("--budget", type=float, default=1 / 8, help="resident fraction of the recipe and its variants")
     ap.add_argument("--no-fixed", action="store_true", help="leave out bench_scale's fixed config")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
     for n in map(int, args.lengths.split(",")):
-        model = tiny(n + args.steps + 8)
-        ids = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(0))
-        configs = {"recipe": flashmem.FlashMemoryConfig.for_budget(1 / 8, n, model)}
+        if args.model == "tiny":
+            model = tiny(n + args.steps + 8)
+            ids = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(0))
+        else:
+            from flashmem.texts import load_text
+
+            model, tok = flashmem.load_model(args.model)
+            ids = tok(load_text("default")[: n * 8], return_tensors="pt").input_ids[:, :n]
+        configs = {"recipe": flashmem.FlashMemoryConfig.for_budget(args.budget, n, model)}
         for v in filter(None, args.variants.split(",")):
-            configs[f"recipe:{v}"] = flashmem.FlashMemoryConfig.for_budget(1 / 8, n, model, variant=v)
+            configs[f"recipe:{v}"] = flashmem.FlashMemoryConfig.for_budget(args.budget, n, model, variant=v)
         if not args.no_fixed:
             configs["fixed"] = flashmem.FlashMemoryConfig(gpu_cache_limit=1024, lsa_top_k=16, use_summaries=False)
         caches: dict = {}
@@ -106,6 +116,7 @@ def main() -> None:
                 "decode_ms_mean": 1e3 * statistics.fmean(times[name]),
                 "speedup_vs_dynamic": dyn / med,
                 "load": os.getloadavg()[0],
+                "model": args.model,
             }
             if name != "dynamic":
                 rep = caches[name].memory_report()
@@ -114,7 +125,7 @@ def main() -> None:
                 row["prefill_s"] = prefill_s[name]
                 row["config"] = {
                     k: getattr(configs[name], k)
-                    for k in ("gpu_cache_limit", "lsa_top_k", "lsa_page_tokens", "lsa_rerank")
+                    for k in ("gpu_cache_limit", "lsa_top_k", "lsa_page_tokens", "lsa_rerank", "working_set_codec")
                 }
                 caches[name].close()
             rows.append(row)

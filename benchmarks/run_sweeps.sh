@@ -212,6 +212,40 @@ for R in 1 2; do  # the same with fewer re-rank candidates
 done
 flashmem run --text kjv --context-tokens 8192 --compare-full --threads 1
 
+# the int8 working set on Gemma3 at 2K-16K, 1/16 (run as `flashmem` before the candidate floor: the
+# rows are renamed flashmem:rrmin0 in $O/retrieval_gemma3_wsint8_lengths.json; docs/measurements.md,
+# "The int8 working set on Gemma3 at every length")
+G="--model gemma3-270m --budgets 1/16 --tasks passkey,locker --haystacks kjv,stdlib-doc $C"
+flashmem bench retrieval --methods flashmem $G --lengths 2k --seeds 0,1,2 --depths 0.15,0.5,0.85 --json-out $O/retrieval_gemma3_wsint8_lengths.json
+flashmem bench retrieval --methods flashmem $G --lengths 4k --seeds 1,2 --depths 0.15,0.5,0.85 --json-out $O/retrieval_gemma3_wsint8_lengths.json
+flashmem bench retrieval --methods flashmem $G --lengths 8k,16k --seeds 0,1,2 --depths 0.5 --json-out $O/retrieval_gemma3_wsint8_lengths.json
+# its decode cost at 32K-64K, 1/8 (tiny model, caches alternating)
+python benchmarks/decode_alternating.py --lengths 32768,65536 --budget 0.125 --variants wsmodel,norerank --no-fixed \
+  --json $O/decode_alternating_tiny_b8.json
+
+# a floor under the re-rank candidates (lsa_rerank_min_pages: 256, the recipe since; flashmem:rrmin256 in
+# these runs, the recipe before = flashmem:rrmin0); docs/measurements.md, "A floor under the re-rank candidates"
+M="--model smollm2 --budgets 1/16 --tasks passkey,locker --haystacks kjv,stdlib-doc $C"
+flashmem bench retrieval --methods flashmem:rerank16,flashmem:rrmin256 $M --lengths 4k --depths 0.15,0.5,0.85 --seeds 0 \
+  --json-out $O/retrieval_smollm2_rrmin.json
+flashmem bench retrieval --methods flashmem:rerank16,flashmem:rrmin256 $M --lengths 8k --depths 0.5 --seeds 0 \
+  --json-out $O/retrieval_smollm2_rrmin.json
+flashmem bench retrieval --methods full,flashmem:rrmin0,flashmem:rrmin256 $M --lengths 4k --depths 0.15,0.5,0.85 --seeds 5 \
+  --json-out $O/retrieval_smollm2_rrmin.json
+PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625 rerank16,rrmin256 multikey,locker_kjv 11 \
+  0.2,0.5,0.8 smollm2  # rows in $O/page_retrieval_smollm2_rrmin.jsonl
+flashmem bench retrieval --model gemma3-270m --methods flashmem:rrmin256 --budgets 1/16 --tasks passkey,locker \
+  --haystacks kjv,stdlib-doc $C --lengths 2k,4k --seeds 0,1,2 --depths 0.15,0.5,0.85 --json-out $O/retrieval_gemma3_rrmin.json
+flashmem bench retrieval --model gemma3-270m --methods flashmem:rrmin256 --budgets 1/16 --tasks passkey,locker \
+  --haystacks kjv,stdlib-doc $C --lengths 8k --seeds 0,1,2 --depths 0.5 --json-out $O/retrieval_gemma3_rrmin.json
+# decode cost, run as the recipe changed: `recipe` there is rrmin0 on SmolLM2; at 32K on the tiny model
+# the floor is below 4x the pages in every layer, so rrmin0 and rrmin256 are the same cache
+python benchmarks/decode_alternating.py --model smollm2 --lengths 7168 --budget 0.0625 --variants rrmin256 --no-fixed \
+  --json $O/decode_alternating_smollm2_b16.json
+python benchmarks/decode_alternating.py --lengths 32768 --budget 0.0625 --variants rrmin256,rerank16 --no-fixed \
+  --json $O/decode_alternating_tiny_b16.json
+flashmem run --text kjv --context-tokens 8192 --compare-full --threads 1
+
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F

@@ -101,3 +101,48 @@ def test_chunks_longer_than_the_limit_keep_the_index_choice(monkeypatch):
     out, sel = _run(model, ids, 6, **kw, lsa_rerank=4)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, sel))
     assert torch.equal(out, plain_out)
+
+
+def test_a_candidate_floor_over_every_page_makes_the_index_order_irrelevant(monkeypatch):
+    """lsa_rerank_min_pages: with at least as many candidates as pages, the exact keys
+    alone choose, so an index scoring at random selects what the real one does; with
+    r * k candidates only, it does not."""
+    from flashmem.cache.flash_layer import FlashLayer
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(4))
+    kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=3, lsa_rerank=2)
+    floor = dict(kw, lsa_rerank_min_pages=10_000)
+    real_out, real = _run(model, ids, 6, **floor)
+    real_r2_out, _ = _run(model, ids, 6, **kw)
+    scores = FlashLayer._scores
+    gen = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(FlashLayer, "_scores", lambda self, qg, s: torch.rand(scores(self, qg, s).shape, generator=gen))
+    rand_out, rand = _run(model, ids, 6, **floor)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(real, rand))
+    assert torch.equal(real_out, rand_out)
+    rand_r2_out, _ = _run(model, ids, 6, **kw)
+    assert not torch.equal(real_r2_out, rand_r2_out)
+
+
+def test_the_candidate_floor_bounds_the_reads_per_step(monkeypatch):
+    """Candidates per step: max(r * k, lsa_rerank_min_pages), never more than the pages."""
+    from flashmem.cache.flash_layer import FlashLayer
+
+    seen = []
+    rerank = FlashLayer._rerank
+
+    def counting(self, cand, qg, ptv, k_sel, scaling):
+        seen.append((cand.shape[-1], ptv.shape[1]))
+        return rerank(self, cand, qg, ptv, k_sel, scaling)
+
+    monkeypatch.setattr(FlashLayer, "_rerank", counting)
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(4))
+    kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=3, lsa_rerank=2)
+    _run(model, ids, 4, **kw, lsa_rerank_min_pages=20)
+    assert seen and all(c == min(20, n) for c, n in seen)
+    assert any(n > 20 for _, n in seen)  # the floor, not every page, on the long steps
+    seen.clear()
+    _run(model, ids, 4, **kw)
+    assert seen and all(c == min(6, n) for c, n in seen)

@@ -25,6 +25,11 @@ def test_codes_round_trip_within_half_a_step():
     back = page_code.decode(codes, scale, torch.float32)
     assert torch.all((back - x).abs() <= scale / 2 + 1e-6)
     assert torch.equal(back[0, 0, 0], torch.zeros(64))
+    # coding and decoding in one pass gives the same codes and values, in any dtype
+    for dtype in (torch.float32, torch.bfloat16):
+        c1, s1, plain = page_code.encode_and_decode(x, dtype)
+        assert torch.equal(c1, codes) and torch.equal(s1, scale)
+        assert plain is not None and torch.equal(plain, page_code.decode(codes, scale, dtype))
     # decoding and coding again changes nothing (a kept page is not coded twice over)
     codes2, scale2 = page_code.encode(back)
     assert torch.equal(codes2, codes) and torch.allclose(scale2, scale)
@@ -37,6 +42,8 @@ def _logits_and_ws_bytes(model, ids, **kw):
     try:
         out = run(model, cache, ids, 8)
         ws = sum(layer.resident_bytes()["working_set"] for layer in cache.layers)
+        # a step's decoded copy is a transient: nothing uncounted stays resident after it
+        assert all(layer._ws_plain == [None, None] for layer in cache.layers)
     finally:
         cache.close()
     return out, ws

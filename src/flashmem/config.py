@@ -113,6 +113,13 @@ class FlashMemoryConfig(BaseModel):
         description="the index picks this many times lsa_top_k candidate pages; their exact keys, "
         "read from the cold tier each step, keep the lsa_top_k with the most attention mass (1: off)",
     )
+    lsa_rerank_min_pages: int = Field(
+        0,
+        ge=0,
+        description="with lsa_rerank > 1, at least this many candidate pages per layer and step (all of "
+        "them below it): a layer with few pages still has its selection checked against exact keys, "
+        "while the reads per step stay bounded at long inputs",
+    )
     lsa_prefill_queries: int = Field(
         0,
         ge=0,

@@ -166,6 +166,10 @@ class FlashLayer(CacheLayerMixin):
         # The working set's K/V [b, h, k*P, d], as held on the device (working_set_codec:
         # int8 codes and scales); ws_k / ws_v read them in the model's dtype.
         self._ws_code: list[tuple[torch.Tensor, ...] | None] = [None, None]
+        # This step's decoded copy of coded K/V (made while coding, or on first read):
+        # attention, the rest entry and a partial re-gather share it; dropped at the
+        # step's end (a transient, as the chunk's activations are).
+        self._ws_plain: list[torch.Tensor | None] = [None, None]
         self.ws_valid: torch.Tensor | None = None  # [b, h, k*P]
         # This step's re-rank candidates (page ids [b, h, c], k, v [b, h, c, P, d]), or None.
         self._cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
@@ -189,18 +193,23 @@ class FlashLayer(CacheLayerMixin):
         self._ws_store(1, t)
 
     def _ws_store(self, slot: int, t: torch.Tensor | None) -> None:
+        self._ws_plain[slot] = None
         if t is None:
             self._ws_code[slot] = None
-        elif self.cfg.working_set_codec == "int8":
-            self._ws_code[slot] = page_code.encode(t)
+        elif self.cfg.working_set_codec == "int8":  # this step reads the decoded copy made in passing
+            codes, scale, self._ws_plain[slot] = page_code.encode_and_decode(t, self.dtype)
+            self._ws_code[slot] = (codes, scale)
         else:
             self._ws_code[slot] = (t,)
 
     def _ws_read(self, slot: int) -> torch.Tensor | None:
         code = self._ws_code[slot]
-        if code is None:
-            return None
-        return code[0] if len(code) == 1 else page_code.decode(code[0], code[1], self.dtype)
+        if code is None or len(code) == 1:
+            return None if code is None else code[0]
+        plain = self._ws_plain[slot]
+        if plain is None:
+            plain = self._ws_plain[slot] = page_code.decode(code[0], code[1], self.dtype)
+        return plain
 
     def _ws_bytes(self) -> int:
         return sum(tensor_bytes(t) for code in self._ws_code if code is not None for t in code)
@@ -280,6 +289,7 @@ class FlashLayer(CacheLayerMixin):
         group = query.shape[1] // k.shape[1]
         qg = _group_queries(query, group)
         out = self._attend(query, qg, k, v, valid, scaling)
+        self._ws_plain = [None, None]
         self.append(k, v, valid, qg, group)
         self.peak_resident_bytes = max(self.peak_resident_bytes, sum(self.resident_bytes().values()))
         return out
@@ -302,10 +312,13 @@ class FlashLayer(CacheLayerMixin):
         scores [b, h, nq, n_pages]; page_valid: [b, n_pages] -> page ids [b, h, k] sorted.
 
         With `lsa_rerank` r > 1 (and qg [b, h, nq, d], page_tokens_valid [b, n_pages, P]
-        given) the index picks r * k_sel candidates and their exact keys pick the k_sel.
+        given) the index picks r * k_sel candidates (at least `lsa_rerank_min_pages`) and
+        their exact keys pick the k_sel.
         """
         cfg = self.cfg
-        n_cand = k_sel * cfg.lsa_rerank if qg is not None and page_tokens_valid is not None else k_sel
+        n_cand = k_sel
+        if qg is not None and page_tokens_valid is not None:
+            n_cand = max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages)
         n_cand = min(n_cand, scores.shape[-1])
         idx = select_blocks(
             scores,

@@ -16,12 +16,28 @@ import torch
 def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] -> codes int8 [..., d] and scales fp32 [..., 1]: x ~= codes * scale,
     |x - x^| <= scale / 2 per element."""
-    scale = x.detach().abs().amax(-1, keepdim=True).float() / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(x.float() / safe).clamp_(-127, 127).to(torch.int8)
+    codes, scale, _ = encode_and_decode(x, None)
     return codes, scale
+
+
+def encode_and_decode(
+    x: torch.Tensor, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """encode(x) and, for `dtype`, decode(codes, scale, dtype) from the same pass: the
+    rounded values are the codes before their conversion to int8 (None: no decode)."""
+    scale = x.detach().abs().amax(-1, keepdim=True).float().div_(127.0)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    rounded = (x.detach().float() * inv).round_().clamp_(-127, 127)
+    codes = rounded.to(torch.int8)
+    if dtype is None:
+        return codes, scale, None
+    plain = rounded.mul_(scale)
+    return codes, scale, plain if dtype == torch.float32 else plain.to(dtype)
 
 
 def decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes int8 [..., d], scale [..., 1] -> [..., d] in `dtype`."""
-    return (codes.float() * scale).to(dtype)
+    # in place after the one conversion: a second full-size temporary costs more than the
+    # multiply on CPU (fresh allocations of this size fault their pages in)
+    out = codes.to(torch.float32).mul_(scale)
+    return out if dtype == torch.float32 else out.to(dtype)

@@ -46,6 +46,10 @@ RECIPE: dict[str, Any] = {
     # and short chunks only): SmolLM2 KL at 1/8 and 1/16 about halved, more 2K needles
     # found (docs/measurements.md, "Re-ranking candidates by their exact keys").
     "lsa_rerank": 4,
+    # ... and at least 256 candidates (every page up to 4,096 tokens): the layers the profile
+    # gives few pages re-ranked too few, and SmolLM2 at 1/16 lost needles the exact keys of
+    # every page find (docs/measurements.md, "A floor under the re-rank candidates").
+    "lsa_rerank_min_pages": 256,
     # Pages split over the layers by how far each attends (the model's layer profile, read
     # or measured at attach): SmolLM2 answers 8K passkeys an even split misses
     # (docs/measurements.md, "Pages per layer by how far it attends").
@@ -78,6 +82,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "rerank2": {**RECIPE, "lsa_rerank": 2},
     "rerank8": {**RECIPE, "lsa_rerank": 8},
     "rerank16": {**RECIPE, "lsa_rerank": 16},
+    # the candidate floor: rrmin0 is the recipe before it, rrmin256 names the recipe in its runs
+    "rrmin0": {**RECIPE, "lsa_rerank_min_pages": 0},
+    "rrmin256": {**RECIPE, "lsa_rerank_min_pages": 256},
     # the working set in the model's dtype (the recipe until "An int8 working set");
     # wsint8 names the recipe in that section's runs
     "wsmodel": {**RECIPE, "working_set_codec": "model"},
