@@ -245,6 +245,11 @@ python benchmarks/decode_alternating.py --model smollm2 --lengths 7168 --budget 
 python benchmarks/decode_alternating.py --lengths 32768 --budget 0.0625 --variants rrmin256,rerank16 --no-fixed \
   --json $O/decode_alternating_tiny_b16.json
 flashmem run --text kjv --context-tokens 8192 --compare-full --threads 1
+python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 7192 --decode 300 \
+  --json-out $O/target_8k_smollm2_floor.json
+# after the one-pass coding (page_code.encode_and_decode): the recipe against wsmodel at 32K, 1/8
+python benchmarks/decode_alternating.py --lengths 32768 --budget 0.125 --variants wsmodel --no-fixed \
+  --json $O/decode_alternating_tiny_b8_fused.json
 
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
