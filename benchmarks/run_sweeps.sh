@@ -237,7 +237,7 @@ PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625
 flashmem bench retrieval --model gemma3-270m --methods flashmem:rrmin256 --budgets 1/16 --tasks passkey,locker \
   --haystacks kjv,stdlib-doc $C --lengths 2k,4k --seeds 0,1,2 --depths 0.15,0.5,0.85 --json-out $O/retrieval_gemma3_rrmin.json
 flashmem bench retrieval --model gemma3-270m --methods flashmem:rrmin256 --budgets 1/16 --tasks passkey,locker \
-  --haystacks kjv,stdlib-doc $C --lengths 8k --seeds 0,1,2 --depths 0.5 --json-out $O/retrieval_gemma3_rrmin.json
+  --haystacks kjv,stdlib-doc $C --lengths 8k,16k --seeds 0,1,2 --depths 0.5 --json-out $O/retrieval_gemma3_rrmin.json
 # decode cost, run as the recipe changed: `recipe` there is rrmin0 on SmolLM2; at 32K on the tiny model
 # the floor is below 4x the pages in every layer, so rrmin0 and rrmin256 are the same cache
 python benchmarks/decode_alternating.py --model smollm2 --lengths 7168 --budget 0.0625 --variants rrmin256 --no-fixed \
