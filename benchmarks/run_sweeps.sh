@@ -234,6 +234,8 @@ flashmem bench retrieval --methods full,flashmem:rrmin0,flashmem:rrmin256 $M --l
   --json-out $O/retrieval_smollm2_rrmin.json
 PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625 rerank16,rrmin256 multikey,locker_kjv 11 \
   0.2,0.5,0.8 smollm2  # rows in $O/page_retrieval_smollm2_rrmin.jsonl
+PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625 full,rrmin0,rrmin256 multikey,locker_pydoc 13 \
+  0.3,0.6,0.9 smollm2  # rows in $O/page_retrieval_smollm2_rrmin_seed13.jsonl
 flashmem bench retrieval --model gemma3-270m --methods flashmem:rrmin256 --budgets 1/16 --tasks passkey,locker \
   --haystacks kjv,stdlib-doc $C --lengths 2k,4k --seeds 0,1,2 --depths 0.15,0.5,0.85 --json-out $O/retrieval_gemma3_rrmin.json
 flashmem bench retrieval --model gemma3-270m --methods flashmem:rrmin256 --budgets 1/16 --tasks passkey,locker \

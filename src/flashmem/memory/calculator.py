@@ -297,9 +297,9 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
         tiers["open_block"] += counts.open_block * entry * n
         tiers["csa_entries"] += counts.csa_entries * entry * n
         tiers["hca_entries"] += counts.hca_entries * entry * n
-        ws_scale = working_set_scale(cfg, int(getattr(layer, "head_dim", 0) or 64), eb)
+        heads, width = layer.index_heads()  # width: a cached row, which an int8 working set scales once
+        ws_scale = working_set_scale(cfg, width, eb)
         tiers["working_set"] += int(round(counts.working_set * entry * n * ws_scale))
-        heads, width = layer.index_heads()
         tiers["index"] += heads * index_bytes(cfg, counts, width, eb) * n  # type: ignore[assignment]
         cold_elems = layer.entry_elems()
         if isinstance(layer, FullAttention) and cfg.cold_low_rank != "none":
