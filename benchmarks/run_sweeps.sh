@@ -252,6 +252,20 @@ python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 71
 # after the one-pass coding (page_code.encode_and_decode): the recipe against wsmodel at 32K, 1/8
 python benchmarks/decode_alternating.py --lengths 32768 --budget 0.125 --variants wsmodel --no-fixed \
   --json $O/decode_alternating_tiny_b8_fused.json
+# the int8 working set's decode path cut (candidates scored in place, only new pages coded, decoded into
+# attention's reused buffer; same selections and logits): docs/measurements.md, "Decode cost of the int8
+# working set, cut"
+python benchmarks/micro_decode_parts.py
+python benchmarks/decode_alternating.py --lengths 32768,65536 --budget 0.125 --variants wsmodel,norerank --no-fixed \
+  --json $O/decode_alternating_tiny_b8_inplace.json
+python benchmarks/decode_alternating.py --lengths 131072 --budget 0.125 --variants wsmodel --no-fixed \
+  --json $O/decode_alternating_tiny_b8_128k.json
+python benchmarks/decode_alternating.py --model smollm2 --lengths 7168 --budget 0.0625 --variants wsmodel --no-fixed \
+  --json $O/decode_alternating_smollm2_b16_inplace.json
+python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 7192 --decode 300 \
+  --json-out $O/target_8k_smollm2_inplace.json
+flashmem bench retrieval --methods flashmem $M --lengths 4k --depths 0.15,0.5,0.85 --seeds 0 \
+  --json-out $O/retrieval_smollm2_inplace.json  # the same answers as rrmin256
 
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"

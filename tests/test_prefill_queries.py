@@ -105,12 +105,15 @@ def test_long_prefill_chunks_are_reranked_with_their_sample(monkeypatch):
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(2))
     seen: list[int] = []
 
-    def spy(qg, *a, **kw):
-        seen.append(qg.shape[2] // group)
-        return real(qg, *a, **kw)
+    def spying(real):  # the candidates' keys copied out, or scored where the store holds them
+        def spy(qg, *a, **kw):
+            seen.append(qg.shape[2] // group)
+            return real(qg, *a, **kw)
 
-    real = fl.exact_page_mass
-    monkeypatch.setattr(fl, "exact_page_mass", spy)
+        return spy
+
+    monkeypatch.setattr(fl, "exact_page_mass", spying(fl.exact_page_mass))
+    monkeypatch.setattr(fl, "exact_block_mass", spying(fl.exact_block_mass))
     for n, expect in ((8, {8}), (0, set())):
         seen.clear()
         cfg = flashmem.FlashMemoryConfig(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import flashmem
@@ -130,13 +131,18 @@ def test_the_candidate_floor_bounds_the_reads_per_step(monkeypatch):
     from flashmem.cache.flash_layer import FlashLayer
 
     seen = []
-    rerank = FlashLayer._rerank
+    rerank, in_place = FlashLayer._rerank, FlashLayer._rerank_in_place
 
     def counting(self, cand, qg, ptv, k_sel, scaling):
         seen.append((cand.shape[-1], ptv.shape[1]))
         return rerank(self, cand, qg, ptv, k_sel, scaling)
 
+    def counting_in_place(self, qg, ptv, k_sel, scaling, cand=None):
+        seen.append((ptv.shape[1] if cand is None else cand.shape[-1], ptv.shape[1]))
+        return in_place(self, qg, ptv, k_sel, scaling, cand)
+
     monkeypatch.setattr(FlashLayer, "_rerank", counting)
+    monkeypatch.setattr(FlashLayer, "_rerank_in_place", counting_in_place)
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(4))
     kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=3, lsa_rerank=2)
@@ -146,3 +152,35 @@ def test_the_candidate_floor_bounds_the_reads_per_step(monkeypatch):
     seen.clear()
     _run(model, ids, 4, **kw)
     assert seen and all(c == min(6, n) for c, n in seen)
+
+
+@pytest.mark.parametrize("floor", [10_000, 0])
+def test_candidates_scored_in_place_choose_as_their_copied_keys_do(monkeypatch, floor):
+    """Candidates that are every page (floor) or at least a third of them (4 x 6 of up to
+    ~70 pages) are scored where the memory store holds them (`block_keys`, no copy into page
+    order; every page: no index stage); the choice and the logits are those of the
+    candidates' keys copied out page by page."""
+    from flashmem.cache.flash_layer import FlashLayer
+    from flashmem.store.memory import MemoryStore
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(6))
+    kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=6, lsa_rerank=4)
+    kw["lsa_rerank_min_pages"] = floor
+    in_place, used = FlashLayer._rerank_in_place, []
+
+    def counting(self, qg, ptv, k_sel, scaling, cand=None):
+        out = in_place(self, qg, ptv, k_sel, scaling, cand)
+        used.append((cand is None, out is not None))
+        return out
+
+    monkeypatch.setattr(FlashLayer, "_rerank_in_place", counting)
+    in_place_out, chosen = _run(model, ids, 6, **kw)
+    assert used and all(ok for _, ok in used)
+    # the floor: every page on every step; without it, candidates a part of the pages on long steps
+    assert all(every for every, _ in used) if floor else any(not every for every, _ in used)
+    monkeypatch.setattr(MemoryStore, "block_keys", lambda self, *a: None)  # the copying path
+    copied_out, copied = _run(model, ids, 6, **kw)
+    assert len(chosen) == len(copied) > 0
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(chosen, copied))
+    assert torch.allclose(in_place_out, copied_out, atol=1e-5)

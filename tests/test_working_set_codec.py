@@ -81,3 +81,64 @@ def test_a_bad_working_set_codec_is_a_one_line_error():
     with pytest.raises(ConfigError) as e:
         flashmem.FlashMemoryConfig(working_set_codec="int4")
     assert "working_set_codec" in str(e.value) and "int8" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("rerank, through", [(1, False), (4, False), (10_000, False), (1, True)])
+def test_pages_held_over_keep_their_codes_as_if_coded_again(monkeypatch, rerank, through):
+    """A step codes only the pages its working set did not hold: held pages keep their
+    codes, which are what coding them again gives (per-token scales), so the logits are
+    those of coding the whole working set every step. Direct reads, re-rank candidates,
+    every page as a candidate and whole blocks through the prefetcher each take that path."""
+    from flashmem.cache.flash_layer import FlashLayer
+    from test_rerank import _run
+
+    monkeypatch.setattr(FlashLayer, "read_memory_directly", not through)
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(8))
+    kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=6)
+    kw.update(lsa_rerank=min(rerank, 4), lsa_rerank_min_pages=rerank if rerank > 4 else 0, working_set_codec="int8")
+    merge, merged = FlashLayer._merge_working_set, []
+
+    def counting(self, idx, held, *a):
+        merged.append(int((~held[0]).sum()))
+        return merge(self, idx, held, *a)
+
+    monkeypatch.setattr(FlashLayer, "_merge_working_set", counting)
+    kept_out, kept = _run(model, ids, 8, **kw)
+    assert merged and any(n > 0 for n in merged)  # pages held over and pages read fresh
+    monkeypatch.setattr(FlashLayer, "_held_over", lambda self, idx: None)  # code every page every step
+    again_out, again = _run(model, ids, 8, **kw)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(kept, again))
+    assert torch.equal(kept_out, again_out)
+
+
+def test_attention_buffers_are_one_per_cache_reused_and_reported_apart():
+    """Attention's keys and values are assembled in buffers the cache's layers share and
+    reuse step after step (no fresh allocation per layer), reported as scratch_bytes
+    apart from the resident tiers."""
+    from flashmem.cache.scratch import Scratch
+
+    scratch = Scratch()
+    a = scratch.take("keys", (1, 2, 10, 4), torch.float32, torch.device("cpu"))
+    b = scratch.take("keys", (1, 2, 8, 4), torch.float32, torch.device("cpu"))
+    assert a.data_ptr() == b.data_ptr()  # the same memory, reused
+    c = scratch.take("values", (1, 2, 8, 4), torch.float32, torch.device("cpu"))
+    assert c.data_ptr() != a.data_ptr()
+    assert scratch.nbytes() == (80 + 20 + 64 + 16) * 4  # each with a quarter to spare
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**ALL_EXACT, working_set_codec="int8"))
+    try:
+        run(model, cache, ids, 4)
+        shared = {id(layer.scratch) for layer in cache.flash_layers}
+        assert len(shared) == 1
+        report = cache.memory_report()
+        assert report["scratch_bytes"] == cache.flash_layers[0].scratch.nbytes() > 0
+        assert (
+            report["device_resident_bytes"]
+            == report["managed_resident_bytes"] + report["full_layer_bytes"] + report["sliding_layer_bytes"]
+        )
+    finally:
+        cache.close()

@@ -32,13 +32,14 @@ from transformers.cache_utils import CacheLayerMixin
 
 from flashmem.cache.latent import LatentKV
 from flashmem.cache.lookahead import predict_next_blocks
+from flashmem.cache.scratch import Scratch
 from flashmem.compress import page_code
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ColdStoreError, ConfigError, FlashMemError
 from flashmem.index.base import BlockScorer
-from flashmem.index.rerank import exact_page_mass
+from flashmem.index.rerank import exact_block_mass, exact_page_mass
 from flashmem.index.selection import select_blocks, top_pages
 from flashmem.index.vectors import IndexVectors
 from flashmem.memory.budget import RECENT_QUERY_TOKENS
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 # (layer_idx, selected block ids [b, h, k] sorted, index scores [b, h, nq, n]) -> block ids
 # [b, h, k] sorted: a diagnostic override of the selection (see FlashMemoryCache.selection_hook).
 SelectionHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# A part of attention's keys or values: a tensor [b, h, n, d], or int8 codes [b, h, n, d]
+# with their scales [b, h, n, 1] (the working set, decoded where attention reads it).
+Part = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 # Selections scored by at most this many queries are re-ranked (`lsa_rerank`): decode
@@ -61,6 +65,11 @@ SelectionHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # Re-ranking with all of a long chunk's hundreds of queries costs r times its attention
 # (tiny model, 32K at 1/8: prefill 33 s -> 169 s when every chunk was re-ranked).
 RERANK_MAX_QUERIES = 64
+# Re-rank candidates' keys are scored in place, over every block (`_rerank_in_place`), when
+# they are at least 1/IN_PLACE_CANDIDATES of the pages: copying a page's keys out costs about
+# 3x (SmolLM2 at 8K) to 7x (tiny model at 32K-64K) scoring one in place, one CPU thread
+# (benchmarks/micro_decode_parts.py).
+IN_PLACE_CANDIDATES = 3
 
 
 class FlashLayer(CacheLayerMixin):
@@ -122,6 +131,8 @@ class FlashLayer(CacheLayerMixin):
         self.prefetcher = prefetcher
         self.fetch_counts = fetch_counts
         self.lookahead_bytes = lookahead_bytes
+        # attention's keys and values are assembled here; FlashMemoryCache gives its layers one
+        self.scratch = Scratch()
         self._pf_block_bytes: int | None = None
         self.tokens_seen = 0
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -210,6 +221,15 @@ class FlashLayer(CacheLayerMixin):
         if plain is None:
             plain = self._ws_plain[slot] = page_code.decode(code[0], code[1], self.dtype)
         return plain
+
+    def _ws_part(self, slot: int) -> Part:
+        """The working set's keys (0) or values (1) for this step's attention: the decoded
+        tensor where this step has one, else an int8 set's (codes, scale)."""
+        code, plain = self._ws_code[slot], self._ws_plain[slot]
+        assert code is not None
+        if len(code) == 1:
+            return code[0]
+        return plain if plain is not None else (code[0], code[1])
 
     def _ws_bytes(self) -> int:
         return sum(tensor_bytes(t) for code in self._ws_code if code is not None for t in code)
@@ -319,19 +339,28 @@ class FlashLayer(CacheLayerMixin):
         n_cand = k_sel
         if qg is not None and page_tokens_valid is not None:
             n_cand = max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages)
-        n_cand = min(n_cand, scores.shape[-1])
-        idx = select_blocks(
-            scores,
-            page_valid,
-            n_cand,
-            scaling,
-            follow=cfg.lsa_follow_pages,
-            pool=cfg.lsa_pool,
-            share_heads=cfg.lsa_share_heads,
-        )
-        if n_cand > k_sel:
+        n_pages = scores.shape[-1]
+        n_cand = min(n_cand, n_pages)
+        idx = None
+        if n_cand > k_sel and n_cand == n_pages:  # every page a candidate: no index stage
             assert qg is not None and page_tokens_valid is not None
-            idx = self._rerank(idx, qg, page_tokens_valid, k_sel, scaling)
+            idx = self._rerank_in_place(qg, page_tokens_valid, k_sel, scaling)
+        if idx is None:
+            idx = select_blocks(
+                scores,
+                page_valid,
+                n_cand,
+                scaling,
+                follow=cfg.lsa_follow_pages,
+                pool=cfg.lsa_pool,
+                share_heads=cfg.lsa_share_heads,
+            )
+            if n_cand > k_sel:
+                assert qg is not None and page_tokens_valid is not None
+                ranked = None
+                if IN_PLACE_CANDIDATES * n_cand >= n_pages:
+                    ranked = self._rerank_in_place(qg, page_tokens_valid, k_sel, scaling, idx)
+                idx = self._rerank(idx, qg, page_tokens_valid, k_sel, scaling) if ranked is None else ranked
         if self.selection_hook is not None:
             idx = self.selection_hook(self.layer_idx, idx, scores)
         return idx
@@ -357,6 +386,43 @@ class FlashLayer(CacheLayerMixin):
         self._cand = (cand, ck, cv)
         return idx
 
+    def _rerank_in_place(
+        self,
+        qg: torch.Tensor,
+        page_tokens_valid: torch.Tensor,
+        k_sel: int,
+        scaling: float,
+        cand: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """_rerank with the keys read where the store holds them (`block_keys`: one batched
+        matmul over every block, no copy into page order) -> page ids [b, h, k_sel] sorted;
+        candidates cand [b, h, c] (None: every page) by masking the others' tokens, the
+        same softmax over the candidates. None where the store cannot hand keys over so
+        (another device than the arena's, a prefetcher, coded or latent blocks)."""
+        cfg = self.cfg
+        if self.prefetcher is not None or self.latent is not None:
+            return None
+        t0 = time.perf_counter()
+        block_k = self.store.block_keys(self.layer_idx, self.num_sealed, self.device)
+        if block_k is None:
+            return None
+        counts = self.fetch_counts
+        if counts is not None:  # every block's keys are read: counted as _arena_pages counts reads
+            counts["misses"] += self.num_sealed
+            counts["stall_s"] += time.perf_counter() - t0
+        b, n_pages, P = page_tokens_valid.shape
+        allowed = page_tokens_valid.any(-1)[:, None, :]  # [b, 1, pages]
+        valid = page_tokens_valid[:, None]  # [b, 1, pages, P]
+        if cand is not None:
+            h = cand.shape[1]
+            chosen = torch.zeros(b, h, n_pages, dtype=torch.bool, device=cand.device).scatter_(-1, cand, True)
+            allowed = allowed & chosen
+            valid = valid & chosen[..., None]
+        mass = exact_block_mass(
+            qg, block_k, valid.flatten(-2), P, scaling, cfg.lsa_pool, cfg.lsa_share_heads
+        )  # [b, h, pages]
+        return top_pages(mass, allowed, k_sel, cfg.lsa_follow_pages)
+
     def _take_candidates(self) -> torch.Tensor | None:
         """This step's re-rank candidates [b, h, c] (None without), dropping their K/V."""
         cand, self._cand = self._cand, None
@@ -372,9 +438,12 @@ class FlashLayer(CacheLayerMixin):
             return got[0], None
         return self._pages_of_blocks(idx, torch.unique(idx // self.cfg.pages_per_block))
 
-    def _pages_of_blocks(self, idx: torch.Tensor, need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pages_of_blocks(
+        self, idx: torch.Tensor, need: torch.Tensor, only: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the blocks `need` (sorted ids) once each and cut pages idx [b, h, k] out of
-        them -> k, v [b, h, k, P, d] (pages of blocks not in `need`: arbitrary rows)."""
+        them -> k, v [b, h, k, P, d] (pages of blocks not in `need`: arbitrary rows); with
+        `only` [b, h, k] bool just those pages, flat [n, P, d]."""
         ppb = self.cfg.pages_per_block
         need_ids = need.tolist()
         if self.prefetcher is not None and self.demand_batch:
@@ -385,7 +454,7 @@ class FlashLayer(CacheLayerMixin):
         pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
         pool_v = torch.stack([bv for _, bv in blocks])
         slot = torch.searchsorted(need, idx // ppb).clamp_max(len(need_ids) - 1)  # [b, h, k]
-        return cut_pages(pool_k, slot, idx % ppb, ppb), cut_pages(pool_v, slot, idx % ppb, ppb)
+        return cut_pages(pool_k, slot, idx % ppb, ppb, only), cut_pages(pool_v, slot, idx % ppb, ppb, only)
 
     def _attend(
         self,
@@ -400,14 +469,17 @@ class FlashLayer(CacheLayerMixin):
         cfg = self.cfg
         b, hkv, m, d = k_new.shape
         neg = float("-inf")
-        keys, values, biases = [], [], []
+        keys: list[Part] = []
+        values: list[Part] = []
+        biases: list[torch.Tensor] = []
         rest: tuple[torch.Tensor, torch.Tensor] | None = None  # the rest entry: value, logit
 
-        def add(k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> None:
-            if k.shape[-2]:
+        def add(k: Part, v: Part, bias: torch.Tensor) -> None:
+            n = _part_len(k)
+            if n:
                 keys.append(k)
                 values.append(v)
-                biases.append(bias.expand(b, hkv, k.shape[-2]) if bias.dim() == 3 else bias)
+                biases.append(bias.expand(b, hkv, n) if bias.dim() == 3 else bias)
 
         def from_valid(valid: torch.Tensor) -> torch.Tensor:  # [b, L] -> [b, 1, L]
             return torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill(~valid, neg)[:, None]
@@ -453,16 +525,18 @@ class FlashLayer(CacheLayerMixin):
                 use = ~selected.gather(-1, ids)
                 add(self.csa_k, self.csa_v, _entry_bias(self.csa_cnt, use, cfg.summary_bias, q.dtype))
             if k_sel > 0:
-                assert self.ws_k is not None and self.ws_v is not None and self.ws_valid is not None
-                ws_k = self.ws_k
+                assert self.ws_valid is not None
+                # int8: (codes, scale), decoded straight into the keys attention reads (_concat)
+                ws_k, ws_v = self._ws_part(0), self._ws_part(1)
                 if window:  # selected page j's tokens move to S + j*P .., right after the sinks
-                    assert self.ws_idx is not None
+                    plain_k = self.ws_k
+                    assert plain_k is not None and self.ws_idx is not None
                     P = cfg.page_tokens
                     true = S + self.ws_idx[..., None] * P + torch.arange(P, device=q.device)  # [b, h, k, P]
                     moved = S + torch.arange(true[0, 0].numel(), device=q.device)
-                    ws_k = self._rope().rotate(ws_k, moved - true.flatten(-2))
+                    ws_k = self._rope().rotate(plain_k, moved - true.flatten(-2))
                     shown = k_sel * P
-                add(ws_k, self.ws_v, torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg))
+                add(ws_k, ws_v, torch.zeros_like(self.ws_valid, dtype=q.dtype).masked_fill(~self.ws_valid, neg))
             if cfg.keeps_rest_entry:
                 assert scores is not None
                 rest = self._rest_entry(scores, selected, page_tokens_valid, k_sel > 0, scaling, m)
@@ -502,8 +576,9 @@ class FlashLayer(CacheLayerMixin):
             keys.append(torch.zeros_like(v_rest, dtype=k_new.dtype))
             values.append(v_rest.to(v_new.dtype))
             mask = torch.cat([mask.expand(b, -1, m, -1), logit.to(mask.dtype)[..., None]], dim=-1)
-        K = torch.cat(keys, dim=-2) if len(keys) > 1 else keys[0]
-        V = torch.cat(values, dim=-2) if len(values) > 1 else values[0]
+        dev = k_new.device
+        K = _concat(keys, lambda shape: self.scratch.take("keys", shape, k_new.dtype, dev))
+        V = _concat(values, lambda shape: self.scratch.take("values", shape, v_new.dtype, dev))
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
 
     def _rest_entry(
@@ -555,14 +630,24 @@ class FlashLayer(CacheLayerMixin):
         prev = self.ws_idx
         if prev is not None and prev.shape == idx.shape and torch.equal(prev, idx):
             return
-        if self._cand is not None and self._cut_from_candidates(idx, page_tokens_valid):
+        kept = self._held_over(idx)  # int8: pages the last working set holds, kept coded
+        if self._cand is not None and self._cut_from_candidates(idx, page_tokens_valid, kept):
             return
-        if self.prefetcher is None and self._gather_pages_directly(idx, page_tokens_valid):
+        if self.prefetcher is None and self._gather_pages_directly(idx, page_tokens_valid, kept):
+            return
+        P, ppb = self.cfg.page_tokens, self.cfg.pages_per_block
+        if kept is not None:  # int8: read and code only the blocks of the pages not held
+            new = ~kept[0]
+            need = torch.unique(idx[new] // ppb)
+            if need.numel():
+                k_new, v_new = self._pages_of_blocks(idx, need, only=new)
+            else:
+                k_new = v_new = self._no_pages()
+            self._merge_working_set(idx, kept, k_new, v_new, page_tokens_valid)
             return
         b, h, _ = idx.shape
         bi = torch.arange(b, device=idx.device)[:, None, None]
         hi = torch.arange(h, device=idx.device)[None, :, None]
-        P, ppb = self.cfg.page_tokens, self.cfg.pages_per_block
         # A (row, head) keeps the pages it already holds; only the rest is fetched.
         if prev is not None and prev.shape[:2] == idx.shape[:2]:
             match = idx[..., :, None] == prev[..., None, :]  # [b, h, k, k_prev]
@@ -586,9 +671,27 @@ class FlashLayer(CacheLayerMixin):
                 new_k, new_v = old_k, old_v
         self._set_working_set(idx, new_k, new_v, page_tokens_valid)
 
-    def _cut_from_candidates(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor) -> bool:
+    def _held_over(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For an int8 working set: which of the pages idx [b, h, k] the last step's working
+        set holds (held [b, h, k] bool) and where (src [b, h, k], its page slot), so only the
+        others are read and coded (a page's codes depend on its tokens alone: the same as
+        coding it again). None: nothing to keep (another codec, no working set, other rows,
+        or a low-rank cold tier read directly: its pages decode at their [b, h, k] places)."""
+        prev, code = self.ws_idx, self._ws_code[0]
+        if prev is None or code is None or len(code) != 2 or prev.shape[:2] != idx.shape[:2] or not prev.shape[-1]:
+            return None
+        if self.latent is not None and self.prefetcher is None:
+            return None
+        src = torch.searchsorted(prev, idx).clamp_max_(prev.shape[-1] - 1)  # both sorted
+        held = prev.gather(-1, src) == idx
+        return (held, src) if bool(held.any()) else None
+
+    def _cut_from_candidates(
+        self, idx: torch.Tensor, page_tokens_valid: torch.Tensor, held: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> bool:
         """The working set cut from this step's re-rank candidates (`_rerank`), which
-        hold every page idx [b, h, k] names unless a selection hook replaced them."""
+        hold every page idx [b, h, k] names unless a selection hook replaced them.
+        held: `_held_over`'s pages, not cut again."""
         assert self._cand is not None
         cand, ck, cv = self._cand
         pos = torch.searchsorted(cand, idx).clamp_max(cand.shape[-1] - 1)
@@ -599,47 +702,68 @@ class FlashLayer(CacheLayerMixin):
         bi = torch.arange(b, device=idx.device)[:, None, None]
         hi = torch.arange(h, device=idx.device)[None, :, None]
         rows = ((bi * h + hi) * c + pos).reshape(-1)  # page rows of [b*h*c, P*d]
+        new = None if held is None else ~held[0]
+        if new is not None:
+            rows = rows[new.reshape(-1)]
 
         def cut(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(-1, P * d).index_select(0, rows).view(b, h, k, P, d)
+            out = t.reshape(-1, P * d).index_select(0, rows)
+            return out.view(-1, P, d) if new is not None else out.view(b, h, k, P, d)
 
         if cv is not None:
             v = cut(cv)
+        elif new is not None and not bool(new.any()):
+            v = self._no_pages()
         else:
-            got = self._arena_pages(idx, keys=False)
+            got = self._arena_pages(idx, keys=False, only=new)
             if got is None or got[1] is None:
                 return False
             v = got[1]
-        self._set_working_set(idx, cut(ck), v, page_tokens_valid)
+        if held is None:
+            self._set_working_set(idx, cut(ck), v, page_tokens_valid)
+        else:
+            self._merge_working_set(idx, held, cut(ck), v, page_tokens_valid)
         return True
 
-    def _gather_pages_directly(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor) -> bool:
+    def _gather_pages_directly(
+        self, idx: torch.Tensor, page_tokens_valid: torch.Tensor, held: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> bool:
         """Without a prefetcher, a store that can cut pages out of many blocks at once
         (MemoryStore's arena) hands over just the selected pages: one indexing op,
-        no whole blocks stacked. idx: [b, h, k] page ids. False: the store cannot."""
-        got = self._arena_pages(idx)
+        no whole blocks stacked. idx: [b, h, k] page ids; held: `_held_over`'s pages, not
+        read again. False: the store cannot."""
+        if held is not None and not bool((~held[0]).any()):
+            self._merge_working_set(idx, held, self._no_pages(), self._no_pages(), page_tokens_valid)
+            return True
+        got = self._arena_pages(idx, only=None if held is None else ~held[0])
         if got is None:
             return False
         assert got[0] is not None and got[1] is not None
-        self._set_working_set(idx, got[0], got[1], page_tokens_valid)
+        if held is None:
+            self._set_working_set(idx, got[0], got[1], page_tokens_valid)
+        else:
+            self._merge_working_set(idx, held, got[0], got[1], page_tokens_valid)
         return True
 
     def _arena_pages(
-        self, idx: torch.Tensor, keys: bool = True, values: bool = True
+        self, idx: torch.Tensor, keys: bool = True, values: bool = True, only: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """Pages idx [b, h, k] from the store's `gather_pages` (k, v [b, h, k, P, d], a part
-        not asked for None), counted as synchronous reads (one per block touched, as
-        fetch_block counts); None without a prefetcher-free path or when the store declines."""
+        not asked for None; with `only` [b, h, k] bool just those, flat [n, P, d]), counted
+        as synchronous reads (one per block touched, as fetch_block counts); None without a
+        prefetcher-free path or when the store declines."""
         if self.prefetcher is not None:
             return None
         ppb = self.cfg.pages_per_block
         lat = self.latent
+        if lat is not None and only is not None:  # latent pages decode by their [b, h, k] positions
+            return None
         slots = (keys, values) if lat is None else lat.slots(keys, values)  # store slots holding them
         t0 = time.perf_counter()
-        got = self.store.gather_pages(self.layer_idx, idx // ppb, idx % ppb, ppb, self.device, *slots)
+        got = self.store.gather_pages(self.layer_idx, idx // ppb, idx % ppb, ppb, self.device, *slots, only=only)
         counts = self.fetch_counts
         if got is not None and counts is not None:
-            counts["misses"] += int(torch.unique(idx // ppb).numel())
+            counts["misses"] += int(torch.unique(idx // ppb if only is None else (idx // ppb)[only]).numel())
             counts["stall_s"] += time.perf_counter() - t0
         if got is not None and lat is not None:  # coefficients -> K/V, keys rotated at their positions
             got = lat.decode_pages(got[0], got[1], idx, self.block_start, keys, values)
@@ -654,6 +778,48 @@ class FlashLayer(CacheLayerMixin):
         self.ws_k = k.reshape(b, h, -1, d)
         self.ws_v = v.reshape(b, h, -1, d)
         self.ws_valid = page_tokens_valid[torch.arange(b, device=idx.device)[:, None, None], idx].reshape(b, h, -1)
+        self.ws_idx = idx
+
+    def _no_pages(self) -> torch.Tensor:
+        """The K or V of no pages, [0, P, d] (every page held over)."""
+        code = self._ws_code[0]
+        assert code is not None
+        return code[0].new_empty(0, self.cfg.page_tokens, code[0].shape[-1], dtype=self.dtype)
+
+    def _merge_working_set(
+        self,
+        idx: torch.Tensor,
+        held: tuple[torch.Tensor, torch.Tensor],
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        page_tokens_valid: torch.Tensor,
+    ) -> None:
+        """An int8 working set of pages idx [b, h, k]: the pages `held` ([b, h, k] bool, src
+        slots) keep their codes from the last step's; the others' K/V k_new, v_new
+        [n_new, P, d] (in (b, h, k) order) are coded now."""
+        keep, src = held
+        b, h, k = idx.shape
+        assert self.ws_idx is not None
+        rows_prev = b * h * self.ws_idx.shape[-1]
+        bi = torch.arange(b, device=idx.device)[:, None, None]
+        hi = torch.arange(h, device=idx.device)[None, :, None]
+        flat = keep.reshape(-1)
+        # each page's row in [last working set's pages; new pages] (one index_select: index_copy_
+        # into a fresh tensor measured 30-50x slower on CPU, benchmarks/micro_decode_parts.py)
+        old_rows = ((bi * h + hi) * self.ws_idx.shape[-1] + src).reshape(-1)
+        pick = torch.where(flat, old_rows, rows_prev + (~flat).cumsum(0) - 1)
+        P = self.cfg.page_tokens
+        for slot, fresh in ((0, k_new), (1, v_new)):
+            code = self._ws_code[slot]
+            assert code is not None and len(code) == 2
+            codes, scale = code
+            d = codes.shape[-1]
+            new_c, new_s = page_code.encode(fresh)  # [n_new, P, d], [n_new, P, 1]
+            out_c = torch.cat([codes.view(-1, P * d), new_c.view(-1, P * d)]).index_select(0, pick)
+            out_s = torch.cat([scale.view(-1, P), new_s.view(-1, P)]).index_select(0, pick)
+            self._ws_code[slot] = (out_c.view(b, h, k * P, d), out_s.view(b, h, k * P, 1))
+            self._ws_plain[slot] = None  # decoded on this step's first read
+        self.ws_valid = page_tokens_valid[bi, idx].reshape(b, h, -1)
         self.ws_idx = idx
 
     # ------------------------------------------------------------------- tiers
@@ -861,6 +1027,30 @@ class FlashLayer(CacheLayerMixin):
             "query_buffer": nb(self.recent_q),
             "rest_entry": nb(self.v_sum),
         }
+
+
+def _part_len(p: Part) -> int:
+    return (p[0] if isinstance(p, tuple) else p).shape[-2]
+
+
+def _concat(parts: list[Part], buffer: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
+    """Attention's keys or values: parts [b, h, n_i, d] -> [b, h, sum n_i, d], written into
+    `buffer(shape)` (a reused scratch buffer). An int8 part (codes, scale [b, h, n, 1]) is
+    decoded into its place in the same pass, not decoded and then copied."""
+    if len(parts) == 1 and isinstance(parts[0], torch.Tensor):
+        return parts[0]
+    lead = parts[0][0] if isinstance(parts[0], tuple) else parts[0]
+    b, h, _, d = lead.shape
+    out = buffer((b, h, sum(_part_len(p) for p in parts), d))
+    at = 0
+    for p in parts:
+        n = _part_len(p)
+        if isinstance(p, tuple):
+            torch.mul(p[0], p[1], out=out[:, :, at : at + n])
+        else:
+            out[:, :, at : at + n] = p
+        at += n
+    return out
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:

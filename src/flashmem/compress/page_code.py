@@ -25,9 +25,12 @@ def encode_and_decode(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """encode(x) and, for `dtype`, decode(codes, scale, dtype) from the same pass: the
     rounded values are the codes before their conversion to int8 (None: no decode)."""
-    scale = x.detach().abs().amax(-1, keepdim=True).float().div_(127.0)
+    x = x.detach()
+    # max |x| as max(max, -min): two reductions, no |x| temporary (a quarter of the coding's time)
+    scale = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_()).float().div_(127.0)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    rounded = (x.detach().float() * inv).round_().clamp_(-127, 127)
+    # |x * inv| <= 127 up to rounding of the product, so round() stays in [-127, 127]: no clamp
+    rounded = torch.mul(x.float(), inv).round_()
     codes = rounded.to(torch.int8)
     if dtype is None:
         return codes, scale, None

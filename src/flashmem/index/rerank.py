@@ -30,7 +30,34 @@ def exact_page_mass(
     pages' keys; cand_valid: [b, h, c, P] -> mass [b, h, c].
     """
     b, h, c, P, d = cand_k.shape
-    logits = torch.matmul(qg, cand_k.reshape(b, h, c * P, d).transpose(-1, -2)).float() * scaling
-    logits = logits.masked_fill(~cand_valid.reshape(b, h, 1, c * P), float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).view(b, h, -1, c, P).sum(-1)  # [b, h, nq, c]
+    logits = torch.matmul(qg, cand_k.reshape(b, h, c * P, d).transpose(-1, -2))
+    return _page_mass(logits, cand_valid.reshape(b, h, 1, c * P), P, scaling, pool, share_heads)
+
+
+def exact_block_mass(
+    qg: torch.Tensor,
+    block_k: torch.Tensor,
+    tokens_valid: torch.Tensor,
+    page_tokens: int,
+    scaling: float,
+    pool: str = "mean",
+    share_heads: bool = False,
+) -> torch.Tensor:
+    """exact_page_mass with every page a candidate, from the blocks as the store holds
+    them: qg [b, h, nq, d]; block_k [n, b, h, B, d] (a view of the store's arena: one
+    batched matmul over the blocks, no copy of n * B keys into page order);
+    tokens_valid [b, 1 or h, n*B] -> mass [b, h, n*B / page_tokens]."""
+    n, b, h, B, d = block_k.shape
+    logits = torch.matmul(qg[None], block_k.transpose(-1, -2))  # [n, b, h, nq, B]
+    logits = logits.permute(1, 2, 3, 0, 4).reshape(b, h, qg.shape[2], n * B)
+    return _page_mass(logits, tokens_valid[:, :, None, :], page_tokens, scaling, pool, share_heads)
+
+
+def _page_mass(
+    logits: torch.Tensor, valid: torch.Tensor, P: int, scaling: float, pool: str, share_heads: bool
+) -> torch.Tensor:
+    """Token logits [b, h, nq, L] (L = pages * P), valid broadcastable to them -> mass [b, h, pages]."""
+    b, h, nq, L = logits.shape
+    logits = (logits.float() * scaling).masked_fill_(~valid, float("-inf"))  # in place: one temporary
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0).view(b, h, nq, L // P, P).sum(-1)  # [b, h, nq, pages]
     return pool_mass(probs, pool, share_heads)

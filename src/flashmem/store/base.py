@@ -81,10 +81,17 @@ class ColdStore(ABC):
         device: torch.device | str,
         keys: bool = True,
         values: bool = True,
+        only: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """Pages of many blocks in one op: blocks, within [b, h, k] -> k, v [b, h, k, P, d]
         (None for a part not asked for), or None where the store cannot (the default:
-        the caller reads whole blocks with `get`). MemoryStore's arena can."""
+        the caller reads whole blocks with `get`). MemoryStore's arena can. `only` [b, h, k]
+        bool: just those pages, flat [n, P, d]."""
+        return None
+
+    def block_keys(self, layer_idx: int, n: int, device: torch.device | str) -> torch.Tensor | None:
+        """The keys of a layer's blocks 0..n-1 as one read-only tensor [n, b, h, B, d] on
+        `device`, without a copy, or None where the store cannot (the default)."""
         return None
 
     @abstractmethod

@@ -25,10 +25,17 @@ from flashmem.store.codecs.base import check_pair
 from flashmem.store.transfer import ensure_host, pinning, to_device, to_host
 
 
-def cut_pages(pool: torch.Tensor, slot: torch.Tensor, within: torch.Tensor, pages_per_block: int) -> torch.Tensor:
+def cut_pages(
+    pool: torch.Tensor,
+    slot: torch.Tensor,
+    within: torch.Tensor,
+    pages_per_block: int,
+    only: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Pages out of a pool of blocks in one op: pool [u, b, h, B, d] (blocks stacked, or a
     layer's arena), slot / within [b, h, k] (block in the pool, page in the block)
-    -> [b, h, k, P, d]. The pool seen as [pages, P*d] rows gives one index_select (a
+    -> [b, h, k, P, d]; with `only` [b, h, k] bool just those pages, flat: [n, P, d] in
+    (b, h, k) order. The pool seen as [pages, P*d] rows gives one index_select (a
     memcpy per page) instead of a four-tensor advanced index."""
     _, b, h, B, d = pool.shape
     k = slot.shape[-1]
@@ -36,7 +43,10 @@ def cut_pages(pool: torch.Tensor, slot: torch.Tensor, within: torch.Tensor, page
     bi = torch.arange(b, device=slot.device)[:, None, None]
     hi = torch.arange(h, device=slot.device)[None, :, None]
     rows = (((slot * b + bi) * h + hi) * pages_per_block + within).reshape(-1)
-    return pool.view(-1, P * d).index_select(0, rows.to(pool.device)).view(b, h, k, P, d)
+    if only is not None:
+        rows = rows[only.reshape(-1).to(rows.device)]
+    out = pool.view(-1, P * d).index_select(0, rows.to(pool.device))
+    return out.view(-1, P, d) if only is not None else out.view(b, h, k, P, d)
 
 
 class _LayerArena:
@@ -136,32 +146,55 @@ class MemoryStore(ColdStore):
         device: torch.device | str,
         keys: bool = True,
         values: bool = True,
+        only: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """Pages cut out of many blocks in one op: blocks, within: [b, h, k] (block id
         and page within it, per row and KV head) -> k, v [b, h, k, P, d] on `device`
-        (None for a part not asked for). None when this store cannot (coded blocks, or
-        a block outside the layer's arena): the caller then reads whole blocks with `get`."""
-        if self.codec.name != "exact":
+        (None for a part not asked for; with `only` [b, h, k] bool just those pages,
+        flat [n, P, d]). None when this store cannot (coded blocks, or a block outside
+        the layer's arena): the caller then reads whole blocks with `get`."""
+        arena = self._arena(layer_idx)
+        if arena is None:
             return None
-        with self._lock:
-            self._check_open("get")
-            arena = self._arenas.get(int(layer_idx))
-            if arena is None:
-                return None
-            ak, av, present = arena.k, arena.v, arena.present
-        flat = blocks.reshape(-1).cpu()
+        ak, av, present = arena.k, arena.v, arena.present
+        flat = (blocks if only is None else blocks[only]).reshape(-1).cpu()
         if flat.numel() == 0 or int(flat.max()) >= present.numel() or not bool(present[flat].all()):
             return None
         _, ab, ah, B, _ = ak.shape
         if (ab, ah) != tuple(blocks.shape[:2]) or B % pages_per_block:
             return None
         slot, wi = blocks.cpu(), within.cpu()
-        parts = [cut_pages(t, slot, wi, pages_per_block) if want else None for t, want in ((ak, keys), (av, values))]
+        parts = [
+            cut_pages(t, slot, wi, pages_per_block, None if only is None else only.cpu()) if want else None
+            for t, want in ((ak, keys), (av, values))
+        ]
         with self._lock:
             self.stats.gets += 1
             self.stats.bytes_read += sum(t.numel() * t.element_size() for t in parts if t is not None)
         out_k, out_v = (None if t is None else to_device(t, device) for t in parts)
         return out_k, out_v
+
+    def block_keys(self, layer_idx: int, n: int, device: torch.device | str) -> torch.Tensor | None:
+        """The keys of blocks 0..n-1 of a layer as the arena holds them, [n, b, h, B, d],
+        no copy (read-only), or None: coded blocks, a block missing from the arena, or an
+        arena on another device than `device`."""
+        arena = self._arena(layer_idx)
+        if arena is None or n <= 0 or n > arena.present.numel() or not bool(arena.present[:n].all()):
+            return None
+        keys = arena.k[:n]
+        if keys.device != torch.device(device):
+            return None
+        with self._lock:
+            self.stats.gets += 1
+            self.stats.bytes_read += keys.numel() * keys.element_size()
+        return keys
+
+    def _arena(self, layer_idx: int) -> _LayerArena | None:
+        if self.codec.name != "exact":
+            return None
+        with self._lock:
+            self._check_open("get")
+            return self._arenas.get(int(layer_idx))
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._blocks

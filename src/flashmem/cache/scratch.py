@@ -1,0 +1,40 @@
+"""One reused buffer per slot for a step's largest transients: attention's keys and values.
+
+A decode step's keys and values (sinks, the decoded working set, the window) are
+tens of MB per layer at 32K+ tokens. Allocated fresh for every layer and step, the
+CPU allocator hands out newly mapped memory each time and the step pays the page
+faults (at 32K on the tiny model, about 30% of the step: docs/measurements.md,
+"Decode cost of the int8 working set, cut"). Layers run one after another, so a
+cache's layers share one buffer per slot; it grows to the largest step's size
+and stays (as a GPU's caching allocator keeps freed blocks). `memory_report()`
+counts it as `scratch_bytes`, apart from the KV tiers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class Scratch:
+    """Buffers by (slot, dtype, device); `take` returns a view valid until the next
+    `take` of the same slot (the caller uses it within one attention call)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = math.prod(shape)
+        key = (slot, dtype, torch.device(device))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            # a quarter to spare: the working set grows a page at a time as the context does
+            buf = self._bufs[key] = torch.empty(n + n // 4, dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._bufs.values())
+
+    def clear(self) -> None:
+        self._bufs.clear()
