@@ -113,11 +113,13 @@ def test_pages_held_over_keep_their_codes_as_if_coded_again(monkeypatch, rerank,
     assert torch.equal(kept_out, again_out)
 
 
-def test_attention_buffers_are_one_per_cache_reused_and_reported_apart():
-    """Attention's keys and values are assembled in buffers the cache's layers share and
-    reuse step after step (no fresh allocation per layer), reported as scratch_bytes
-    apart from the resident tiers."""
-    from flashmem.cache.scratch import Scratch
+def test_attention_buffers_are_reused_by_a_threads_caches_and_reported_apart():
+    """Attention's keys, values and mask are assembled in buffers every cache a thread runs
+    shares and reuses step after step (no fresh allocation per layer), reported as
+    scratch_bytes apart from the resident tiers; another thread has its own."""
+    import threading
+
+    from flashmem.cache.scratch import Scratch, thread_scratch
 
     scratch = Scratch()
     a = scratch.take("keys", (1, 2, 10, 4), torch.float32, torch.device("cpu"))
@@ -126,19 +128,27 @@ def test_attention_buffers_are_one_per_cache_reused_and_reported_apart():
     c = scratch.take("values", (1, 2, 8, 4), torch.float32, torch.device("cpu"))
     assert c.data_ptr() != a.data_ptr()
     assert scratch.nbytes() == (80 + 20 + 64 + 16) * 4  # each with a quarter to spare
+    other: list[Scratch] = []
+    worker = threading.Thread(target=lambda: other.append(thread_scratch()))
+    worker.start()
+    worker.join()
+    assert other[0] is not thread_scratch() and thread_scratch() is thread_scratch()
 
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**ALL_EXACT, working_set_codec="int8"))
+    thread_scratch().clear()
+    cfg = flashmem.FlashMemoryConfig(**ALL_EXACT, working_set_codec="int8")
+    first, second = flashmem.attach(model, cfg), flashmem.attach(model, cfg)
     try:
-        run(model, cache, ids, 4)
-        shared = {id(layer.scratch) for layer in cache.flash_layers}
-        assert len(shared) == 1
-        report = cache.memory_report()
-        assert report["scratch_bytes"] == cache.flash_layers[0].scratch.nbytes() > 0
-        assert (
-            report["device_resident_bytes"]
-            == report["managed_resident_bytes"] + report["full_layer_bytes"] + report["sliding_layer_bytes"]
+        run(model, first, ids, 4)
+        held = thread_scratch().nbytes()
+        assert held > 0 and first.memory_report()["scratch_bytes"] == held
+        run(model, second, ids, 4)  # the same steps: the second cache reuses the buffers
+        assert thread_scratch().nbytes() == held
+        report = second.memory_report()
+        assert report["device_resident_bytes"] == (
+            report["managed_resident_bytes"] + report["full_layer_bytes"] + report["sliding_layer_bytes"]
         )
     finally:
-        cache.close()
+        first.close()
+        second.close()

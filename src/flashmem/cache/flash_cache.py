@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
 from flashmem.cache.guard import StepGuard
 from flashmem.cache.latent import make_latent
-from flashmem.cache.scratch import Scratch
+from flashmem.cache.scratch import thread_scratch
 from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
@@ -82,7 +82,6 @@ class FlashMemoryCache(Cache):
         # Synchronous reads when prefetch is off: each is a miss and its time a stall.
         self._fetch_counts: dict[str, float] = {"misses": 0, "stall_s": 0.0}
         self._guard = StepGuard()
-        self._scratch = Scratch()  # attention's keys and values, one buffer for every layer
         self._finalizer = weakref.finalize(self, _close_cold_tier, self.prefetcher, self.store)
         rotators = rotators or {}
         sliding = [geometry.keeps_window(kind, text_cfg) for kind in layer_types]
@@ -126,7 +125,6 @@ class FlashMemoryCache(Cache):
                     )
                 )
                 layers[-1].guard = self._guard
-                layers[-1].scratch = self._scratch
                 # cold_low_rank: sealed blocks go to the store as calibrated low-rank coefficients
                 layers[-1].latent = make_latent(cfg, calibration, i, rotators.get(kind), head_dim)
         # transformers builds one mask for all full-attention layers from the first one's
@@ -204,9 +202,9 @@ class FlashMemoryCache(Cache):
             "device_resident_bytes": managed + full + sliding,
             "peak_managed_resident_bytes": sum(layer.peak_resident_bytes for layer in self.flash_layers),
             "cold_bytes": self.store.nbytes(),
-            # attention's assembled keys and values, reused across layers and steps (a
-            # transient like the activations, kept rather than mapped again: cache/scratch.py)
-            "scratch_bytes": self._scratch.nbytes(),
+            # attention's keys, values and mask are assembled in buffers this thread's caches
+            # share and reuse (a transient like the activations, kept: cache/scratch.py)
+            "scratch_bytes": thread_scratch().nbytes(),
             "sealed_blocks": sum(layer.num_sealed for layer in self.flash_layers if layer.is_initialized),
         }
 

@@ -32,7 +32,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from flashmem.cache.latent import LatentKV
 from flashmem.cache.lookahead import predict_next_blocks
-from flashmem.cache.scratch import Scratch
+from flashmem.cache.scratch import thread_scratch
 from flashmem.compress import page_code
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
@@ -131,8 +131,6 @@ class FlashLayer(CacheLayerMixin):
         self.prefetcher = prefetcher
         self.fetch_counts = fetch_counts
         self.lookahead_bytes = lookahead_bytes
-        # attention's keys and values are assembled here; FlashMemoryCache gives its layers one
-        self.scratch = Scratch()
         self._pf_block_bytes: int | None = None
         self.tokens_seen = 0
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -563,22 +561,28 @@ class FlashLayer(CacheLayerMixin):
 
         keys.append(k_new)
         values.append(v_new)
-        if biases:
-            past = torch.cat(biases, dim=-1)  # [b, h, Lp]
-            mask = torch.cat([past[:, :, None, :].expand(-1, -1, m, -1), new_bias.expand(b, hkv, m, m)], dim=-1)
-        else:
-            mask = new_bias.expand(b, hkv, m, m)
         group = q.shape[1] // hkv
-        if group > 1:
-            mask = mask.repeat_interleave(group, dim=1)  # [b, Hq, m, L]
+        dev = k_new.device
+        # The mask [b, Hq, m, L] is written into a reused buffer laid out [b, h, group, m, L]
+        # (query head h * group + g, as enable_gqa pairs them): a prefill chunk's mask is
+        # 100+ MB per layer, and a fresh one each time costs its page faults.
+        L = sum(bias.shape[-1] for bias in biases) + m + (rest is not None)
+        scratch = thread_scratch()
+        mask = scratch.take("mask", (b, hkv, group, m, L), q.dtype, dev)
+        at = 0
+        for bias in biases:  # [b, h, n]: one row for every query
+            n = bias.shape[-1]
+            mask[..., at : at + n] = bias[:, :, None, None, :]
+            at += n
+        mask[..., at : at + m] = new_bias[:, :, None]  # [b, 1, 1, m, m]
         if rest is not None:  # a zero key: its logit is all bias, per query head and query
             v_rest, logit = rest
             keys.append(torch.zeros_like(v_rest, dtype=k_new.dtype))
             values.append(v_rest.to(v_new.dtype))
-            mask = torch.cat([mask.expand(b, -1, m, -1), logit.to(mask.dtype)[..., None]], dim=-1)
-        dev = k_new.device
-        K = _concat(keys, lambda shape: self.scratch.take("keys", shape, k_new.dtype, dev))
-        V = _concat(values, lambda shape: self.scratch.take("values", shape, v_new.dtype, dev))
+            mask[..., -1] = logit.view(b, hkv, group, m)
+        mask = mask.view(b, hkv * group, m, L)
+        K = _concat(keys, lambda shape: scratch.take("keys", shape, k_new.dtype, dev))
+        V = _concat(values, lambda shape: scratch.take("values", shape, v_new.dtype, dev))
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
 
     def _rest_entry(

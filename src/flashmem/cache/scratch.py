@@ -4,17 +4,29 @@ A decode step's keys and values (sinks, the decoded working set, the window) are
 tens of MB per layer at 32K+ tokens. Allocated fresh for every layer and step, the
 CPU allocator hands out newly mapped memory each time and the step pays the page
 faults (at 32K on the tiny model, about 30% of the step: docs/measurements.md,
-"Decode cost of the int8 working set, cut"). Layers run one after another, so a
-cache's layers share one buffer per slot; it grows to the largest step's size
-and stays (as a GPU's caching allocator keeps freed blocks). `memory_report()`
-counts it as `scratch_bytes`, apart from the KV tiers.
+"Decode cost of the int8 working set, cut"); a prefill chunk's attention mask is
+100+ MB. Attention calls in one thread run one after another, so every layer of
+every cache a thread runs shares one buffer per slot (`thread_scratch`); it grows
+to the largest step's size and stays, as a GPU's caching allocator keeps freed
+blocks. `memory_report()` reports it as `scratch_bytes`, apart from the KV tiers.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
+
+_local = threading.local()
+
+
+def thread_scratch() -> Scratch:
+    """The calling thread's buffers (made on first use)."""
+    scratch = getattr(_local, "scratch", None)
+    if scratch is None:
+        scratch = _local.scratch = Scratch()
+    return scratch
 
 
 class Scratch:
