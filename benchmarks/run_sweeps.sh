@@ -268,6 +268,8 @@ flashmem bench retrieval --methods flashmem $M --lengths 4k --depths 0.15,0.5,0.
   --json-out $O/retrieval_smollm2_inplace.json  # the same answers as rrmin256
 # the attention mask in the reused buffers too: prefill at 16K, by turns with the code before (git stash)
 python benchmarks/prefill_time.py --runs 2
+python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 7192 --decode 300 \
+  --json-out $O/target_8k_smollm2_buffers.json
 
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
