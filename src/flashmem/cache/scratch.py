@@ -1,4 +1,4 @@
-"""One reused buffer per slot for a step's largest transients: attention's keys and values.
+"""One reused buffer per slot for a step's largest transients: attention's keys, values and mask.
 
 A decode step's keys and values (sinks, the decoded working set, the window) are
 tens of MB per layer at 32K+ tokens. Allocated fresh for every layer and step, the
