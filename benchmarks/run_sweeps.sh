@@ -270,6 +270,9 @@ flashmem bench retrieval --methods flashmem $M --lengths 4k --depths 0.15,0.5,0.
 python benchmarks/prefill_time.py --runs 2
 python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 7192 --decode 300 \
   --json-out $O/target_8k_smollm2_buffers.json
+flashmem bench retrieval --model gemma3-270m --methods flashmem --budgets 1/16 --tasks passkey,locker \
+  --haystacks kjv,stdlib-doc $C --lengths 4k --seeds 0 --depths 0.15,0.5,0.85 \
+  --json-out $O/retrieval_gemma3_buffers.json  # the same outputs as retrieval_gemma3_rrmin.json
 
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
