@@ -1,7 +1,7 @@
 """Where a decode step of the budget recipe spends its time (cProfile), on the tiny model.
 
     python benchmarks/profile_decode.py [--tokens 32768] [--budget 0.125] [--steps 6] [--prefetch-threads 2]
-                                        [--through-prefetcher] [--variant norerank]
+                                        [--through-prefetcher] [--variant norerank] [--sort tottime]
 
 Prefills the tiny random Llama of bench_prefetch.py through
 `FlashMemoryConfig.for_budget(budget, tokens, model)` (memory cold tier),
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prefetch-threads", type=int, default=2)
     ap.add_argument("--variant", default="default", help="a for_budget variant, e.g. norerank")
+    ap.add_argument("--sort", default="cumulative", choices=["cumulative", "tottime"], help="order of the table")
     ap.add_argument(
         "--through-prefetcher", action="store_true", help="read the memory store through the prefetcher (as before)"
     )
@@ -53,13 +54,26 @@ def main() -> None:
         tok = flashmem.prefill(model, cache, ids, chunk=8192)[:, -1].argmax(-1, keepdim=True)
         tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         prof = cProfile.Profile()
-        t0 = time.perf_counter()
-        prof.enable()
+        elapsed, held = 0.0, []
         for _ in range(args.steps):
+            before = [layer.ws_idx for layer in cache.flash_layers]
+            t0 = time.perf_counter()
+            prof.enable()
             tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        prof.disable()
-        print(f"{1e3 * (time.perf_counter() - t0) / args.steps:.1f} ms per decode step")
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+            prof.disable()
+            elapsed += time.perf_counter() - t0
+            for layer, prev in zip(cache.flash_layers, before):  # pages kept from the step before
+                if prev is not None and layer.ws_idx is not None and prev.shape[:2] == layer.ws_idx.shape[:2]:
+                    same = (layer.ws_idx[..., :, None] == prev[..., None, :]).any(-1)
+                    held.append(same.float().mean().item())
+        print(f"{1e3 * elapsed / args.steps:.1f} ms per decode step")
+        if held:
+            held.sort()
+            print(
+                f"selected pages held from the step before, per layer and step: median {held[len(held) // 2]:.0%}, "
+                f"min {held[0]:.0%}"
+            )
+    pstats.Stats(prof).sort_stats(args.sort).print_stats(25)
 
 
 if __name__ == "__main__":

@@ -273,6 +273,10 @@ python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 71
 flashmem bench retrieval --model gemma3-270m --methods flashmem --budgets 1/16 --tasks passkey,locker \
   --haystacks kjv,stdlib-doc $C --lengths 4k --seeds 0 --depths 0.15,0.5,0.85 \
   --json-out $O/retrieval_gemma3_buffers.json  # the same outputs as retrieval_gemma3_rrmin.json
+python benchmarks/profile_decode.py --tokens 32768 --steps 12 --sort tottime  # also with PYTHONPATH=<a4d49fc3>/src
+python benchmarks/profile_decode.py --tokens 65536 --steps 12 --sort tottime
+PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625 full,rrmin256 multikey,locker_pydoc 17 \
+  0.25,0.55,0.85 smollm2  # rows in $O/page_retrieval_smollm2_seed17.jsonl (rrmin256 also with the code of a4d49fc3)
 
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"

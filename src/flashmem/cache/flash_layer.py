@@ -477,7 +477,7 @@ class FlashLayer(CacheLayerMixin):
             if n:
                 keys.append(k)
                 values.append(v)
-                biases.append(bias.expand(b, hkv, n) if bias.dim() == 3 else bias)
+                biases.append(bias.expand(b, hkv, n))  # every bias is [b, h or 1, n]
 
         def from_valid(valid: torch.Tensor) -> torch.Tensor:  # [b, L] -> [b, 1, L]
             return torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill(~valid, neg)[:, None]

@@ -153,10 +153,10 @@ class MemoryStore(ColdStore):
         (None for a part not asked for; with `only` [b, h, k] bool just those pages,
         flat [n, P, d]). None when this store cannot (coded blocks, or a block outside
         the layer's arena): the caller then reads whole blocks with `get`."""
-        arena = self._arena(layer_idx)
-        if arena is None:
+        got = self._arena(layer_idx)
+        if got is None:
             return None
-        ak, av, present = arena.k, arena.v, arena.present
+        ak, av, present = got
         flat = (blocks if only is None else blocks[only]).reshape(-1).cpu()
         if flat.numel() == 0 or int(flat.max()) >= present.numel() or not bool(present[flat].all()):
             return None
@@ -178,10 +178,10 @@ class MemoryStore(ColdStore):
         """The keys of blocks 0..n-1 of a layer as the arena holds them, [n, b, h, B, d],
         no copy (read-only), or None: coded blocks, a block missing from the arena, or an
         arena on another device than `device`."""
-        arena = self._arena(layer_idx)
-        if arena is None or n <= 0 or n > arena.present.numel() or not bool(arena.present[:n].all()):
+        got = self._arena(layer_idx)
+        if got is None or n <= 0 or n > got[2].numel() or not bool(got[2][:n].all()):
             return None
-        keys = arena.k[:n]
+        keys = got[0][:n]
         if keys.device != torch.device(device):
             return None
         with self._lock:
@@ -189,12 +189,15 @@ class MemoryStore(ColdStore):
             self.stats.bytes_read += keys.numel() * keys.element_size()
         return keys
 
-    def _arena(self, layer_idx: int) -> _LayerArena | None:
+    def _arena(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A layer's arena tensors k, v [slots, b, h, B, d] and present [slots], taken together
+        under the lock (a put growing the arena swaps all three), or None (coded blocks)."""
         if self.codec.name != "exact":
             return None
         with self._lock:
             self._check_open("get")
-            return self._arenas.get(int(layer_idx))
+            arena = self._arenas.get(int(layer_idx))
+            return None if arena is None else (arena.k, arena.v, arena.present)
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._blocks
