@@ -1,11 +1,13 @@
 """Why a retrieval prompt is missed: ranking, or what the left-out tokens contribute.
 
-    python benchmarks/miss_diagnosis.py passkey kjv 2048 0.5 0 0.0625 [variant]
+    python benchmarks/miss_diagnosis.py passkey kjv 2048 0.5 0 0.0625 [variant] [model]
+    python benchmarks/miss_diagnosis.py word_nt - 4096 0.5 21 0.0625 default smollm2
 
 One retrieval-suite prompt (`flashmem_eval.suites.make_probe`: task, haystack,
-length, depth, seed) on Gemma3-270m with `FlashMemoryConfig.for_budget(budget,
-length, model, variant=...)`, fed as the suite feeds it (context through the
-cache, then the question, greedy). Prints:
+length, depth, seed), or one of `page_recall.probe`'s held-out formats (the
+haystack argument unused), on Gemma3-270m (or `model`) with
+`FlashMemoryConfig.for_budget(budget, length, model, variant=...)`, fed as the
+suite feeds it (context through the cache, then the question, greedy). Prints:
 
 - the answer, and per global layer at the answer step (the question's last
   query) the selected pages and where the index ranks the needle's pages (the page of each occurrence of
@@ -19,6 +21,7 @@ is not what is missing: the left-out tokens' share of attention is.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import torch
@@ -26,24 +29,32 @@ import torch
 from flashmem.config import FlashMemoryConfig
 from flashmem_eval import harness as H
 from flashmem_eval.suites import make_probe
+from page_recall import probe
+
+SUITE_TASKS = ("passkey", "multikey", "locker")
 
 
 def main() -> None:
     task, hay, length, depth, seed, budget = sys.argv[1:7]
     variant = sys.argv[7] if len(sys.argv) > 7 else "default"
     torch.set_num_threads(1)
-    ld = H.load("gemma3-270m")
+    ld = H.load(sys.argv[8] if len(sys.argv) > 8 else "gemma3-270m")
     tok, model = ld.tokenizer, ld.model
-    probe = make_probe(tok, task, int(length), float(depth), int(seed), hay=hay)
-    ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
-    q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
-    ids = ctx[0].tolist()
-    pieces = [tok.decode([t]).strip() for t in ids]
-    starts = [i for i, p in enumerate(pieces) if p.isdigit() and probe.answer.startswith(p)]
+    if task in SUITE_TASKS:
+        p = make_probe(tok, task, int(length), float(depth), int(seed), hay=hay)
+        context, question, answer_text = p.context, p.question, p.answer
+    else:
+        context, question, answer_text = probe(tok, task, int(length), float(depth), int(seed), salt=length)
+    enc = tok(context, add_special_tokens=True, return_offsets_mapping=True)
+    ctx = torch.tensor([enc["input_ids"]])
+    q = torch.tensor([tok(question, add_special_tokens=False)["input_ids"]])
+    # the first token of every occurrence of the answer in the context
+    spans = [m.start() for m in re.finditer(re.escape(answer_text), context)]
+    starts = [min(i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > c) for c in spans]
     cfg = FlashMemoryConfig.for_budget(float(budget), int(length), model, variant=variant)
     S, P = cfg.sink_tokens, cfg.page_tokens
     needle = sorted({(i - S) // P for i in starts if i >= S})
-    print(f"answer {probe.answer}; context {ctx.shape[1]} tokens; window {cfg.gpu_cache_limit}, {cfg.lsa_top_k} pages")
+    print(f"answer {answer_text}; context {ctx.shape[1]} tokens; window {cfg.gpu_cache_limit}, {cfg.lsa_top_k} pages")
     print(f"needle pages {needle}")
 
     def answer(hook=None, config: FlashMemoryConfig = cfg, record: list | None = None) -> str:
@@ -73,12 +84,16 @@ def main() -> None:
     print("recipe:", answer(record=rec))
     near = sorted({p + d for p in needle for d in (-1, 0, 1) if p + d >= 0})
     group = model.config.get_text_config().num_attention_heads // rec[0][1].shape[1]
-    answer_step = [r for r in rec if r[2].shape[2] == group][:3]  # the question's last query, alone
+    n_managed = len({r[0] for r in rec})
+    answer_step = [r for r in rec if r[2].shape[2] == group][:n_managed]  # the question's last query, alone
     for layer, idx, scores in answer_step:
-        mass = torch.softmax(scores * cfg_scaling(model), -1).mean(2)[0, 0]
-        order = mass.argsort(descending=True).tolist()
-        ranks = {p: order.index(p) for p in near if p < len(order)}
-        print(f"  layer {layer}, {scores.shape[2]} queries: selected {idx[0, 0].tolist()}, ranks {ranks}")
+        mass = torch.softmax(scores * cfg_scaling(model), -1).mean(2)[0]  # [h, pages]
+        for h in range(mass.shape[0]):
+            order = mass[h].argsort(descending=True).tolist()
+            ranks = {p: order.index(p) for p in near if p < len(order)}
+            sel = idx[0, h].tolist()
+            held = [p for p in needle if p in sel]
+            print(f"  layer {layer} head {h}: {len(sel)} selected, needle pages held {held}, ranks {ranks}")
     print("every page:", answer(forced(None)))
     print("needle pages only:", answer(forced(sorted({*needle, *(p + 1 for p in needle)}))))
     print("top 64 by index:", answer(config=cfg.model_copy(update={"lsa_top_k": 64})))

@@ -47,6 +47,7 @@ import torch
 
 from flashmem.calibration import load_calibration
 from flashmem.texts import haystack, insert_needles
+from flashmem_eval.suites import score_answer
 
 QUERIES = 32
 TOPS = (1, 2, 4, 8, 16, 32)
@@ -65,6 +66,8 @@ def probe(tok, fmt: str, length: int, depth: float, seed: int, salt: str = "") -
         p = make_probe(tok, fmt, length, depth, seed)
         return p.context, p.question, p.answer
     rng = random.Random(f"{fmt}{seed}{depth}{salt}")
+    if fmt in LATE_FORMATS:
+        return late_probe(tok, fmt, length, depth, rng)
     name = rng.choice(["Maria", "Tomas", "Ingrid", "Kwame", "Yuki"])
     code = str(rng.randint(100000, 999999))
     needle = f"Note from the archivist: the locker code assigned to {name} is {code}."
@@ -79,6 +82,57 @@ def probe(tok, fmt: str, length: int, depth: float, seed: int, salt: str = "") -
     else:
         hay = haystack(tok, length - 80, seed=rng.randrange(10**6))
     return insert_needles(hay, [(needle, depth)], own_paragraph=True), question, code
+
+
+# Formats added after the recipe was chosen (2026-12-01), never used to pick it: other
+# answer types (a word, a code of letters and digits, a date), an inline needle, the
+# question before the text, and the New Testament / stdlib docstrings as haystacks.
+LATE_FORMATS = ("word_nt", "code_stdlib", "date_pydoc", "qfirst_kjv")
+_WORDS = ["cardamom", "saffron", "tamarind", "fennel", "juniper", "sumac", "anise", "sorrel"]
+_MONTHS = ["January", "March", "April", "June", "August", "October", "November"]
+
+
+def late_probe(tok, fmt: str, length: int, depth: float, rng: random.Random) -> tuple[str, str, str]:
+    """(context, question, answer) of a LATE_FORMATS prompt of about `length` tokens."""
+    lead = ""
+    if fmt == "word_nt":
+        answer = rng.choice(_WORDS)
+        needle = f"And the gardener said that the secret ingredient of the harvest soup was {answer}."
+        question = "\n\nWhat was the secret ingredient of the harvest soup? The secret ingredient was"
+        hay_name, own = "kjv-nt", False
+    elif fmt == "code_stdlib":
+        letters = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+        answer = f"{rng.choice(letters)}{rng.choice(letters)}{rng.randint(10, 99)}-{rng.randint(100, 999)}"
+        needle = f"(Maintenance note: the vault of the east archive opens with the combination {answer}.)"
+        question = "\n\nQuestion: which combination opens the vault of the east archive? Answer: the combination is"
+        hay_name, own = "stdlib-doc", True
+    elif fmt == "date_pydoc":
+        name = rng.choice(["Heron", "Basalt", "Lumen", "Quarry", "Tundra"])
+        answer = f"{rng.randint(2, 28)} {rng.choice(_MONTHS)}"
+        needle = f"The committee finally scheduled the launch of Project {name} for {answer} {rng.randint(2031, 2049)}."
+        question = f"\n\nOn what date is the launch of Project {name} scheduled? It is scheduled for"
+        hay_name, own = "pydoc", True
+    else:  # qfirst_kjv: the question comes before the text, only a short cue after it
+        answer = str(rng.randint(100000, 999999))
+        lead = "Read the text below, then report the serial number stamped on the brass lantern.\n\n"
+        needle = f"The brass lantern had the serial number {answer} stamped on its base."
+        question = "\n\nThe serial number stamped on the brass lantern is"
+        hay_name, own = "kjv", True
+    n = length - 80 - len(tok(lead, add_special_tokens=False)["input_ids"])
+    if hay_name == "pydoc":
+        text = pydoc_text()
+        start = rng.randrange(0, len(text) - n * 6)
+        hay = tok.decode(tok(text[start : start + n * 5], add_special_tokens=False)["input_ids"][:n])
+    else:
+        hay = haystack(tok, n, seed=rng.randrange(10**6), name=hay_name)
+    return lead + insert_needles(hay, [(needle, depth)], own_paragraph=own), question, answer
+
+
+def score(output: str, answer: str) -> bool:
+    """A number: the output's first number is it; otherwise the output contains it (any case)."""
+    if answer.isdigit():
+        return score_answer(output, answer)
+    return answer.lower() in output.lower()
 
 
 def dump(length: int, seeds: list[int], fmts: list[str], out: str, model_name: str = "gemma3-270m") -> None:

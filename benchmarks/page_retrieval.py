@@ -5,8 +5,10 @@
 For each format and depth (formats and prompts: `page_recall.probe`) the
 full cache of MODEL (default Gemma3-270m) answers, then flashmem with each recipe variant of
 `flashmem.memory.budget.VARIANTS` mapped to the budget by
-`FlashMemoryConfig.for_budget`; greedy, 8 new tokens, right when the first
-number in the answer is the needle's. One JSON line per prompt: 1/0 per
+`FlashMemoryConfig.for_budget`; greedy, NEW_TOKENS new tokens, right when the first
+number in the answer is the needle's (a word, code or date: when the answer
+contains it; `page_recall.score`). The formats of `page_recall.LATE_FORMATS`
+were added after the recipe was chosen and never used to choose it. One JSON line per prompt: 1/0 per
 method, seconds, and the predicted resident fraction. (In the runs of
 docs/measurements.md, `default` was the pages recipe with summaries, now
 `summaries`, and `nosum` the one without, now `default`.)
@@ -23,8 +25,10 @@ import torch
 from flashmem.config import FlashMemoryConfig
 from flashmem.memory.budget import model_geometry, predicted_ratio
 from flashmem_eval import harness as H
-from flashmem_eval.suites import score_answer
-from page_recall import probe
+from page_recall import probe, score
+
+# new tokens per answer: a code like "JQ30-632" after a newline is 9 of Gemma3's tokens
+NEW_TOKENS = 12
 
 
 def main() -> None:
@@ -46,15 +50,16 @@ def main() -> None:
                 t0 = time.time()
                 if m == "full":
                     pre = H.prefill_full(model, ctx, obs_window=1)
-                    gen, ratio = H.greedy(model, pre.cache, q, 8, []), 1.0
+                    gen, ratio = H.greedy(model, pre.cache, q, NEW_TOKENS, []), 1.0
                 else:
                     cfg = FlashMemoryConfig.for_budget(budget, int(ctx.shape[1]), model, variant=m)
                     cache, _, _ = H.prefill_flashmem(model, ctx, cfg)
-                    gen = H.greedy(model, cache, q, 8, [])
+                    gen = H.greedy(model, cache, q, NEW_TOKENS, [])
                     ratio = round(predicted_ratio(cfg, int(ctx.shape[1]), **geo), 4)
                     H.restore_attn(model, impl)
                     cache.close()
-                row[m] = int(score_answer(tok.decode(gen), answer))
+                row[m] = int(score(tok.decode(gen), answer))
+                row[f"{m}_out"] = tok.decode(gen)
                 row[f"{m}_s"], row[f"{m}_ratio"] = round(time.time() - t0), ratio
             print(json.dumps(row), flush=True)
 

@@ -152,3 +152,26 @@ def test_attention_buffers_are_reused_by_a_threads_caches_and_reported_apart():
     finally:
         first.close()
         second.close()
+
+
+def test_a_forward_outside_no_grad_runs_and_matches_and_backpropagates():
+    """A caller who forgets torch.no_grad (or wants gradients) gets the same logits as under
+    it, and backward runs: under autograd no out= write and no shared buffer is used."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(4))
+    cfg = flashmem.FlashMemoryConfig(**{**ALL_EXACT, "lsa_top_k": 2}, working_set_codec="int8")
+    logits = []
+    for grad in (False, True):
+        cache = flashmem.attach(model, cfg)
+        try:
+            with torch.set_grad_enabled(grad):
+                for s in range(0, 192, 64):  # sealed blocks, then single steps over the int8 pages
+                    model(input_ids=ids[:, s : s + 64], cache=cache, use_cache=True)
+                out = [model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(192, 196)]
+            logits.append(torch.cat(out, 1))
+        finally:
+            cache.close()
+    assert not logits[0].requires_grad and logits[1].requires_grad
+    assert torch.allclose(logits[0], logits[1].detach(), atol=1e-5)
+    logits[1].sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())

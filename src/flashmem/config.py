@@ -120,6 +120,15 @@ class FlashMemoryConfig(BaseModel):
         "them below it): a layer with few pages still has its selection checked against exact keys, "
         "while the reads per step stay bounded at long inputs",
     )
+    prefill_exact_tokens: int = Field(
+        0,
+        ge=0,
+        description="while the context is at most this many tokens, the prompt (every forward of "
+        "more than one token before the first one-token forward) attends every earlier token "
+        "exactly, as the full cache does; its K/V is held on the device until the first one-token "
+        "forward or until the context passes this (the prefill_kv tier, counted in the peak), and "
+        "selection starts there; 0: the prompt attends its selection too",
+    )
     lsa_prefill_queries: int = Field(
         0,
         ge=0,
@@ -214,6 +223,12 @@ class FlashMemoryConfig(BaseModel):
             raise ValueError(
                 "position_mode: window places selected blocks only (summaries have no place yet); "
                 "allowed: window with use_summaries: false, or position_mode: real"
+            )
+        if self.position_mode == "window" and self.prefill_exact_tokens:
+            raise ValueError(
+                "position_mode: window keeps positions inside the trained range, but an exact prefill "
+                "attends every token at its real position; allowed: prefill_exact_tokens: 0 with "
+                "window, or position_mode: real"
             )
         if self.cold_low_rank != "none" and self.low_rank_dim is None:
             raise ValueError(

@@ -60,8 +60,9 @@ def _layer_step(
     b, _, q, d = query.shape
     scaling = d**-0.5 if scaling is None else scaling
     valid_new = _new_token_validity(attention_mask, b, q, query.device)
+    exact = layer.exact_prompt(q)
     outs = [
-        layer.step(query[:, :, a:e], k_new[:, :, a:e], v_new[:, :, a:e], valid_new[:, a:e], scaling)
+        layer.step(query[:, :, a:e], k_new[:, :, a:e], v_new[:, :, a:e], valid_new[:, a:e], scaling, exact)
         for a, e in query_chunks(q, layer.cfg.prefill_chunk, layer.cfg.prefill_split_tail and not layer.mid_prompt)
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -47,6 +47,7 @@ TIERS = (
     "working_set",
     "query_buffer",
     "rest_entry",
+    "prefill_kv",
 )
 
 

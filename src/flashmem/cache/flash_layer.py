@@ -21,6 +21,7 @@ open block, window, new keys and the queries are shifted to follow them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from flashmem.cache.latent import LatentKV
 from flashmem.cache.lookahead import predict_next_blocks
-from flashmem.cache.scratch import thread_scratch
+from flashmem.cache.scratch import Scratch, thread_scratch
 from flashmem.compress import page_code
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
@@ -182,6 +183,12 @@ class FlashLayer(CacheLayerMixin):
         self.ws_valid: torch.Tensor | None = None  # [b, h, k*P]
         # This step's re-rank candidates (page ids [b, h, c], k, v [b, h, c, P, d]), or None.
         self._cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        # Every token's K/V [b, h, capacity, d] while the prompt is prefilled exactly
+        # (prefill_exact_tokens); dropped for good at the first one-token forward or past the cap.
+        self._pre_k: torch.Tensor | None = None
+        self._pre_v: torch.Tensor | None = None
+        self._pre_len = 0
+        self._pre_open = self.cfg.prefill_exact_tokens > 0
         self.is_initialized = True
 
     # The working set (see _ws_code): coded on assignment, decoded on read.
@@ -298,19 +305,68 @@ class FlashLayer(CacheLayerMixin):
         return pending
 
     def step(
-        self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float
+        self,
+        query: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid: torch.Tensor,
+        scaling: float,
+        exact: bool = False,
     ) -> torch.Tensor:
-        """One chunk of queries: attend over the tiers plus the chunk's own K/V, then
-        append the chunk. query: [b, Hq, m, d]; k, v: [b, Hkv, m, d]; valid: [b, m]
-        -> out [b, Hq, m, d]."""
+        """One chunk of queries: attend over the tiers plus the chunk's own K/V (exact: over
+        every earlier token, `exact_prompt`), then append the chunk. query: [b, Hq, m, d];
+        k, v: [b, Hkv, m, d]; valid: [b, m] -> out [b, Hq, m, d]."""
         self.scaling = scaling
         group = query.shape[1] // k.shape[1]
         qg = _group_queries(query, group)
-        out = self._attend(query, qg, k, v, valid, scaling)
+        if exact:
+            out = self._attend_exact(query, k, v, valid, scaling)
+        else:
+            out = self._attend(query, qg, k, v, valid, scaling)
         self._ws_plain = [None, None]
         self.append(k, v, valid, qg, group)
         self.peak_resident_bytes = max(self.peak_resident_bytes, sum(self.resident_bytes().values()))
         return out
+
+    def exact_prompt(self, q: int) -> bool:
+        """Whether a forward of q new tokens attends every earlier token (prefill_exact_tokens):
+        a prompt forward (q > 1; the prompt ends at the first one-token forward) while the
+        context, with it, is within the cap. Otherwise the prompt's K/V is dropped for good:
+        from here on every chunk attends its selection."""
+        if not self._pre_open:
+            return False
+        n = self._valid_len
+        if q > 1 and n + q <= self.cfg.prefill_exact_tokens and self._pre_len == n:
+            return True
+        self._pre_open = False
+        self._pre_k = self._pre_v = None
+        return False
+
+    def _attend_exact(
+        self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, valid_new: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """A prompt chunk q [b, Hq, m, d] over every earlier token and itself, causal, as the
+        full cache attends -> [b, Hq, m, d]. The chunk joins the prompt's K/V first."""
+        b, hkv, m, d = k_new.shape
+        T = self._pre_len
+        need = T + m
+        if self._pre_k is None or self._pre_k.shape[-2] < need:  # doubling: appends copy O(n) overall
+            cap = max(need, 2 * (0 if self._pre_k is None else self._pre_k.shape[-2]), 1024)
+            grown = [torch.empty(b, hkv, cap, d, dtype=k_new.dtype, device=k_new.device) for _ in range(2)]
+            if self._pre_k is not None and self._pre_v is not None:
+                grown[0][:, :, :T] = self._pre_k[:, :, :T]
+                grown[1][:, :, :T] = self._pre_v[:, :, :T]
+            self._pre_k, self._pre_v = grown
+        assert self._pre_k is not None and self._pre_v is not None
+        self._pre_k[:, :, T:need] = k_new
+        self._pre_v[:, :, T:need] = v_new
+        self._pre_len = need
+        valid = torch.cat([self.valid, valid_new], dim=-1)  # [b, T + m]
+        allowed = torch.ones(m, need, dtype=torch.bool, device=q.device).tril(T)[None] & valid[:, None, :]
+        allowed[:, :, T:] |= torch.eye(m, dtype=torch.bool, device=q.device)  # each sees itself
+        mask = torch.zeros(b, 1, m, need, dtype=q.dtype, device=q.device).masked_fill(~allowed[:, None], -math.inf)
+        K, V = self._pre_k[:, :, :need], self._pre_v[:, :, :need]
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] > hkv)
 
     def _scores(self, qg: torch.Tensor, scaling: float) -> torch.Tensor:
         """Index scores of every page for queries qg [b, h, nq, d] -> [b, h, nq, n_pages]."""
@@ -567,7 +623,9 @@ class FlashLayer(CacheLayerMixin):
         # (query head h * group + g, as enable_gqa pairs them): a prefill chunk's mask is
         # 100+ MB per layer, and a fresh one each time costs its page faults.
         L = sum(bias.shape[-1] for bias in biases) + m + (rest is not None)
-        scratch = thread_scratch()
+        # Under autograd (a forward outside torch.no_grad) nothing is reused: a buffer written
+        # again by the next layer would change what backward reads.
+        scratch = Scratch() if torch.is_grad_enabled() else thread_scratch()
         mask = scratch.take("mask", (b, hkv, group, m, L), q.dtype, dev)
         at = 0
         for bias in biases:  # [b, h, n]: one row for every query
@@ -686,7 +744,7 @@ class FlashLayer(CacheLayerMixin):
             return None
         if self.latent is not None and self.prefetcher is None:
             return None
-        src = torch.searchsorted(prev, idx).clamp_max_(prev.shape[-1] - 1)  # both sorted
+        src = torch.searchsorted(prev.contiguous(), idx.contiguous()).clamp_max_(prev.shape[-1] - 1)  # both sorted
         held = prev.gather(-1, src) == idx
         return (held, src) if bool(held.any()) else None
 
@@ -1030,6 +1088,7 @@ class FlashLayer(CacheLayerMixin):
             "working_set": self._ws_bytes(),
             "query_buffer": nb(self.recent_q),
             "rest_entry": nb(self.v_sum),
+            "prefill_kv": nb(self._pre_k) + nb(self._pre_v),
         }
 
 
@@ -1043,6 +1102,9 @@ def _concat(parts: list[Part], buffer: Callable[[tuple[int, ...]], torch.Tensor]
     decoded into its place in the same pass, not decoded and then copied."""
     if len(parts) == 1 and isinstance(parts[0], torch.Tensor):
         return parts[0]
+    if torch.is_grad_enabled():  # autograd refuses out= writes: decode, then concatenate
+        dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+        return torch.cat([p if isinstance(p, torch.Tensor) else (p[0] * p[1]).to(dtype) for p in parts], dim=-2)
     lead = parts[0][0] if isinstance(parts[0], tuple) else parts[0]
     b, h, _, d = lead.shape
     out = buffer((b, h, sum(_part_len(p) for p in parts), d))

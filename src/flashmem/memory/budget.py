@@ -58,6 +58,12 @@ RECIPE: dict[str, Any] = {
     # of an fp32 model (~1.9x at bf16); SmolLM2 KL at 1/8 and 1/16 down 2-8x, more needles
     # found (docs/measurements.md, "An int8 working set").
     "working_set_codec": "int8",
+    # The prompt attended exactly, as the full cache does, up to 32K tokens of context; pages
+    # are selected from the first generated token. A prompt attended by its selection lost
+    # answers the full cache gives, with the needle's pages selected at the answer (Gemma3 at
+    # 2K and 1/16): what was missing was the prompt's own attention. The device holds the
+    # prompt's K/V until then (docs/measurements.md, "The prompt attended exactly").
+    "prefill_exact_tokens": 32768,
 }
 # From this budget up a selected page brings the page after it (the answer after
 # its cue, `lsa_follow_pages: 1`); below it the pairs halve too few distinct pages
@@ -99,6 +105,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # a long prefill chunk's selection from 64 of its queries, re-ranked: better SmolLM2 KL at
     # 8K, 3 of 56 needles lost on Gemma3 (docs/measurements.md, "Prefill: a chunk's selection")
     "pq64": {**RECIPE, "lsa_prefill_queries": 64},
+    # the prompt attended by its selection (the recipe before "The prompt attended exactly");
+    # exact names the recipe in that section's runs
+    "selprompt": {**RECIPE, "prefill_exact_tokens": 0},
+    "exact": {**RECIPE, "prefill_exact_tokens": 32768},
     # every layer selects lsa_top_k pages
     "even": {**RECIPE, "lsa_layer_shares": None},
     # halfway between the even split and the profile's
@@ -176,6 +186,8 @@ def budget_config(
         raise FlashMemError(f"budget: {budget!r} is not allowed; allowed: 0 < budget <= 1")
     keys = dict(VARIANTS.get(variant, {}))
     keys.setdefault("lsa_follow_pages", 1 if budget >= FOLLOW_FROM_BUDGET * (1 - 1e-6) else 0)
+    if overrides.get("position_mode") == "window":
+        keys["prefill_exact_tokens"] = 0  # an exact prompt attends at real positions
     keys.update(overrides)
     base = FlashMemoryConfig(**keys)
     B = base.hca_chunk_size

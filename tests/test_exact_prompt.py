@@ -1,0 +1,81 @@
+"""An exact prompt (`prefill_exact_tokens`): the prompt attended as the full cache attends
+it, selection from the first generated token, the prompt's K/V dropped then."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import flashmem
+from flashmem.errors import ConfigError
+from test_cache import SMALL, reference, run
+from tiny_models import MODELS, tiny_llama
+
+# few pages selected: a prompt attended by its selection differs from the full cache's
+SPARSE = dict(SMALL, lsa_top_k=1)
+
+
+def _prompt_logits(model, cache, ids, mask=None):
+    pos = None if mask is None else (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        return model(ids, cache=cache, use_cache=True, attention_mask=mask, position_ids=pos).logits
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_an_exact_prompt_equals_the_full_caches_and_the_selection_starts_after_it(arch):
+    model = MODELS[arch]()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    model.set_attn_implementation("sdpa")
+    ref = _prompt_logits(model, DynamicCache(config=model.config), ids)
+    sparse = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE))
+    assert (_prompt_logits(model, sparse, ids) - ref).abs().max() > 1e-2  # selection alone differs
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=4096))
+    assert (_prompt_logits(model, cache, ids) - ref).abs().max() <= 1e-4  # every position
+    held = cache.memory_report()["tiers"]["prefill_kv"]
+    assert held > 0 and cache.memory_report()["sealed_blocks"] > 0  # the tiers filled as usual
+    assert cache.memory_report()["peak_managed_resident_bytes"] >= held
+    with torch.no_grad():  # the first generated token: selection, the prompt's K/V dropped
+        model(torch.tensor([[5]]), cache=cache, use_cache=True)
+    assert cache.memory_report()["tiers"]["prefill_kv"] == 0
+    resident = sparse.memory_report()["managed_resident_bytes"]
+    with torch.no_grad():
+        model(torch.tensor([[5]]), cache=sparse, use_cache=True)
+    assert cache.memory_report()["managed_resident_bytes"] == sparse.memory_report()["managed_resident_bytes"]
+    assert resident > 0
+
+
+def test_padded_batches_and_decoding_after_an_exact_prompt_match_the_full_cache_when_all_fits():
+    """Left padding is hidden in the exact prompt too; with every page selected the steps
+    after it are exact as well."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0
+    ref = reference(model, ids, 6, mask)
+    cfg = flashmem.FlashMemoryConfig(**SMALL, lsa_keep_ratio=1.0, prefill_exact_tokens=1000)
+    out = run(model, flashmem.attach(model, cfg), ids, 6, mask)
+    assert (out - ref).abs().max() <= 1e-4
+
+
+def test_a_prompt_past_the_cap_goes_on_by_selection_and_drops_the_prompts_kv():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(3))
+    model.set_attn_implementation("sdpa")
+    full = DynamicCache(config=model.config)
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=250))
+    for a in (0, 100):  # within the cap: exact, the prompt's K/V kept
+        ref = _prompt_logits(model, full, ids[:, a : a + 100])
+        assert (_prompt_logits(model, cache, ids[:, a : a + 100]) - ref).abs().max() <= 1e-4
+        assert cache.memory_report()["tiers"]["prefill_kv"] > 0
+    ref = _prompt_logits(model, full, ids[:, 200:])
+    assert (_prompt_logits(model, cache, ids[:, 200:]) - ref).abs().max() > 1e-2  # past it: selection
+    assert cache.memory_report()["tiers"]["prefill_kv"] == 0
+    # and it stays so: a later prompt forward within the cap would not be exact (tokens are missing)
+    assert not any(layer.exact_prompt(2) for layer in cache.flash_layers)
+
+
+def test_an_exact_prompt_with_window_positions_is_a_one_line_error():
+    with pytest.raises(ConfigError, match="prefill_exact_tokens") as err:
+        flashmem.FlashMemoryConfig(position_mode="window", use_summaries=False, prefill_exact_tokens=1024)
+    assert "\n" not in str(err.value)
