@@ -204,6 +204,10 @@ def test_flashmem_method_adapter(tmp_path, loaded):
     rows = {r["method"]: r for r in store.rows.values()}
     assert not rows["flashmem"].get("error"), rows["flashmem"].get("error")
     assert 0.15 < rows["flashmem"]["ratio"] < 0.35
+    # the recipe's exact prompt: its K/V, held until the first generated token, reported apart
+    full_bytes = rows["flashmem"]["full_managed_bytes"]
+    assert 0.9 * full_bytes < rows["flashmem"]["prompt_kv_bytes"] < 2.1 * full_bytes
+    assert 0.15 < rows["flashmem"]["ratio_end"] < 0.35
     assert loaded.model.config._attn_implementation == impl  # restored for the other methods
 
 

@@ -191,14 +191,22 @@ def timed_decode(model: Any, cache: Any, first_id: int, steps: int) -> list[floa
 
 
 def cache_ratios(model: Any, cache: Any, tokens: int) -> dict[str, Any]:
-    """Measured resident bytes of `cache` and their ratio to a full cache at `tokens`."""
+    """Measured resident bytes of `cache` and their ratio to a full cache at `tokens`.
+
+    An exact prompt's K/V (flashmem's `prefill_kv` tier, held until the first generated
+    token) is reported apart, as `prompt_kv_bytes`: the ratio is what decoding holds."""
     full = full_kv_bytes(model, tokens, dtype_bytes(model))
     if hasattr(cache, "memory_report"):
         rep = cache.memory_report()
-        managed = int(rep.get("managed_resident_bytes", 0)) + int(rep.get("full_layer_bytes", 0))
+        prompt_kv = int(rep.get("tiers", {}).get("prefill_kv", 0))
+        managed = int(rep.get("managed_resident_bytes", 0)) + int(rep.get("full_layer_bytes", 0)) - prompt_kv
         sliding = int(rep.get("sliding_layer_bytes", 0))
-        total = int(rep.get("device_resident_bytes", managed + sliding))
-        extra = {"cold_bytes": rep.get("cold_bytes"), "tokens_seen": rep.get("tokens_seen")}
+        total = int(rep.get("device_resident_bytes", managed + sliding)) - prompt_kv
+        extra = {
+            "cold_bytes": rep.get("cold_bytes"),
+            "tokens_seen": rep.get("tokens_seen"),
+            "prompt_kv_bytes": prompt_kv,
+        }
     else:
         b = kv_bytes(cache)
         managed, sliding, total = b["managed_bytes"], b["sliding_bytes"], b["total_bytes"]

@@ -265,6 +265,10 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
                     lp = H.teacher_forced(model, cache, logits, cont, step)
                     end = H.cache_ratios(model, cache, L + args.n_cont - 1)
                     row["ratio_end"] = end["ratio"]
+                    if row.get("prompt_kv_bytes"):
+                        # an exact prompt: at its end the cache holds the prompt's K/V (reported
+                        # apart) and no selection yet; what decoding holds is measured at the end
+                        row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
                     row.update(H.fidelity_metrics(ref, lp, cont[0]))
                     row.update(info)
                 except Exception as exc:  # recorded; the sweep goes on
