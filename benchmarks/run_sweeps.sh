@@ -278,6 +278,35 @@ python benchmarks/profile_decode.py --tokens 65536 --steps 12 --sort tottime
 PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625 full,rrmin256 multikey,locker_pydoc 17 \
   0.25,0.55,0.85 smollm2  # rows in $O/page_retrieval_smollm2_seed17.jsonl (rrmin256 also with the code of a4d49fc3)
 
+# the prompt attended exactly (prefill_exact_tokens: 32768, the recipe since; flashmem:exact in these runs,
+# the recipe before = flashmem:selprompt); docs/measurements.md, "The prompt attended exactly"
+python benchmarks/miss_diagnosis.py passkey kjv 2048 0.15 0 0.0625 selprompt  # and depth 0.5: why the 2K misses
+G="--model gemma3-270m --budgets 1/16 --tasks passkey,locker --haystacks kjv,stdlib-doc $C"
+flashmem bench retrieval --methods flashmem:exact $G --lengths 2k,4k --seeds 0,1,2 --depths 0.15,0.5,0.85 \
+  --json-out $O/retrieval_gemma3_exact.json  # the recipe before: retrieval_gemma3_rrmin.json
+flashmem bench retrieval --methods flashmem:exact $G --lengths 8k,16k --seeds 0,1,2 --depths 0.5 \
+  --json-out $O/retrieval_gemma3_exact.json
+M="--model smollm2 --budgets 1/16 --tasks passkey,locker --haystacks kjv,stdlib-doc $C"
+flashmem bench retrieval --methods flashmem:exact $M --lengths 4k --depths 0.15,0.5,0.85 --seeds 0,5 \
+  --json-out $O/retrieval_smollm2_exact.json  # the recipe before: retrieval_smollm2_rrmin.json
+flashmem bench retrieval --methods flashmem:exact $M --lengths 8k --depths 0.5 --seeds 0 \
+  --json-out $O/retrieval_smollm2_exact.json
+# needle formats added after the recipe was chosen (page_recall.LATE_FORMATS), both models, seed 21
+for MODEL in gemma3-270m smollm2; do
+  PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625 full,selprompt,exact \
+    word_nt,code_stdlib,date_pydoc,qfirst_kjv 21 0.2,0.5,0.8 $MODEL  # rows in $O/page_retrieval_late_$MODEL.jsonl
+  PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.125 selprompt,exact \
+    word_nt,code_stdlib,date_pydoc,qfirst_kjv 21 0.2,0.5,0.8 $MODEL  # rows in $O/page_retrieval_late_${MODEL}_b8.jsonl
+done
+PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625 exact multikey,locker_kjv 11 \
+  0.2,0.5,0.8 smollm2  # rows in $O/page_retrieval_smollm2_exact_seed11.jsonl (before: page_retrieval_smollm2_rrmin.jsonl)
+for L in 4k 8k; do
+  flashmem bench fidelity --model smollm2 --methods flashmem:selprompt,flashmem:exact --budgets 1/8,1/16 --lengths $L \
+    --seeds 0 $C --json-out $O/fidelity_smollm2_exact.json
+done
+python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 7192 --decode 300 \
+  --json-out $O/target_8k_smollm2_exact.json
+
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F
