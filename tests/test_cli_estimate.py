@@ -148,3 +148,25 @@ def test_entry_point_subprocess():
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "unknown model 'gpt5'" in bad.stderr
+
+
+def test_an_exact_prompt_shows_its_peak_and_fits_by_it(capsys, tmp_path):
+    """The recipe's exact prompt holds the prompt's K/V until the first token: the estimate
+    adds it (min(tokens, cap) tokens of the managed layers) and judges the fit by that peak."""
+    cfg = tmp_path / "c.yaml"
+    base = "flash_memory:\n  gpu_cache_limit: 1024\n  lsa_top_k: 8\n"
+    cfg.write_text(base + "  prefill_exact_tokens: 16384\n")
+    code, out, _ = run(capsys, "estimate", "-m", "smollm2", "-t", "8K", "-c", str(cfg), "--json")
+    d = json.loads(out)
+    f = d["flashmem"]
+    assert code == 0 and f["prompt_kv_bytes"] == d["full_cache_bytes"]  # all 8K tokens, every layer managed
+    assert f["prompt_peak_bytes"] == f["device_resident_bytes"] + f["prompt_kv_bytes"]
+    code, out, _ = run(capsys, "estimate", "-m", "smollm2", "-t", "64K", "-c", str(cfg), "--json")
+    d = json.loads(out)
+    assert d["flashmem"]["prompt_kv_bytes"] == d["full_cache_bytes"] // 4  # the cap: 16K of 64K tokens
+    cfg.write_text(base)
+    code, out, _ = run(capsys, "estimate", "-m", "smollm2", "-t", "8K", "-c", str(cfg), "--json")
+    assert json.loads(out)["flashmem"]["prompt_kv_bytes"] == 0
+    cfg.write_text(base + "  prefill_exact_tokens: 16384\n")
+    code, out, _ = run(capsys, "estimate", "-m", "smollm2", "-t", "8K", "-c", str(cfg))
+    assert code == 0 and "flashmem device, prompt" in out and "prompt peak" in out

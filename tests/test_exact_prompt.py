@@ -79,3 +79,19 @@ def test_an_exact_prompt_with_window_positions_is_a_one_line_error():
     with pytest.raises(ConfigError, match="prefill_exact_tokens") as err:
         flashmem.FlashMemoryConfig(position_mode="window", use_summaries=False, prefill_exact_tokens=1024)
     assert "\n" not in str(err.value)
+
+
+def test_a_one_shot_prompt_holds_exactly_its_kv_and_a_fed_one_never_more_than_the_cap():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(5))
+    per_token = sum(  # K and V of one token, every managed layer
+        2 * layer.k_proj.out_features * 4 for layer in (blk.self_attn for blk in model.model.layers)
+    )
+    one = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=4096))
+    _prompt_logits(model, one, ids)
+    assert one.memory_report()["tiers"]["prefill_kv"] == 300 * per_token
+    fed = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=310))
+    for a in range(0, 300, 30):
+        _prompt_logits(model, fed, ids[:, a : a + 30])
+        assert fed.memory_report()["tiers"]["prefill_kv"] <= 310 * per_token
+    assert fed.memory_report()["tiers"]["prefill_kv"] >= 300 * per_token

@@ -188,6 +188,7 @@ class FlashLayer(CacheLayerMixin):
         self._pre_k: torch.Tensor | None = None
         self._pre_v: torch.Tensor | None = None
         self._pre_len = 0
+        self._pre_want = 0  # tokens the current prompt forward brings the buffer to
         self._pre_open = self.cfg.prefill_exact_tokens > 0
         self.is_initialized = True
 
@@ -337,6 +338,7 @@ class FlashLayer(CacheLayerMixin):
             return False
         n = self._valid_len
         if q > 1 and n + q <= self.cfg.prefill_exact_tokens and self._pre_len == n:
+            self._pre_want = n + q
             return True
         self._pre_open = False
         self._pre_k = self._pre_v = None
@@ -350,9 +352,12 @@ class FlashLayer(CacheLayerMixin):
         b, hkv, m, d = k_new.shape
         T = self._pre_len
         need = T + m
-        if self._pre_k is None or self._pre_k.shape[-2] < need:  # doubling: appends copy O(n) overall
-            cap = max(need, 2 * (0 if self._pre_k is None else self._pre_k.shape[-2]), 1024)
-            grown = [torch.empty(b, hkv, cap, d, dtype=k_new.dtype, device=k_new.device) for _ in range(2)]
+        if self._pre_k is None or self._pre_k.shape[-2] < need:
+            # room for the whole forward (a prompt in one forward is allocated once); a prompt
+            # fed in several forwards grows by doubling (O(n) copies), never past the cap
+            old = 0 if self._pre_k is None else self._pre_k.shape[-2]
+            size = max(need, self._pre_want, min(2 * old, self.cfg.prefill_exact_tokens))
+            grown = [torch.empty(b, hkv, size, d, dtype=k_new.dtype, device=k_new.device) for _ in range(2)]
             if self._pre_k is not None and self._pre_v is not None:
                 grown[0][:, :, :T] = self._pre_k[:, :, :T]
                 grown[1][:, :, :T] = self._pre_v[:, :, :T]

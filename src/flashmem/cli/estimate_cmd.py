@@ -87,6 +87,12 @@ def _print(est: Any) -> None:
     if est.flashmem is not None:
         f = est.flashmem
         t.add_row("flashmem device", f"{f.device_resident_bytes:,} B", fmt_bytes(f.device_resident_bytes))
+        if f.prompt_kv_bytes:
+            t.add_row(
+                "flashmem device, prompt",
+                f"{f.prompt_peak_bytes:,} B",
+                f"{fmt_bytes(f.prompt_peak_bytes)}, at most: the exact prompt's K/V until the first token",
+            )
         t.add_row(f"flashmem cold ({f.cold_codec})", f"{f.cold_bytes:,} B", fmt_bytes(f.cold_bytes))
         if f.cold_layout != "exact":
             t.add_row("cold low-rank", f.cold_layout, "cold_low_rank, low_rank_dim")
@@ -111,7 +117,7 @@ def _print(est: Any) -> None:
     ft.add_column("accelerator")
     ft.add_column("full cache")
     if est.flashmem is not None:
-        ft.add_column("flashmem device")
+        ft.add_column("flashmem device" + (" (prompt peak)" if est.flashmem.prompt_kv_bytes else ""))
     for name, ok in est.fits.items():
         row = [name, "yes" if ok else "no"]
         if est.flashmem is not None:

@@ -104,10 +104,20 @@ class FlashEstimate:
     fits: dict[str, bool] = field(default_factory=dict)  # device-resident bytes vs accelerators
     cold_layout: str = "exact"  # "exact" or the cold_low_rank layout, e.g. "kv r=32"
     cold_bytes_per_token: float = 0.0  # cold-tier bytes per sealed token, one sequence, all managed layers
+    # An exact prompt (prefill_exact_tokens): its K/V, held on the device until the first
+    # generated token, for min(tokens, cap) tokens of the managed layers, whole batch
+    prompt_kv_bytes: int = 0
+
+    @property
+    def prompt_peak_bytes(self) -> int:
+        """Device bytes while an exact prompt runs, at most: the tiers plus the prompt's K/V."""
+        return self.device_resident_bytes + self.prompt_kv_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "device_resident_bytes": self.device_resident_bytes,
+            "prompt_kv_bytes": self.prompt_kv_bytes,
+            "prompt_peak_bytes": self.prompt_peak_bytes,
             "cold_bytes": self.cold_bytes,
             "cold_codec": self.cold_codec,
             "cold_layout": self.cold_layout,
@@ -206,7 +216,7 @@ def estimate(
     cfg = _load_config(config)
     flash = _flash_split(spec, cfg, n_tokens, batch, eb) if cfg is not None else None
     if flash is not None:
-        flash.fits = _fits(flash.device_resident_bytes)
+        flash.fits = _fits(flash.prompt_peak_bytes)  # the device must hold the prompt's peak too
     return Estimate(
         model=spec.name,
         source=spec.source,
@@ -275,6 +285,8 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
     tiers = {k: 0 for k in TIER_KEYS}
     cold = Fraction(0)
     cold_per_token = Fraction(0)  # one sequence, every managed layer
+    prompt_kv = 0
+    prompt_tokens = min(tokens, cfg.prefill_exact_tokens)
     managed: list[range] = []
     n_managed = 0
     for layer, where in spec.layer_positions():  # arithmetic per layer kind, not per layer
@@ -292,6 +304,7 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
         n_managed += n
         assert isinstance(layer, FullAttention | MLA)  # the managed kinds
         entry = layer.entry_elems() * eb  # one token-equivalent, K and V (or latent)
+        prompt_kv += prompt_tokens * entry * n
         tiers["sinks"] += counts.sinks * entry * n
         tiers["window"] += counts.window * entry * n
         tiers["open_block"] += counts.open_block * entry * n
@@ -323,4 +336,5 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
         managed_layers=ManagedLayers(managed, full_idx, n_managed),
         full_layers=sorted(full_idx),
         tier_counts=counts.as_dict(),
+        prompt_kv_bytes=prompt_kv * batch,
     )
