@@ -306,6 +306,7 @@ for L in 4k 8k; do
 done
 python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 7192 --decode 300 \
   --json-out $O/target_8k_smollm2_exact.json
+flashmem run --text kjv --context-tokens 8192 --compare-full --threads 1 --json-out $O/main_job_smollm2_exact.json
 
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"

@@ -36,6 +36,7 @@ def test_run_generates_reports_memory_and_compares_with_full(tiny_folder, tmp_pa
         lsa_keep_ratio=1.0,
         prefill_chunk=64,
         prefetch_threads=0,
+        prefill_exact_tokens=4096,
     )
     out = tmp_path / "run.json"
     with pytest.raises(SystemExit) as exc:
@@ -64,7 +65,10 @@ def test_run_generates_reports_memory_and_compares_with_full(tiny_folder, tmp_pa
     # every block selected: the cache is exact, so it agrees with the full cache
     assert result["compare_full"]["top1_agree"] == 1.0
     assert result["compare_full"]["kl_mean"] < 1e-6
-    assert "device resident" in capsys.readouterr().out
+    # the exact prompt's K/V is gone after the first token, and the table shows the peak it made
+    assert mem["tiers"]["prefill_kv"] == 0 and mem["peak_managed_resident_bytes"] > mem["managed_resident_bytes"]
+    printed = capsys.readouterr().out
+    assert "device resident" in printed and "peak (any step)" in printed
 
 
 @pytest.mark.parametrize(

@@ -269,6 +269,9 @@ def _print_report(r: dict[str, Any]) -> None:
         f"[b]{mem['device_resident_bytes']:,}[/b]",
         f"[b]{mem['device_resident_bytes'] / full:.2%}[/b]",
     )
+    peak = mem["peak_managed_resident_bytes"] + mem["full_layer_bytes"] + mem["sliding_layer_bytes"]
+    if peak > mem["device_resident_bytes"]:  # an exact prompt held its K/V until the first token
+        t.add_row("peak (any step)", f"{peak:,}", f"{peak / full:.2%}")
     t.add_row("cold tier", f"{mem['cold_bytes']:,}", f"{mem['cold_bytes'] / full:.2%}")
     t.add_row("full cache (DynamicCache)", f"{full:,}", "100.00%")
     console = Console()
