@@ -101,7 +101,7 @@ class FlashEstimate:
     managed_layers: ManagedLayers
     full_layers: list[int]
     tier_counts: dict[str, int]  # per managed layer, per sequence (token-equivalents)
-    fits: dict[str, bool] = field(default_factory=dict)  # device-resident bytes vs accelerators
+    fits: dict[str, bool] = field(default_factory=dict)  # device bytes (the prompt peak) vs accelerators
     cold_layout: str = "exact"  # "exact" or the cold_low_rank layout, e.g. "kv r=32"
     cold_bytes_per_token: float = 0.0  # cold-tier bytes per sealed token, one sequence, all managed layers
     # An exact prompt (prefill_exact_tokens): its K/V, held on the device until the first
