@@ -41,6 +41,8 @@ def _engine(model, cfg, store=None) -> Engine:
         ("llama-full-layer-int8-index", tiny_model, tiny_cfg(keep_full_layers=[0], lsa_index_dtype="int8")),
         ("llama-no-band-pages", tiny_model, tiny_cfg(csa_band_tokens=0, lsa_page_tokens=8)),
         ("gemma3-sliding", tiny_gemma3, tiny_cfg()),
+        # the prompt attended exactly: a restored prefix rebuilds its K/V from the tiers
+        ("llama-exact-prompt", tiny_model, tiny_cfg(prefill_exact_tokens=4096)),
     ],
 )
 def test_reused_prefix_gives_the_logits_of_a_fresh_prefill(tmp_path, name, model, cfg) -> None:

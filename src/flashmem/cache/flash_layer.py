@@ -344,6 +344,20 @@ class FlashLayer(CacheLayerMixin):
         self._pre_k = self._pre_v = None
         return False
 
+    def resume_exact_prompt(self) -> None:
+        """After a restored state (serve's prefix reuse): rebuild the prompt's K/V from the
+        tiers (sinks, every sealed block from the cold tier, open block, window: every token
+        in order), so an exact prompt goes on as a fresh prefill would. Nothing to do without
+        an exact prompt or past its cap."""
+        n = self._valid_len
+        if not self._pre_open or n > self.cfg.prefill_exact_tokens or n == self._pre_len:
+            return
+        blocks = [self.fetch_block(j) for j in range(self.num_sealed)]
+        k = torch.cat([self.sink_k, *(bk for bk, _ in blocks), self.open_k, self.win_k], dim=-2)
+        v = torch.cat([self.sink_v, *(bv for _, bv in blocks), self.open_v, self.win_v], dim=-2)
+        assert k.shape[-2] == n, "the tiers hold every token seen"
+        self._pre_k, self._pre_v, self._pre_len = k.contiguous(), v.contiguous(), n
+
     def _attend_exact(
         self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, valid_new: torch.Tensor, scaling: float
     ) -> torch.Tensor:

@@ -161,6 +161,7 @@ def _import_flash(layer: FlashLayer, p: str, records: list[dict[str, torch.Tenso
     layer.tokens_seen, layer.sealed = int(meta[0]), int(meta[1])
     layer.scaling = float(last[p + "scaling"][0])
     layer._rebuild_band()
+    layer.resume_exact_prompt()  # an exact prompt (prefill_exact_tokens) goes on exactly
 
 
 def record_bytes(record: dict[str, Any]) -> int:
