@@ -383,7 +383,8 @@ class FlashLayer(CacheLayerMixin):
         valid = torch.cat([self.valid, valid_new], dim=-1)  # [b, T + m]
         allowed = torch.ones(m, need, dtype=torch.bool, device=q.device).tril(T)[None] & valid[:, None, :]
         allowed[:, :, T:] |= torch.eye(m, dtype=torch.bool, device=q.device)  # each sees itself
-        mask = torch.zeros(b, 1, m, need, dtype=q.dtype, device=q.device).masked_fill(~allowed[:, None], -math.inf)
+        mask = _step_scratch().take("mask", (b, 1, m, need), q.dtype, q.device)  # [b, 1, m, T + m]
+        mask.zero_().masked_fill_(~allowed[:, None], -math.inf)
         K, V = self._pre_k[:, :, :need], self._pre_v[:, :, :need]
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] > hkv)
 
@@ -642,9 +643,7 @@ class FlashLayer(CacheLayerMixin):
         # (query head h * group + g, as enable_gqa pairs them): a prefill chunk's mask is
         # 100+ MB per layer, and a fresh one each time costs its page faults.
         L = sum(bias.shape[-1] for bias in biases) + m + (rest is not None)
-        # Under autograd (a forward outside torch.no_grad) nothing is reused: a buffer written
-        # again by the next layer would change what backward reads.
-        scratch = Scratch() if torch.is_grad_enabled() else thread_scratch()
+        scratch = _step_scratch()
         mask = scratch.take("mask", (b, hkv, group, m, L), q.dtype, dev)
         at = 0
         for bias in biases:  # [b, h, n]: one row for every query
@@ -1111,6 +1110,13 @@ class FlashLayer(CacheLayerMixin):
         }
 
 
+def _step_scratch() -> Scratch:
+    """The buffers a step's attention is assembled in: the thread's, reused. Under autograd
+    (a forward outside torch.no_grad) fresh ones: a buffer written again by the next layer
+    would change what backward reads."""
+    return Scratch() if torch.is_grad_enabled() else thread_scratch()
+
+
 def _part_len(p: Part) -> int:
     return (p[0] if isinstance(p, tuple) else p).shape[-2]
 
@@ -1123,7 +1129,7 @@ def _concat(parts: list[Part], buffer: Callable[[tuple[int, ...]], torch.Tensor]
         return parts[0]
     if torch.is_grad_enabled():  # autograd refuses out= writes: decode, then concatenate
         dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
-        return torch.cat([p if isinstance(p, torch.Tensor) else (p[0] * p[1]).to(dtype) for p in parts], dim=-2)
+        return torch.cat([p if isinstance(p, torch.Tensor) else page_code.decode(p[0], p[1], dtype) for p in parts], -2)
     lead = parts[0][0] if isinstance(parts[0], tuple) else parts[0]
     b, h, _, d = lead.shape
     out = buffer((b, h, sum(_part_len(p) for p in parts), d))
