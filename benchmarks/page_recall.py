@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import pydoc_data.topics as topics
 import random
+import re
 import statistics
 import sys
 
@@ -129,10 +130,11 @@ def late_probe(tok, fmt: str, length: int, depth: float, rng: random.Random) -> 
 
 
 def score(output: str, answer: str) -> bool:
-    """A number: the output's first number is it; otherwise the output contains it (any case)."""
+    """A number: the output's first number is it; otherwise the output contains it as whole
+    words, any case ("5 March" is not in "15 March")."""
     if answer.isdigit():
         return score_answer(output, answer)
-    return answer.lower() in output.lower()
+    return re.search(rf"(?<!\w){re.escape(answer.lower())}(?!\w)", output.lower()) is not None
 
 
 def dump(length: int, seeds: list[int], fmts: list[str], out: str, model_name: str = "gemma3-270m") -> None:

@@ -298,6 +298,11 @@ for MODEL in gemma3-270m smollm2; do
   PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.125 selprompt,exact \
     word_nt,code_stdlib,date_pydoc,qfirst_kjv 21 0.2,0.5,0.8 $MODEL  # rows in $O/page_retrieval_late_${MODEL}_b8.jsonl
 done
+# a check run after the review, on prompts not looked at before (seed 31, other depths)
+PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625 full,selprompt,exact \
+  word_nt,code_stdlib,date_pydoc,qfirst_kjv 31 0.3,0.6,0.9 gemma3-270m  # $O/page_retrieval_late_gemma3-270m_seed31.jsonl
+PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625 full,selprompt,exact \
+  multikey,locker_pydoc,date_pydoc,qfirst_kjv 31 0.3,0.6,0.9 smollm2  # $O/page_retrieval_late_smollm2_seed31.jsonl
 PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.0625 exact multikey,locker_kjv 11 \
   0.2,0.5,0.8 smollm2  # rows in $O/page_retrieval_smollm2_exact_seed11.jsonl (before: page_retrieval_smollm2_rrmin.jsonl)
 for L in 4k 8k; do
