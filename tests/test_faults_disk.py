@@ -371,11 +371,40 @@ def test_background_write_error_is_raised_once_and_loses_nothing(backend, tmp_pa
                 s.put((0, i), *block(0, i))
             except ColdStoreError as exc:
                 raised.append(one_line(exc))
-            if i == 0:
-                s._core.wait_durable()
+            # the writer is asynchronous: wait for it, so the put after the failing
+            # commit is the one that reports (without this the writer may fail only
+            # after the last put on a loaded machine, and no put sees it)
+            s._core.wait_durable()
         assert len(raised) == 1 and ("ENOSPC" in raised[0] or "MapFull" in raised[0])
         for i in range(200):
             assert torch.equal(s.get((0, i))[0], block(0, i)[0])
+
+
+def test_write_error_after_the_last_put_is_raised_by_flush(backend, tmp_path, monkeypatch):
+    """A commit that fails after every put returned is not lost: flush raises it, blocks stay readable."""
+    if backend is DiskStore:
+        import flashmem.store.disk_core as dc
+
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(dc, "pwrite_all", full)
+        s = backend(str(tmp_path))
+    else:
+        s = backend(str(tmp_path), map_size=256 * 1024)
+    with s:
+        n = 200
+        raised = 0
+        for i in range(n):  # no waiting: the writer may fail during or after these
+            try:
+                s.put((0, i), *block(0, i))
+            except ColdStoreError:
+                raised += 1
+        with pytest.raises(ColdStoreError, match="ENOSPC|MapFull"):
+            s.flush()
+        assert raised <= 1
+        for i in range(n):
+            assert torch.equal(s.get((0, i))[1], block(0, i)[1])
 
 
 def test_truncated_lmdb_file_is_one_line_not_a_crash(tmp_path):
