@@ -20,7 +20,7 @@ them alike (as bench_target_8k.py does on SmolLM2):
 
 flashmem caches are prefilled for real with `flashmem.prefill` (chunks of 8192).
 Reported per cache: median and mean decode ms/token, the measured device-resident
-fraction, and the ratio DynamicCache / flashmem of the medians.
+fraction (at its peak, which an exact prompt sets, and after decoding), and the ratio DynamicCache / flashmem of the medians.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def main() -> None:
             if name != "dynamic":
                 rep = caches[name].memory_report()
                 full = sum(layer.keys.nbytes + layer.values.nbytes for layer in caches["dynamic"].layers)
-                row["resident_fraction"] = rep["peak_managed_resident_bytes"] / full
+                row["resident_fraction"] = rep["peak_managed_resident_bytes"] / full  # the exact prompt's K/V too
+                row["decode_resident_fraction"] = rep["managed_resident_bytes"] / full  # what decoding holds
                 row["prefill_s"] = prefill_s[name]
                 row["config"] = {
                     k: getattr(configs[name], k)

@@ -5,7 +5,7 @@
 For each format and depth (formats and prompts: `page_recall.probe`) the
 full cache of MODEL (default Gemma3-270m) answers, then flashmem with each recipe variant of
 `flashmem.memory.budget.VARIANTS` mapped to the budget by
-`FlashMemoryConfig.for_budget`; greedy, NEW_TOKENS new tokens, right when the first
+`FlashMemoryConfig.for_budget` (`VARIANT@BUDGET`: at another budget than the run's); greedy, NEW_TOKENS new tokens, right when the first
 number in the answer is the needle's (a word, code or date: when the answer
 contains it; `page_recall.score`). The formats of `page_recall.LATE_FORMATS`
 were added after the recipe was chosen and never used to choose it. One JSON line per prompt: 1/0 per
@@ -51,8 +51,10 @@ def main() -> None:
                 if m == "full":
                     pre = H.prefill_full(model, ctx, obs_window=1)
                     gen, ratio = H.greedy(model, pre.cache, q, NEW_TOKENS, []), 1.0
-                else:
-                    cfg = FlashMemoryConfig.for_budget(budget, int(ctx.shape[1]), model, variant=m)
+                else:  # VARIANT or VARIANT@BUDGET (another budget than the run's)
+                    name, _, at = m.partition("@")
+                    b = float(at) if at else budget
+                    cfg = FlashMemoryConfig.for_budget(b, int(ctx.shape[1]), model, variant=name)
                     cache, _, _ = H.prefill_flashmem(model, ctx, cfg)
                     gen = H.greedy(model, cache, q, NEW_TOKENS, [])
                     ratio = round(predicted_ratio(cfg, int(ctx.shape[1]), **geo), 4)

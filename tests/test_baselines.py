@@ -138,9 +138,32 @@ def test_kvpress_command_and_ratio(tmp_path):
 @pytest.mark.parametrize("tokens", [8192, 16384])
 @pytest.mark.parametrize("budget", [1 / 4, 1 / 8, 1 / 16, 1 / 32])
 def test_flashmem_budget_config(tokens, budget):
-    cfg = budget_config(budget, tokens)
+    cfg = budget_config(budget, tokens, "nocap")  # the budget filled (the cap below leaves it unused)
     assert predicted_ratio(cfg, tokens) == pytest.approx(budget, rel=0.05)
     assert cfg.gpu_cache_limit < tokens
+
+
+@pytest.mark.parametrize("tokens, budget", [(16384, 1 / 8), (65536, 1 / 8), (131072, 1 / 16)])
+def test_selected_pages_are_capped_at_long_prompts(tokens, budget):
+    """Past SELECTED_TOKENS_CAP the budget is a ceiling: the pages stop at the cap, the
+    window stays where the budget put it, and the rest is left unused (not moved into the
+    window, which a step attends too)."""
+    from flashmem.memory.budget import SELECTED_TOKENS_CAP
+
+    capped, full = budget_config(budget, tokens), budget_config(budget, tokens, "nocap")
+    assert full.lsa_top_k * full.page_tokens > SELECTED_TOKENS_CAP
+    assert capped.lsa_top_k * capped.page_tokens == SELECTED_TOKENS_CAP
+    assert capped.model_copy(update={"lsa_top_k": full.lsa_top_k}) == full
+    assert predicted_ratio(capped, tokens) < 0.9 * budget
+    assert predicted_ratio(full, tokens) == pytest.approx(budget, rel=0.05)
+    assert budget_config(budget, tokens, "cap8k").lsa_top_k * capped.page_tokens == min(
+        8192, full.lsa_top_k * full.page_tokens
+    )
+
+
+@pytest.mark.parametrize("tokens, budget", [(4096, 1 / 8), (8192, 1 / 8), (16384, 1 / 16)])
+def test_the_cap_leaves_shorter_prompts_alone(tokens, budget):
+    assert budget_config(budget, tokens) == budget_config(budget, tokens, "nocap")
 
 
 @pytest.mark.parametrize("tokens", [2021, 4070, 8150, 65536])
@@ -156,8 +179,10 @@ def test_budget_config_never_overshoots_and_buys_pages(tokens, budget):
     assert cfg.lsa_follow_pages == (1 if budget >= 1 / 8 else 0)
     if budget >= 1 / 16:  # a page fits beside sinks, window, open block and index
         assert cfg.lsa_top_k >= 1
-    if tokens == 65536 and budget == 1 / 8:
-        assert cfg.lsa_top_k > 64 and r > 0.9 * budget
+    if tokens == 65536 and budget == 1 / 8:  # more than 64 pages; the budget filled without the cap
+        full = budget_config(budget, tokens, "nocap", **geo)
+        assert cfg.lsa_top_k > 64 and full.lsa_top_k > 64
+        assert predicted_ratio(full, tokens, **geo) > 0.9 * budget
 
 
 def test_evicting_layer_mask_sizes():

@@ -211,6 +211,21 @@ def test_flashmem_method_adapter(tmp_path, loaded):
     assert loaded.model.config._attn_implementation == impl  # restored for the other methods
 
 
+def test_retrieval_ratio_with_an_exact_prompt_is_what_decoding_holds(tmp_path, loaded):
+    """At the context's end an exact prompt's cache has selected nothing yet: the row's
+    ratio is measured after the answer, with the working set, the prompt end's kept apart."""
+    pytest.importorskip("flashmem.cache.attach")
+    args = _args(tmp_path, "retrieval", methods=["flashmem"], budgets=[0.25], lengths=[1024], tasks=["passkey"])
+    args.depths = [0.5]
+    args.max_new = 6
+    rows = list(run_suite(args, loaded).rows.values())
+    assert len(rows) == 1 and not rows[0].get("error"), rows[0].get("error")
+    r = rows[0]
+    assert r["prompt_kv_bytes"] > 0.9 * r["full_managed_bytes"]
+    assert r["ratio"] > r["ratio_prompt_end"] + 0.02  # the working set, held from the first token on
+    assert 0.15 < r["ratio"] < 0.35
+
+
 def test_done_local_closes_the_flashmem_cache():
     import torch
 

@@ -436,6 +436,12 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
                 cache, _, info = local_cache(loaded, m, b, ctx, shared)
                 row.update(H.cache_ratios(model, cache, int(ctx.shape[1])))
                 gen = H.greedy(model, cache, q, args.max_new, stop)
+                if row.get("prompt_kv_bytes"):
+                    # an exact prompt: at the context's end the cache holds the prompt's K/V
+                    # (reported apart) and no selection yet; decoding's is measured after it
+                    end = H.cache_ratios(model, cache, int(ctx.shape[1] + q.shape[1]) + len(gen) - 1)
+                    row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
+                    row["ratio_whole"] = end["ratio_whole"]
                 text = tok.decode(gen, skip_special_tokens=True)
                 row.update(output=text, correct=score_answer(text, probe.answer))
                 row.update({k: v for k, v in info.items() if k != "config"})

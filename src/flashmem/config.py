@@ -322,7 +322,10 @@ class FlashMemoryConfig(BaseModel):
         """The best measured recipe at `budget` x the full cache's device-resident KV bytes
         after `tokens` tokens (0 < budget <= 1): 16-token pages scored by their mean key
         (int8), 64-token blocks, the selected pages held as int8 on the device, the split
-        of window / selected pages searched to fit.
+        of window / selected pages searched to fit. The selected pages stop at 4,096
+        tokens per layer (`flashmem.memory.budget.SELECTED_TOKENS_CAP`): a step attends
+        a bounded number of tokens, so at long prompts (from about 12K tokens at 1/8)
+        the config holds less than `budget`.
 
         model: a transformers model (or its config) to read the GQA group, head dim and
         dtype from; without it give group / head_dim / dtype_bytes (defaults 1 / 64 / 4).

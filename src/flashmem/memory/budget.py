@@ -119,6 +119,16 @@ SHAPE = (0.08, 0.7, 0.0)
 # Variants that change the split rather than config keys.
 SHAPES: dict[str, tuple[float, float, float]] = {"balanced": (0.4, 0.4, 0.0), "windowed": (0.6, 0.25, 0.0)}
 VARIANTS.update({name: dict(RECIPE) for name in SHAPES})
+# Selected pages a step attends, at most this many tokens per layer (on average over the
+# layers), whatever the budget buys: past it a budget is a ceiling, not a target. At 1/8 the
+# int8 working set buys a third of the context, 24K tokens per head at 64K, and decoding them
+# every step made the recipe only 2.1x faster than DynamicCache there; 4,096 tokens (Quest's
+# usual token budget) is 1.5x what answered every Gemma3 prompt at 16K and 1/16. It binds from
+# about 12K tokens at 1/8 and 25K at 1/16 (docs/measurements.md, "A cap on the selected pages").
+SELECTED_TOKENS_CAP = 4096
+# Variants with another cap (None: none, the recipe before the cap).
+CAPS: dict[str, int | None] = {"nocap": None, "cap8k": 8192}
+VARIANTS.update({name: dict(RECIPE) for name in CAPS})
 # The cold tier in the calibrated low-rank space (`cold_low_rank`; needs the model's
 # calibration, `flashmem calibrate`): lr<parts><rank>, parts kv / k (keys) / v (values);
 # -i8 / -i4: the stored coefficients int8 / int4-coded too (docs/measurements.md, "Low-rank cold tier").
@@ -178,6 +188,9 @@ def budget_config(
     tokens (SHAPE, window 8% / selected pages 70% / CSA entries 0%, or SHAPES)
     is taken, so the selection from the cold tier is used whenever the budget
     allows a page.
+    The selected pages are capped at SELECTED_TOKENS_CAP tokens (CAPS per variant):
+    at long prompts the config holds less than the budget and each step attends
+    a bounded number of tokens.
     Small budgets at short lengths can be unreachable (sinks + HCA entries +
     index + the open block already exceed them): the closest config is returned
     and the measured fraction says so.
@@ -239,7 +252,12 @@ def budget_config(
         sw, ss, sc = SHAPES.get(variant, SHAPE)
         return (w - sw) ** 2 + (sel - ss) ** 2 + (csa - sc) ** 2
 
-    return min(good, key=lambda c: (shape(c), c[0]))[1]
+    best = min(good, key=lambda c: (shape(c), c[0]))[1]
+    cap = CAPS.get(variant, SELECTED_TOKENS_CAP)
+    if cap is not None and (best.lsa_top_k or 0) * best.page_tokens > cap:
+        # the budget bought more pages than a step needs: attend the cap, leave the rest unused
+        best = best.model_copy(update={"lsa_top_k": max(1, cap // best.page_tokens)})
+    return best
 
 
 def model_geometry(model: Any) -> dict[str, int]:
