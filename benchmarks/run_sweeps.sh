@@ -313,6 +313,28 @@ python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 71
   --json-out $O/target_8k_smollm2_exact.json
 flashmem run --text kjv --context-tokens 8192 --compare-full --threads 1 --json-out $O/main_job_smollm2_exact.json
 
+# the selected pages capped at 4,096 tokens (budget.SELECTED_TOKENS_CAP, the recipe since; the
+# recipe before = flashmem:nocap); docs/measurements.md, "A cap on the selected pages"
+python benchmarks/decode_alternating.py --lengths 32768,65536 --budget 0.125 --variants nocap --no-fixed \
+  --json $O/decode_alternating_tiny_b8_cap.json
+python benchmarks/decode_alternating.py --lengths 131072 --budget 0.125 --variants nocap --no-fixed \
+  --json $O/decode_alternating_tiny_b8_cap128k.json
+python benchmarks/decode_alternating.py --lengths 32768 --budget 0.125 --variants nocap,wsmodel --no-fixed \
+  --json $O/decode_alternating_tiny_b8_cap32k.json
+python benchmarks/decode_alternating.py --lengths 32768 --budget 0.125 --variants norerank,nocap --no-fixed \
+  --json $O/decode_alternating_tiny_b8_cap32k_norerank.json
+python benchmarks/profile_decode.py --tokens 32768 --steps 12 --sort tottime
+flashmem bench retrieval --model gemma3-270m --methods flashmem,flashmem:nocap --budgets 1/8 --lengths 16k \
+  --seeds 0,1,2 --depths 0.5 --tasks passkey,locker --haystacks kjv,stdlib-doc $C \
+  --json-out $O/retrieval_gemma3_cap16k.json  # the full cache: retrieval_gemma3_16k.json
+# (a first run, stopped after its first prompt, which the full cache missed: $O/page_retrieval_gemma3_cap30k_word.jsonl)
+PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 30720 0.125 \
+  full,nocap,default,nocap@0.0625,default@0.0625 word_nt,date_pydoc 41 0.35,0.7 gemma3-270m
+PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 30720 0.125 full,nocap,default \
+  passkey,locker_pydoc,date_pydoc,multikey 41 0.5 gemma3-270m  # $O/page_retrieval_gemma3_cap30k.jsonl
+PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 30720 0.125 full,nocap,default \
+  code_stdlib,qfirst_kjv 43 0.2,0.8 gemma3-270m  # $O/page_retrieval_gemma3_cap30k_heldout.jsonl
+
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F

@@ -122,9 +122,10 @@ VARIANTS.update({name: dict(RECIPE) for name in SHAPES})
 # Selected pages a step attends, at most this many tokens per layer (on average over the
 # layers), whatever the budget buys: past it a budget is a ceiling, not a target. At 1/8 the
 # int8 working set buys a third of the context, 24K tokens per head at 64K, and decoding them
-# every step made the recipe only 2.1x faster than DynamicCache there; 4,096 tokens (Quest's
-# usual token budget) is 1.5x what answered every Gemma3 prompt at 16K and 1/16. It binds from
-# about 12K tokens at 1/8 and 25K at 1/16 (docs/measurements.md, "A cap on the selected pages").
+# every step made the recipe no faster than DynamicCache there (0.96x; 3.49x with the cap, one
+# run). 4,096 is twice the 2,048 of ShadowKV and DeepSeek-V3.2's indexer and 1.5x what answered
+# every Gemma3 prompt at 16K and 1/16. It binds from about 12K tokens at 1/8 and 25K at 1/16
+# (docs/measurements.md, "A cap on the selected pages").
 SELECTED_TOKENS_CAP = 4096
 # Variants with another cap (None: none, the recipe before the cap).
 CAPS: dict[str, int | None] = {"nocap": None, "cap8k": 8192}
