@@ -323,6 +323,8 @@ python benchmarks/decode_alternating.py --lengths 32768 --budget 0.125 --variant
   --json $O/decode_alternating_tiny_b8_cap32k.json
 python benchmarks/decode_alternating.py --lengths 32768 --budget 0.125 --variants norerank,nocap --no-fixed \
   --json $O/decode_alternating_tiny_b8_cap32k_norerank.json
+python benchmarks/decode_alternating.py --lengths 32768 --budget 0.125 --variants rerank2 --no-fixed \
+  --json $O/decode_alternating_tiny_b8_cap32k_rerank2.json
 python benchmarks/profile_decode.py --tokens 32768 --steps 12 --sort tottime
 flashmem bench retrieval --model gemma3-270m --methods flashmem,flashmem:nocap --budgets 1/8 --lengths 16k \
   --seeds 0,1,2 --depths 0.5 --tasks passkey,locker --haystacks kjv,stdlib-doc $C \
