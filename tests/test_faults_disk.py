@@ -352,8 +352,8 @@ def test_kill_9_mid_write_keeps_every_flushed_block(backend, tmp_path):
             assert torch.equal(k, block(*key)[0]) and torch.equal(v, block(*key)[1])
 
 
-def test_background_write_error_is_raised_once_and_loses_nothing(backend, tmp_path, monkeypatch):
-    """After a write error every block stays readable; the error is one line, raised once."""
+def _store_that_fills_up(backend, tmp_path, monkeypatch):
+    """A store whose writes fail: every disk write raises ENOSPC; an LMDB map of 256 KiB fills up."""
     if backend is DiskStore:
         import flashmem.store.disk_core as dc
 
@@ -361,10 +361,13 @@ def test_background_write_error_is_raised_once_and_loses_nothing(backend, tmp_pa
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(dc, "pwrite_all", full)
-        s = backend(str(tmp_path))
-    else:
-        s = backend(str(tmp_path), map_size=256 * 1024)  # a map that fills up
-    with s:
+        return backend(str(tmp_path))
+    return backend(str(tmp_path), map_size=256 * 1024)
+
+
+def test_background_write_error_is_raised_once_and_loses_nothing(backend, tmp_path, monkeypatch):
+    """After a write error every block stays readable; the error is one line, raised once."""
+    with _store_that_fills_up(backend, tmp_path, monkeypatch) as s:
         raised = []
         for i in range(200):
             try:
@@ -382,17 +385,7 @@ def test_background_write_error_is_raised_once_and_loses_nothing(backend, tmp_pa
 
 def test_write_error_after_the_last_put_is_raised_by_flush(backend, tmp_path, monkeypatch):
     """A commit that fails after every put returned is not lost: flush raises it, blocks stay readable."""
-    if backend is DiskStore:
-        import flashmem.store.disk_core as dc
-
-        def full(*a, **k):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(dc, "pwrite_all", full)
-        s = backend(str(tmp_path))
-    else:
-        s = backend(str(tmp_path), map_size=256 * 1024)
-    with s:
+    with _store_that_fills_up(backend, tmp_path, monkeypatch) as s:
         n = 200
         raised = 0
         for i in range(n):  # no waiting: the writer may fail during or after these
