@@ -337,6 +337,51 @@ PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 30720 0.125
 PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 30720 0.125 full,nocap,default \
   code_stdlib,qfirst_kjv 43 0.2,0.8 gemma3-270m  # $O/page_retrieval_gemma3_cap30k_heldout.jsonl
 
+# ---- where the recipe stands (2026-12-02; README "Results", docs/measurements.md "Where the recipe
+# stands"): the final recipe (`flashmem`: exact prompt, int8 working set, re-rank, cap) at 1/8, 1/16
+# and 1/32 on the suite's prompts (the full cache, eviction and kvpress rows: the files named below)
+R="--model gemma3-270m --tasks passkey,locker --haystacks kjv,stdlib-doc $C"
+for b in 8 16; do
+  flashmem bench retrieval --methods flashmem --budgets 1/$b $R --lengths 2k,4k --seeds 0,1,2 \
+    --depths 0.15,0.5,0.85 --json-out $O/retrieval_gemma3_b$b.json
+  flashmem bench retrieval --methods flashmem --budgets 1/$b $R --lengths 8k --seeds 0,1,2 \
+    --depths 0.5 --json-out $O/retrieval_gemma3_b$b.json
+done
+flashmem bench retrieval --methods flashmem --budgets 1/8 $R --lengths 16k --seeds 0,1 --depths 0.5 \
+  --json-out $O/retrieval_gemma3_b8_16k.json  # and --seeds 2 into retrieval_gemma3_b8_16k_seed2.json
+flashmem bench retrieval --methods flashmem --budgets 1/16 $R --lengths 16k --seeds 0,1,2 --depths 0.5 \
+  --json-out $O/retrieval_gemma3_b16.json
+flashmem bench retrieval --methods flashmem --budgets 1/32 $R --lengths 4k --seeds 0,1,2 --depths 0.15,0.5,0.85 \
+  --json-out $O/retrieval_gemma3_b32.json
+flashmem bench retrieval --methods flashmem --budgets 1/32 $R --lengths 8k,16k --seeds 0,1,2 --depths 0.5 \
+  --json-out $O/retrieval_gemma3_b32.json
+K=kvpress:SnapKVPress,kvpress:ExpectedAttentionPress,kvpress:TOVAPress,kvpress:KeyDiffPress
+flashmem report $O/retrieval_gemma3_pages.json $O/retrieval_gemma3_seeds.json $O/retrieval_gemma3_16k.json \
+  $O/retrieval_gemma3_kvpress_pages.json $O/retrieval_gemma3_b8.json $O/retrieval_gemma3_b8_16k.json \
+  $O/retrieval_gemma3_b8_16k_seed2.json $O/retrieval_gemma3_b16.json $O/retrieval_gemma3_b32.json \
+  --methods full,flashmem,streaming,snapkv,$K --json-out $O/retrieval_gemma3_current.json
+flashmem report $O/retrieval_gemma3_current.json --plot $O/retrieval_gemma3_current.png --readme README.md
+# SmolLM2 at 1/16 on seeds never run on it before (the full cache in the same run)
+flashmem bench retrieval --model smollm2 --methods full,flashmem --budgets 1/16 --tasks passkey,locker \
+  --haystacks kjv,stdlib-doc $C --lengths 4k --seeds 1,2 --depths 0.15,0.5,0.85 --json-out $O/retrieval_smollm2_seeds12.json
+# fidelity at every budget, three 4K prompts and one 8K, against StreamingLLM and SnapKV
+for L in "4k --seeds 0,1,2" "8k --seeds 0"; do
+  flashmem bench fidelity --model smollm2 --methods streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 \
+    --lengths $L $C --json-out $O/fidelity_smollm2_recipe.json
+done
+# index recall at 16K (the 2K and 8K commands are above); the calibration of the default folder
+flashmem calibrate --model gemma3-270m --threads ${THREADS:-1}
+(cd benchmarks && PYTHONPATH=../evaluation python page_recall.py dump 16384 100 passkey,locker_pydoc /tmp/n16384.pt &&
+  PYTHONPATH=../evaluation python page_recall.py rank /tmp/n16384.pt --sinks 20 \
+    --calibration ~/.cache/flashmem/models/calibrations/gemma3_text-6cab1fd8c10ad240)
+# the needle's page at the answer step, per scorer, through the cache
+N="PYTHONPATH=evaluation python benchmarks/needle_selected.py"
+S="--json-out $O/needle_selected_gemma3.jsonl"
+eval $N 4096 0.0625 default,norerank,quest,lowrank,learned 0 $S
+eval $N 8192 0.0625 default,norerank,quest,lowrank,learned 0,1,2 --depths 0.5 $S
+eval $N 16384 0.0625 default,norerank,lowrank 0 --depths 0.5 $S
+python benchmarks/needle_selected.py summary $O/needle_selected_gemma3.jsonl
+
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
 flashmem bench fidelity --methods full,streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 --lengths 4k $F

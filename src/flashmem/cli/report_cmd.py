@@ -23,6 +23,9 @@ def report(
     readme: Path | None = typer.Option(
         None, "--readme", help="replace the block between <!-- flashmem-results:begin/end --> in this file"
     ),
+    methods: str | None = typer.Option(
+        None, "--methods", help="keep only these methods' rows (comma-separated, e.g. full,flashmem)"
+    ),
 ) -> None:
     """Merge result files; print every suite's table."""
     import json
@@ -36,6 +39,15 @@ def report(
     for path, flag in ((json_out, "--json-out"), (markdown, "--markdown")):
         check_output_path(path, flag)
     rows, runs = R.load_rows(files)
+    if methods is not None:
+        keep = [m.strip() for m in methods.split(",") if m.strip()]
+        found = sorted({str(r.get("method")) for r in rows})
+        missing = [m for m in keep if m not in found]
+        if not keep or missing:
+            raise FlashMemError(
+                f"--methods: {', '.join(missing) or repr(methods)} not in the files; allowed: {', '.join(found)}"
+            )
+        rows = [r for r in rows if r.get("method") in keep]
     suites = sorted({str(r.get("suite")) for r in rows})
     if (json_out or plot) and len(suites) != 1:
         raise FlashMemError(
@@ -55,7 +67,13 @@ def report(
         for p in R.plot(rows, suites[0], plot):
             typer.echo(f"wrote {p}")
     if markdown is not None or readme is not None:
-        opts = [("--json-out", json_out), ("--plot", plot), ("--markdown", markdown), ("--readme", readme)]
+        opts = [
+            ("--methods", methods),
+            ("--json-out", json_out),
+            ("--plot", plot),
+            ("--markdown", markdown),
+            ("--readme", readme),
+        ]
         command = " ".join(
             [
                 "flashmem report",
