@@ -66,7 +66,7 @@ def run_prompt(model, tok, probe, budget: float, variant: str) -> dict:
     def hook(layer: int, idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.shape[2] == group and layer not in held:  # a single query: the answer step
             sel = idx[0]  # [h, k]
-            held[layer] = float(torch.isin(sel, torch.tensor(needle)).any(-1).float().mean())
+            held[layer] = float(torch.isin(sel, torch.tensor(needle, device=sel.device)).any(-1).float().mean())
         return idx
 
     cache, _, _ = H.prefill_flashmem(model, ctx, cfg)
