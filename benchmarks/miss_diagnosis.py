@@ -21,7 +21,6 @@ is not what is missing: the left-out tokens' share of attention is.
 
 from __future__ import annotations
 
-import re
 import sys
 
 import torch
@@ -29,6 +28,7 @@ import torch
 from flashmem.config import FlashMemoryConfig
 from flashmem_eval import harness as H
 from flashmem_eval.suites import make_probe
+from needle_selected import needle_pages
 from page_recall import probe
 
 SUITE_TASKS = ("passkey", "multikey", "locker")
@@ -45,15 +45,10 @@ def main() -> None:
         context, question, answer_text = p.context, p.question, p.answer
     else:
         context, question, answer_text = probe(tok, task, int(length), float(depth), int(seed), salt=length)
-    enc = tok(context, add_special_tokens=True, return_offsets_mapping=True)
-    ctx = torch.tensor([enc["input_ids"]])
+    ctx = torch.tensor([tok(context, add_special_tokens=True)["input_ids"]])
     q = torch.tensor([tok(question, add_special_tokens=False)["input_ids"]])
-    # the first token of every occurrence of the answer in the context
-    spans = [m.start() for m in re.finditer(re.escape(answer_text), context)]
-    starts = [min(i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > c) for c in spans]
     cfg = FlashMemoryConfig.for_budget(float(budget), int(length), model, variant=variant)
-    S, P = cfg.sink_tokens, cfg.page_tokens
-    needle = sorted({(i - S) // P for i in starts if i >= S})
+    needle = needle_pages(tok, context, answer_text, cfg.sink_tokens, cfg.page_tokens)
     print(f"answer {answer_text}; context {ctx.shape[1]} tokens; window {cfg.gpu_cache_limit}, {cfg.lsa_top_k} pages")
     print(f"needle pages {needle}")
 
