@@ -381,6 +381,9 @@ eval $N 4096 0.0625 default,norerank,quest,lowrank,learned 0 $S
 eval $N 8192 0.0625 default,norerank,quest,lowrank,learned 0,1,2 --depths 0.5 $S
 eval $N 16384 0.0625 default,norerank,lowrank 0 --depths 0.5 $S
 python benchmarks/needle_selected.py summary $O/needle_selected_gemma3.jsonl
+# held out (run during the review, after the rest was written up): new seed, the late formats, all three budgets
+PYTHONPATH=evaluation:benchmarks python benchmarks/page_retrieval.py 4096 0.03125 full,default,default@0.0625,default@0.125 \
+  word_nt,code_stdlib,date_pydoc,qfirst_kjv 51 0.3,0.7 gemma3-270m  # $O/page_retrieval_late_gemma3-270m_seed51.jsonl
 
 # ---- fidelity, SmolLM2: 4K prompt (and 7936 = SmolLM2's 8192 context minus 256) + 256 teacher-forced tokens
 F="--model smollm2 --n-cont 256 --seeds 0 $C --json-out $O/fidelity_smollm2.json"
