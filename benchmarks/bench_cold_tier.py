@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from disk_probe import drop_segments, raw_sequential
 from flashmem.store import DiskStore, Prefetcher
 from flashmem.store.lmdb_store import LmdbStore
+from flashmem_eval.benchkit import drop_segments, raw_sequential
 
 STORES = {"disk": DiskStore, "lmdb": LmdbStore}
 

@@ -48,8 +48,7 @@ import time
 import torch
 
 import flashmem
-from disk_probe import drop_segments, raw_sequential
-from flashmem_eval.tiny import build_llama
+from flashmem_eval.benchkit import drop_segments, raw_sequential, tiny_llama_long
 
 DROP = True  # --no-drop: measure with the page cache warm (fair to LMDB, whose mapped pages cannot be dropped)
 
@@ -164,19 +163,6 @@ def run_model(name, model, ids, args, raw) -> list[dict]:
                 flush=True,
             )
     return rows
-
-
-def tiny_llama_long(tokens: int):
-    return build_llama(
-        0,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        max_position_embeddings=tokens + 4096,
-    )
 
 
 def main() -> None:

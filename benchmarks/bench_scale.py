@@ -42,7 +42,6 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MACHINE_RAM = 24 * 10**9
 
 
@@ -51,8 +50,7 @@ def peak_rss() -> int:
 
 
 def model_for(tokens: int):
-    sys.path.insert(0, HERE)
-    from bench_prefetch import tiny_llama_long
+    from flashmem_eval.benchkit import tiny_llama_long
 
     return tiny_llama_long(tokens)
 
@@ -62,8 +60,9 @@ def load() -> float:
 
 
 def run_flashmem(n: int, args, share_heads: bool = False) -> dict:
-    import flashmem
     from disk_probe import drop_segments
+
+    import flashmem
 
     model = model_for(n)
     ids = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(0))

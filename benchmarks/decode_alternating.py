@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -37,12 +36,9 @@ from transformers import DynamicCache
 
 import flashmem
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def tiny(tokens: int):
-    sys.path.insert(0, HERE)
-    from bench_prefetch import tiny_llama_long
+    from flashmem_eval.benchkit import tiny_llama_long
 
     return tiny_llama_long(tokens)
 

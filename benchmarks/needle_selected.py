@@ -1,4 +1,4 @@
-"""Is the needle's page selected at the answer step? The fraction of prompts, per scorer.
+"""The needle's page at the answer step, through the cache: the share of prompts whose selection holds it, per scorer.
 
     python benchmarks/needle_selected.py 4096 0.0625 default,norerank,quest,lowrank,learned 0,1,2 \
         [--depths 0.15,0.5,0.85] [--model gemma3-270m] [--json-out F]
@@ -22,34 +22,25 @@ its heads, averaged over prompts), and how many are answered; one JSON line per
 prompt and variant with `--json-out`. The same table from such a file (the last row of
 each prompt and variant), every length and budget in it:
 
-    python benchmarks/needle_selected.py summary results/needle_selected_gemma3.jsonl
+    python benchmarks/needle_selected.py --summary results/needle_selected_gemma3.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
-import sys
 from collections import defaultdict
 
 import torch
 
 from flashmem.config import FlashMemoryConfig
 from flashmem_eval import harness as H
+from flashmem_eval.benchkit import needle_pages
 from flashmem_eval.suites import make_probe, score_answer
 
 TASKS = ("passkey", "locker")
 HAYSTACKS = ("kjv", "stdlib-doc")
-
-
-def needle_pages(tok, context: str, answer: str, sinks: int, page: int) -> list[int]:
-    """Index pages (counted after the sinks) holding the first token of each occurrence of `answer`."""
-    enc = tok(context, add_special_tokens=True, return_offsets_mapping=True)
-    spans = [m.start() for m in re.finditer(re.escape(answer), context)]
-    starts = [min(i for i, (_, b) in enumerate(enc["offset_mapping"]) if b > c) for c in spans]
-    return sorted({(i - sinks) // page for i in starts if i >= sinks})
 
 
 def run_prompt(model, tok, probe, budget: float, variant: str) -> dict:
@@ -77,20 +68,23 @@ def run_prompt(model, tok, probe, budget: float, variant: str) -> dict:
     return {"output": output, "correct": bool(score_answer(output, probe.answer)), "needle_pages": needle, "held": held}
 
 
-def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "summary":
-        with open(sys.argv[2]) as f:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("length", type=int, nargs="?", help="context tokens of each prompt, e.g. 4096")
+    ap.add_argument("budget", type=float, nargs="?", help="resident fraction, e.g. 0.0625")
+    ap.add_argument("variants", nargs="?", help="comma-separated for_budget variants, e.g. default,norerank")
+    ap.add_argument("seeds", nargs="?", help="comma-separated prompt seeds, e.g. 0,1,2")
+    ap.add_argument("--depths", default="0.15,0.5,0.85", help="comma-separated needle depths")
+    ap.add_argument("--model", default="gemma3-270m", help="a flashmem.load_model name, or tiny[:LAYERS]")
+    ap.add_argument("--json-out", help="append one JSON line per prompt and variant to this file")
+    ap.add_argument("--summary", metavar="FILE", help="print the table of a --json-out file, run nothing")
+    a = ap.parse_args(argv)
+    if a.summary:
+        with open(a.summary) as f:
             summarize([json.loads(line) for line in f if line.strip()])
         return
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("length", type=int)
-    ap.add_argument("budget", type=float)
-    ap.add_argument("variants")
-    ap.add_argument("seeds")
-    ap.add_argument("--depths", default="0.15,0.5,0.85")
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--json-out")
-    a = ap.parse_args()
+    if None in (a.length, a.budget, a.variants, a.seeds):
+        ap.error("LENGTH BUDGET VARIANTS SEEDS are required unless --summary FILE is given")
     torch.set_num_threads(1)
     ld = H.load(a.model)
     tok, model = ld.tokenizer, ld.model

@@ -1,13 +1,14 @@
 """Retrieval through the cache on needle formats and haystacks the retrieval suite does not use.
 
     python benchmarks/page_retrieval.py 4096 0.0625 full,default,summaries,block passkey,locker_kjv,locker_pydoc 7 0.2,0.5,0.8 [MODEL]
+        [--model MODEL] [--new-tokens 12] [--json-out FILE]
 
-For each format and depth (formats and prompts: `page_recall.probe`) the
+For each format and depth (formats and prompts: `flashmem_eval.benchkit.probe`) the
 full cache of MODEL (default Gemma3-270m) answers, then flashmem with each recipe variant of
 `flashmem.memory.budget.VARIANTS` mapped to the budget by
 `FlashMemoryConfig.for_budget` (`VARIANT@BUDGET`: at another budget than the run's); greedy, NEW_TOKENS new tokens, right when the first
 number in the answer is the needle's (a word, code or date: when the answer
-contains it; `page_recall.score`). The formats of `page_recall.LATE_FORMATS`
+contains it; `flashmem_eval.benchkit.score`). The formats of `benchkit.LATE_FORMATS`
 were added after the recipe was chosen and never used to choose it. One JSON line per prompt: 1/0 per
 method, seconds, and the predicted resident fraction. (In the runs of
 docs/measurements.md, `default` was the pages recipe with summaries, now
@@ -16,8 +17,8 @@ docs/measurements.md, `default` was the pages recipe with summaries, now
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 
 import torch
@@ -25,18 +26,34 @@ import torch
 from flashmem.config import FlashMemoryConfig
 from flashmem.memory.budget import model_geometry, predicted_ratio
 from flashmem_eval import harness as H
-from page_recall import probe, score
+from flashmem_eval.benchkit import LATE_FORMATS, probe, score
 
 # new tokens per answer: a code like "JQ30-632" after a newline is 9 of Gemma3's tokens
 NEW_TOKENS = 12
 
 
-def main() -> None:
-    length, budget = int(sys.argv[1]), float(sys.argv[2])
-    methods, fmts, seed = sys.argv[3].split(","), sys.argv[4].split(","), int(sys.argv[5])
-    depths = [float(x) for x in sys.argv[6].split(",")]
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("length", type=int, help="context tokens of each prompt, e.g. 4096")
+    ap.add_argument("budget", type=float, help="resident fraction of the variants without @BUDGET, e.g. 0.0625")
+    ap.add_argument("methods", help="comma-separated: full, and for_budget variants as VARIANT or VARIANT@BUDGET")
+    ap.add_argument(
+        "formats", help=f"comma-separated: passkey, multikey, locker_kjv, locker_pydoc, {', '.join(LATE_FORMATS)}"
+    )
+    ap.add_argument("seed", type=int, help="prompt seed")
+    ap.add_argument("depths", help="comma-separated needle depths, e.g. 0.2,0.5,0.8")
+    ap.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model (the form of the older commands)")
+    ap.add_argument("--model", default=None, help="a flashmem.load_model name or tiny[:LAYERS] (default gemma3-270m)")
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="greedy tokens per answer")
+    ap.add_argument("--json-out", help="also append each JSON line to this file")
+    a = ap.parse_args(argv)
+    if a.model and a.model_pos and a.model != a.model_pos:
+        ap.error(f"MODEL {a.model_pos!r} and --model {a.model!r} disagree: give one")
+    length, budget, seed = a.length, a.budget, a.seed
+    methods, fmts = a.methods.split(","), a.formats.split(",")
+    depths = [float(x) for x in a.depths.split(",")]
     torch.set_num_threads(1)
-    ld = H.load(sys.argv[7] if len(sys.argv) > 7 else "gemma3-270m")
+    ld = H.load(a.model or a.model_pos or "gemma3-270m")
     tok, model = ld.tokenizer, ld.model
     impl = model.config._attn_implementation
     geo = model_geometry(model)
@@ -50,13 +67,13 @@ def main() -> None:
                 t0 = time.time()
                 if m == "full":
                     pre = H.prefill_full(model, ctx, obs_window=1)
-                    gen, ratio = H.greedy(model, pre.cache, q, NEW_TOKENS, []), 1.0
+                    gen, ratio = H.greedy(model, pre.cache, q, a.new_tokens, []), 1.0
                 else:  # VARIANT or VARIANT@BUDGET (another budget than the run's)
                     name, _, at = m.partition("@")
                     b = float(at) if at else budget
                     cfg = FlashMemoryConfig.for_budget(b, int(ctx.shape[1]), model, variant=name)
                     cache, _, _ = H.prefill_flashmem(model, ctx, cfg)
-                    gen = H.greedy(model, cache, q, NEW_TOKENS, [])
+                    gen = H.greedy(model, cache, q, a.new_tokens, [])
                     ratio = round(predicted_ratio(cfg, int(ctx.shape[1]), **geo), 4)
                     H.restore_attn(model, impl)
                     cache.close()
@@ -64,6 +81,9 @@ def main() -> None:
                 row[f"{m}_out"] = tok.decode(gen)
                 row[f"{m}_s"], row[f"{m}_ratio"] = round(time.time() - t0), ratio
             print(json.dumps(row), flush=True)
+            if a.json_out:
+                with open(a.json_out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -164,10 +164,15 @@ def _err_row(row: dict[str, Any], exc: BaseException) -> dict[str, Any]:
     return row
 
 
-def _global_layers(model: Any) -> list[int]:
+def global_layers(model: Any) -> list[int]:
+    """Indices of the model's global-attention layers (every layer but sliding-window ones):
+    the layers flashmem manages, e.g. 5, 11 and 17 of Gemma3-270m's 18."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     return [i for i, t in enumerate(types) if t != "sliding_attention"]
+
+
+_global_layers = global_layers  # the old private name, for scripts written against it
 
 
 def _run_kvpress(
@@ -247,7 +252,7 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
                             "context": prompt[0].tolist(),
                             "cont": cont[0].tolist(),
                             "chunk": args.chunk,
-                            "global_layers": _global_layers(model),
+                            "global_layers": global_layers(model),
                         }
                     )
                     continue
@@ -427,7 +432,7 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
                         "question": q[0].tolist(),
                         "max_new": args.max_new,
                         "stop": stop,
-                        "global_layers": _global_layers(model),
+                        "global_layers": global_layers(model),
                     }
                 )
                 continue

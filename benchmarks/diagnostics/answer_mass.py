@@ -1,7 +1,8 @@
-"""Is a short prompt's retrieval miss at a small budget a ranking miss or a budget limit?
+"""Where the answer step's attention mass lies on short retrieval prompts, and whether exact token-level
+selection of the budget's token count answers: a ranking miss told apart from a budget limit.
 
-    python benchmarks/answer_mass.py mass passkey:kjv:2048:0.3:3 [more prompts]
-    python benchmarks/answer_mass.py tokens passkey:kjv:2048:0.3:3 [more prompts] [--budget 0.0625]
+    python benchmarks/diagnostics/answer_mass.py mass passkey:kjv:2048:0.3:3 [more prompts]
+    python benchmarks/diagnostics/answer_mass.py tokens passkey:kjv:2048:0.3:3 [more prompts] [--budget 0.0625]
 
 Prompts are retrieval-suite probes, `task:haystack:length:depth:seed`
 (`flashmem_eval.suites.make_probe`), on Gemma3-270m, one torch thread.
@@ -23,13 +24,13 @@ misses, no ranking of what the budget holds would answer.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
 from flashmem.config import FlashMemoryConfig
 from flashmem_eval import harness as H
-from flashmem_eval.suites import _global_layers, make_probe
+from flashmem_eval.suites import global_layers, make_probe
 
 SINKS, PAGE, RECENT = 20, 16, 100
 
@@ -49,7 +50,7 @@ def mass(model, tok, spec: str) -> None:
     digits = [i for i, x in enumerate(pieces) if x.strip().isdigit() and p.answer.startswith(x.strip())]
     pre = H.prefill_full(model, torch.tensor([ids]), obs_window=1)
     print(f"{spec}: answer {p.answer}, {len(ids)} tokens")
-    for li in _global_layers(model):
+    for li in global_layers(model):
         K = pre.cache.layers[li].keys[0, 0].float()  # [T, d] (Gemma3-270m: one KV head)
         Q = pre.captured[li]["query"][0, :, -1].float()  # [Hq, d]
         a = torch.softmax(Q @ K.T * pre.captured[li]["scaling"], -1).mean(0)  # [T]
@@ -84,17 +85,29 @@ def tokens(model, tok, spec: str, budget: float) -> None:
         print(f"{spec} (answer {p.answer}) {name}: {tok.decode(gen)!r}", flush=True)
 
 
-def main() -> None:
-    mode, *rest = sys.argv[1:]
-    budget = float(rest[rest.index("--budget") + 1]) if "--budget" in rest else 1 / 16
-    specs = [s for s in rest if s.count(":") == 4]
+def prompt_spec(spec: str) -> str:
+    """argparse type: TASK:HAYSTACK:LENGTH:DEPTH:SEED."""
+    if spec.count(":") != 4:
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: expected TASK:HAYSTACK:LENGTH:DEPTH:SEED, e.g. passkey:kjv:2048:0.3:3"
+        )
+    return spec
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=("mass", "tokens"), help="attention mass per layer, or answers by token selection")
+    ap.add_argument("specs", nargs="+", type=prompt_spec, metavar="TASK:HAYSTACK:LENGTH:DEPTH:SEED")
+    ap.add_argument("--budget", type=float, default=1 / 16, help="resident fraction for `tokens`")
+    ap.add_argument("--model", default="gemma3-270m", help="a flashmem.load_model name")
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    ld = H.load("gemma3-270m")
-    for spec in specs:
-        if mode == "mass":
+    ld = H.load(a.model)
+    for spec in a.specs:
+        if a.mode == "mass":
             mass(ld.model, ld.tokenizer, spec)
         else:
-            tokens(ld.model, ld.tokenizer, spec, budget)
+            tokens(ld.model, ld.tokenizer, spec, a.budget)
 
 
 if __name__ == "__main__":

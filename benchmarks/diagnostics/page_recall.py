@@ -2,12 +2,12 @@
 
 Two steps, so the slow part (full-cache prefills) runs once:
 
-    python benchmarks/page_recall.py dump 4096 100 passkey,multikey,locker_kjv,locker_pydoc n4k.pt
-    python benchmarks/page_recall.py rank n4k.pt --calibration CAL_DIR
+    python benchmarks/diagnostics/page_recall.py dump 4096 100 passkey,multikey,locker_kjv,locker_pydoc n4k.pt
+    python benchmarks/diagnostics/page_recall.py rank n4k.pt --calibration CAL_DIR
 
 `dump` prefills Gemma3-270m prompts with the full cache (5 depths per format)
 and saves, per global layer, the post-RoPE keys and the last 32 queries, plus
-the answer's token positions. Formats: the retrieval benchmark's `passkey` and
+the answer's token positions. Formats (`flashmem_eval.benchkit.probe`): the retrieval benchmark's `passkey` and
 `multikey` (KJV haystack), and a needle the benchmark does not use ("the locker
 code assigned to NAME is CODE", question "Answer: ...") in the KJV text
 (`locker_kjv`) and in the Python reference (`locker_pydoc`).
@@ -23,9 +23,9 @@ int8 keys, log-sum-exp per page), and `rerank4` (the recipe's two stages: the
 int8 mean key picks 4k candidate pages, their exact keys keep k; counted as a
 hit at top k when the needle's page is among those k).
 
-    python benchmarks/page_recall.py rank n8k.pt --sinks 20
-    python benchmarks/page_recall.py dump 8192 1 passkey,locker_kjv n8k_smollm2.pt --model smollm2
-    python benchmarks/page_recall.py coverage n8k_smollm2.pt
+    python benchmarks/diagnostics/page_recall.py rank n8k.pt --sinks 20
+    python benchmarks/diagnostics/page_recall.py dump 8192 1 passkey,locker_kjv n8k_smollm2.pt --model smollm2
+    python benchmarks/diagnostics/page_recall.py coverage n8k_smollm2.pt
 
 `--model` dumps another model's managed layers (KV heads ranked one by one);
 `coverage` prints, per layer, how much of the last query's attention the sinks
@@ -38,108 +38,22 @@ in docs/measurements.md was ranked with 4).
 
 from __future__ import annotations
 
-import pydoc_data.topics as topics
-import random
-import re
+import argparse
 import statistics
-import sys
 
 import torch
 
 from flashmem.calibration import load_calibration
-from flashmem.texts import haystack, insert_needles
-from flashmem_eval.suites import score_answer
+from flashmem_eval.benchkit import probe
 
 QUERIES = 32
 TOPS = (1, 2, 4, 8, 16, 32)
 RERANK = 4
 
 
-def pydoc_text() -> str:
-    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-
-
-def probe(tok, fmt: str, length: int, depth: float, seed: int, salt: str = "") -> tuple[str, str, str]:
-    """(context, question, answer); `salt` varies the held-out prompts' random draws."""
-    from flashmem_eval.suites import make_probe
-
-    if fmt in ("passkey", "multikey"):
-        p = make_probe(tok, fmt, length, depth, seed)
-        return p.context, p.question, p.answer
-    rng = random.Random(f"{fmt}{seed}{depth}{salt}")
-    if fmt in LATE_FORMATS:
-        return late_probe(tok, fmt, length, depth, rng)
-    name = rng.choice(["Maria", "Tomas", "Ingrid", "Kwame", "Yuki"])
-    code = str(rng.randint(100000, 999999))
-    needle = f"Note from the archivist: the locker code assigned to {name} is {code}."
-    question = (
-        f"\n\nQuestion: what is the locker code assigned to {name}? Answer: the locker code assigned to {name} is"
-    )
-    if fmt == "locker_pydoc":
-        text = pydoc_text()
-        start = rng.randrange(0, len(text) - length * 6)
-        ids = tok(text[start : start + length * 5], add_special_tokens=False)["input_ids"][: length - 80]
-        hay = tok.decode(ids)
-    else:
-        hay = haystack(tok, length - 80, seed=rng.randrange(10**6))
-    return insert_needles(hay, [(needle, depth)], own_paragraph=True), question, code
-
-
-# Formats added after the recipe was chosen (2026-12-01), never used to pick it: other
-# answer types (a word, a code of letters and digits, a date), an inline needle, the
-# question before the text, and the New Testament / stdlib docstrings as haystacks.
-LATE_FORMATS = ("word_nt", "code_stdlib", "date_pydoc", "qfirst_kjv")
-_WORDS = ["cardamom", "saffron", "tamarind", "fennel", "juniper", "sumac", "anise", "sorrel"]
-_MONTHS = ["January", "March", "April", "June", "August", "October", "November"]
-
-
-def late_probe(tok, fmt: str, length: int, depth: float, rng: random.Random) -> tuple[str, str, str]:
-    """(context, question, answer) of a LATE_FORMATS prompt of about `length` tokens."""
-    lead = ""
-    if fmt == "word_nt":
-        answer = rng.choice(_WORDS)
-        needle = f"And the gardener said that the secret ingredient of the harvest soup was {answer}."
-        question = "\n\nWhat was the secret ingredient of the harvest soup? The secret ingredient was"
-        hay_name, own = "kjv-nt", False
-    elif fmt == "code_stdlib":
-        letters = "ABCDEFGHJKLMNPQRSTUVWXYZ"
-        answer = f"{rng.choice(letters)}{rng.choice(letters)}{rng.randint(10, 99)}-{rng.randint(100, 999)}"
-        needle = f"(Maintenance note: the vault of the east archive opens with the combination {answer}.)"
-        question = "\n\nQuestion: which combination opens the vault of the east archive? Answer: the combination is"
-        hay_name, own = "stdlib-doc", True
-    elif fmt == "date_pydoc":
-        name = rng.choice(["Heron", "Basalt", "Lumen", "Quarry", "Tundra"])
-        answer = f"{rng.randint(2, 28)} {rng.choice(_MONTHS)}"
-        needle = f"The committee finally scheduled the launch of Project {name} for {answer} {rng.randint(2031, 2049)}."
-        question = f"\n\nOn what date is the launch of Project {name} scheduled? It is scheduled for"
-        hay_name, own = "pydoc", True
-    else:  # qfirst_kjv: the question comes before the text, only a short cue after it
-        answer = str(rng.randint(100000, 999999))
-        lead = "Read the text below, then report the serial number stamped on the brass lantern.\n\n"
-        needle = f"The brass lantern had the serial number {answer} stamped on its base."
-        question = "\n\nThe serial number stamped on the brass lantern is"
-        hay_name, own = "kjv", True
-    n = length - 80 - len(tok(lead, add_special_tokens=False)["input_ids"])
-    if hay_name == "pydoc":
-        text = pydoc_text()
-        start = rng.randrange(0, len(text) - n * 6)
-        hay = tok.decode(tok(text[start : start + n * 5], add_special_tokens=False)["input_ids"][:n])
-    else:
-        hay = haystack(tok, n, seed=rng.randrange(10**6), name=hay_name)
-    return lead + insert_needles(hay, [(needle, depth)], own_paragraph=own), question, answer
-
-
-def score(output: str, answer: str) -> bool:
-    """A number: the output's first number is it; otherwise the output contains it as whole
-    words, any case ("5 March" is not in "15 March")."""
-    if answer.isdigit():
-        return score_answer(output, answer)
-    return re.search(rf"(?<!\w){re.escape(answer.lower())}(?!\w)", output.lower()) is not None
-
-
 def dump(length: int, seeds: list[int], fmts: list[str], out: str, model_name: str = "gemma3-270m") -> None:
     from flashmem_eval import harness as H
-    from flashmem_eval.suites import _global_layers
+    from flashmem_eval.suites import global_layers
 
     torch.set_num_threads(1)
     ld = H.load(model_name)
@@ -160,7 +74,7 @@ def dump(length: int, seeds: list[int], fmts: list[str], out: str, model_name: s
                         "Q": pre.captured[li]["query"][0].half().clone(),  # [Hq, 32, d]
                         "s": pre.captured[li]["scaling"],
                     }
-                    for li in _global_layers(model)
+                    for li in global_layers(model)
                 }
                 rows.append(
                     {"fmt": fmt, "seed": seed, "depth": depth, "ntok": ntok, "nctx": len(ctx), "layers": layers}
@@ -272,15 +186,29 @@ def coverage(files: list[str], sinks: int = 20, window: int = 112, k: int = 48, 
         print(f"layer {li:2d} sinks+window {cells}")
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "coverage":
-        coverage([f for f in sys.argv[2:] if f.endswith(".pt")])
-    elif sys.argv[1] == "dump":
-        model_name = sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "gemma3-270m"
-        dump(
-            int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")], sys.argv[4].split(","), sys.argv[5], model_name
-        )
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump", help="full-cache prefills: keys, last queries and the needle's positions, to OUT")
+    d.add_argument("length", type=int, help="context tokens, e.g. 4096")
+    d.add_argument("seeds", help="comma-separated prompt seeds, e.g. 100")
+    d.add_argument("formats", help="comma-separated flashmem_eval.benchkit.probe formats, e.g. passkey,locker_kjv")
+    d.add_argument("out", help="the .pt file to write")
+    d.add_argument("--model", default="gemma3-270m", help="a flashmem.load_model name")
+    r = sub.add_parser("rank", help="where each scorer ranks the needle's page, from dumped files")
+    r.add_argument("files", nargs="+", help=".pt files of `dump`")
+    r.add_argument("--calibration", default=None, help="a `flashmem calibrate` folder (adds lowrank / learned)")
+    r.add_argument("--sinks", type=int, default=4, help="tokens before the first page (the recipe keeps 20)")
+    c = sub.add_parser("coverage", help="attention mass on sinks + window, and with 48 pages added")
+    c.add_argument("files", nargs="+", help=".pt files of `dump`")
+    a = ap.parse_args(argv)
+    if a.cmd == "dump":
+        dump(a.length, [int(x) for x in a.seeds.split(",")], a.formats.split(","), a.out, a.model)
+    elif a.cmd == "rank":
+        rank(a.files, a.calibration, a.sinks)
     else:
-        cal = sys.argv[sys.argv.index("--calibration") + 1] if "--calibration" in sys.argv else None
-        sinks = int(sys.argv[sys.argv.index("--sinks") + 1]) if "--sinks" in sys.argv else 4
-        rank([f for f in sys.argv[2:] if f.endswith(".pt")], cal, sinks)
+        coverage(a.files)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
-"""Prefill time of the recipe on the tiny random Llama (bench_prefetch.py's), one torch thread:
+"""Prefill time of the recipe on the tiny random Llama (`flashmem_eval.benchkit.tiny_llama_long`), one torch thread:
 
-    python benchmarks/prefill_time.py [--tokens 16384] [--budget 0.125] [--runs 3]
+    python benchmarks/diagnostics/prefill_time.py [--tokens 16384] [--budget 0.125] [--runs 3]
 
 Prints, per run in its own process, the seconds `flashmem.prefill` (chunks of 8192)
 takes and `memory_report()["scratch_bytes"]`. Used to compare two versions of the
@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def one(tokens: int, budget: float) -> dict:
     import torch
 
     import flashmem
-
-    sys.path.insert(0, HERE)
-    from bench_prefetch import tiny_llama_long
+    from flashmem_eval.benchkit import tiny_llama_long
 
     torch.set_num_threads(1)
     model = tiny_llama_long(tokens + 8)

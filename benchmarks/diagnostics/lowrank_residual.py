@@ -1,5 +1,5 @@
-"""How low-rank are a model's keys and values, and which fit of the cold tier's code
-loses least? (docs/measurements.md, "Low-rank cold tier".)
+"""How much of a model's keys and values a low-rank code keeps, per rank, and the error of
+each fit of the cold tier's code (PCA, logit-weighted) (docs/measurements.md, "Low-rank cold tier").
 
 Bases are fitted on 2,048 tokens of the calibration text (pydoc) and measured on
 2,048 tokens of the fidelity suite's text (KJV) and on the calibration text itself,
@@ -12,7 +12,7 @@ all managed layers and KV heads, the first 4 tokens (sinks) left out:
   (pre-RoPE q and k) and values' output error E[|W_o (v - v_hat)|^2] / E[|W_o v|^2],
   for PCA and for the fit weighted by it (`calibration.fit.logit_weighted_basis`).
 
-    python benchmarks/lowrank_residual.py --model smollm2 --json results/lowrank_residual_smollm2.json
+    python benchmarks/diagnostics/lowrank_residual.py --model smollm2 --json results/lowrank_residual_smollm2.json
 """
 
 from __future__ import annotations

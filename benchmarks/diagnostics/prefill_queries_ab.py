@@ -1,6 +1,6 @@
 """Prefill time of the recipe with every query of a chunk scoring the index vs a sample.
 
-    python benchmarks/prefill_queries_ab.py [--model smollm2] [--tokens 8192] [--budget 0.125]
+    python benchmarks/diagnostics/prefill_queries_ab.py [--model smollm2] [--tokens 8192] [--budget 0.125]
                                             [--rounds 2] [--threads 1]
 
 One process, the two settings alternating (`lsa_prefill_queries` 0, then 64, repeated),

@@ -1,9 +1,9 @@
 """Where a decode step of the budget recipe spends its time (cProfile), on the tiny model.
 
-    python benchmarks/profile_decode.py [--tokens 32768] [--budget 0.125] [--steps 6] [--prefetch-threads 2]
+    python benchmarks/diagnostics/profile_decode.py [--tokens 32768] [--budget 0.125] [--steps 6] [--prefetch-threads 2]
                                         [--through-prefetcher] [--variant norerank] [--sort tottime]
 
-Prefills the tiny random Llama of bench_prefetch.py through
+Prefills the tiny random Llama (`flashmem_eval.benchkit.tiny_llama_long`) through
 `FlashMemoryConfig.for_budget(budget, tokens, model)` (memory cold tier),
 then profiles `--steps` greedy decode steps after one warm-up and prints ms
 per step and the top functions by cumulative time. docs/measurements.md,
@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
-import sys
 import time
 
 import torch
 
 import flashmem
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_prefetch import tiny_llama_long  # noqa: E402
+from flashmem_eval.benchkit import tiny_llama_long
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Seconds per 256-token SmolLM2 prefill chunk through the cache with N torch threads.
 
-    python benchmarks/prefill_threads.py 1
-    python benchmarks/prefill_threads.py 2
+    python benchmarks/diagnostics/prefill_threads.py 1
+    python benchmarks/diagnostics/prefill_threads.py 2
 
 On a shared machine whose load average exceeds its cores, more threads than idle
 cores make OpenMP threads spin: the README's Serve section quotes a run of both.
@@ -9,7 +9,7 @@ cores make OpenMP threads spin: the README's Serve section quotes a run of both.
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from pathlib import Path
 
@@ -17,11 +17,13 @@ import torch
 
 import flashmem
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def main() -> None:
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("threads", type=int, nargs="?", default=1, help="torch threads (default 1)")
+    threads = ap.parse_args(argv).threads
     torch.set_num_threads(threads)
     model, _ = flashmem.load_model("smollm2")
     cfg = flashmem.FlashMemoryConfig.from_yaml(ROOT / "configs" / "cpu-small.yaml")

@@ -1,6 +1,6 @@
 """Passkey retrieval beyond the training window: full cache vs flashmem real vs window positions.
 
-    python benchmarks/beyond_window.py [--lengths 8192,16384] [--seeds 0] [--depth 0.5]
+    python benchmarks/diagnostics/beyond_window.py [--lengths 8192,16384] [--seeds 0] [--depth 0.5]
                                        [--methods window,real,full] [--json results/beyond_window_smollm2.json]
 
 SmolLM2-135M (trained to 8192 positions) on the retrieval suite's passkey prompts

@@ -1,7 +1,7 @@
 """Micro-benchmarks behind the decode-path choices (docs/measurements.md, "Decode cost
 of the int8 working set, cut"), one torch thread, CPU:
 
-    python benchmarks/micro_decode_parts.py
+    python benchmarks/diagnostics/micro_decode_parts.py
 
 - scoring candidate keys: copied out of the arena into page order, then one matmul,
   against one batched matmul over the arena's blocks where they lie;
@@ -12,6 +12,7 @@ Prints ms per call (best of 3 rounds of 20) and the ratios.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -78,8 +79,13 @@ def coding() -> None:
     print(f"int8 coding of 10,900 tokens x 4 heads x 64: |x| and clamp {a:.2f} vs max(max, -min) {b:.2f} ms")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     torch.set_num_threads(1)
     scoring()
     rows()
     coding()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,10 +1,11 @@
-"""Why a retrieval prompt is missed: ranking, or what the left-out tokens contribute.
+"""A retrieval miss taken apart: where the index ranks the needle's pages at the answer step, and the
+answers with the selection forced to every page, to the needle's pages, and to the index's 64 best.
 
-    python benchmarks/miss_diagnosis.py passkey kjv 2048 0.5 0 0.0625 [variant] [model]
-    python benchmarks/miss_diagnosis.py word_nt - 4096 0.5 21 0.0625 default smollm2
+    python benchmarks/diagnostics/miss_diagnosis.py passkey kjv 2048 0.5 0 0.0625 [variant] [model]
+    python benchmarks/diagnostics/miss_diagnosis.py word_nt - 4096 0.5 21 0.0625 default smollm2
 
 One retrieval-suite prompt (`flashmem_eval.suites.make_probe`: task, haystack,
-length, depth, seed), or one of `page_recall.probe`'s held-out formats (the
+length, depth, seed), or one of `flashmem_eval.benchkit.probe`'s held-out formats (the
 haystack argument unused), on Gemma3-270m (or `model`) with
 `FlashMemoryConfig.for_budget(budget, length, model, variant=...)`, fed as the
 suite feeds it (context through the cache, then the question, greedy). Prints:
@@ -21,30 +22,38 @@ is not what is missing: the left-out tokens' share of attention is.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
 from flashmem.config import FlashMemoryConfig
 from flashmem_eval import harness as H
+from flashmem_eval.benchkit import needle_pages, probe
 from flashmem_eval.suites import make_probe
-from needle_selected import needle_pages
-from page_recall import probe
 
 SUITE_TASKS = ("passkey", "multikey", "locker")
 
 
-def main() -> None:
-    task, hay, length, depth, seed, budget = sys.argv[1:7]
-    variant = sys.argv[7] if len(sys.argv) > 7 else "default"
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("task", help="passkey, multikey, locker, or a benchkit.probe format (e.g. word_nt)")
+    ap.add_argument("hay", help="the haystack of a suite task (kjv, stdlib-doc); unused (-) for other formats")
+    ap.add_argument("length", type=int, help="context tokens, e.g. 2048")
+    ap.add_argument("depth", type=float, help="needle depth, e.g. 0.5")
+    ap.add_argument("seed", type=int, help="prompt seed")
+    ap.add_argument("budget", type=float, help="resident fraction, e.g. 0.0625")
+    ap.add_argument("variant", nargs="?", default="default", help="a for_budget variant (default: the recipe)")
+    ap.add_argument("model", nargs="?", default="gemma3-270m", help="a flashmem.load_model name")
+    a = ap.parse_args(argv)
+    task, hay, length, depth, seed, budget, variant = a.task, a.hay, a.length, a.depth, a.seed, a.budget, a.variant
     torch.set_num_threads(1)
-    ld = H.load(sys.argv[8] if len(sys.argv) > 8 else "gemma3-270m")
+    ld = H.load(a.model)
     tok, model = ld.tokenizer, ld.model
     if task in SUITE_TASKS:
         p = make_probe(tok, task, int(length), float(depth), int(seed), hay=hay)
         context, question, answer_text = p.context, p.question, p.answer
     else:
-        context, question, answer_text = probe(tok, task, int(length), float(depth), int(seed), salt=length)
+        context, question, answer_text = probe(tok, task, length, depth, seed, salt=str(length))
     ctx = torch.tensor([tok(context, add_special_tokens=True)["input_ids"]])
     q = torch.tensor([tok(question, add_special_tokens=False)["input_ids"]])
     cfg = FlashMemoryConfig.for_budget(float(budget), int(length), model, variant=variant)

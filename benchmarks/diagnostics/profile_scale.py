@@ -1,6 +1,6 @@
-"""Where prefill time goes as the context grows (tiny Llama of bench_scale.py, disk tier).
+"""Where prefill time goes as the context grows (the tiny Llama of benchmarks/bench_scale.py, disk tier).
 
-    python benchmarks/profile_scale.py [--tokens 32768] [--chunk 8192] [--threads 1]
+    python benchmarks/diagnostics/profile_scale.py [--tokens 32768] [--chunk 8192] [--threads 1]
                                        [--prefill-queries N] [--summaries]
 
 Feeds the prompt in model-level chunks, prints each chunk's seconds (flat when
@@ -19,7 +19,7 @@ import time
 import torch
 
 import flashmem
-from bench_prefetch import tiny_llama_long
+from flashmem_eval.benchkit import tiny_llama_long
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ The full-cache logits come from one forward over prompt + continuation; each
 variant prefills the prompt through flashmem and decodes the continuation one
 token at a time (teacher-forced), so selection runs per token as in real decode.
 
-    python benchmarks/ablate_fidelity.py --prompt 4096 --decode 256 \
+    python benchmarks/diagnostics/ablate_fidelity.py --prompt 4096 --decode 256 \
         --base '{"gpu_cache_limit":128,"hca_chunk_size":32,"csa_band_tokens":256,"lsa_top_k":4}' \
         --variants '[{}, {"summary_bias":"log_size"}, {"use_summaries":false}]'
 """
