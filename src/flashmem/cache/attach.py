@@ -1,4 +1,5 @@
-"""`flashmem.attach(model, cfg)`: register the attention function, build the cache."""
+"""`flashmem.attach(model)`: register the attention function, build the cache (the
+recipe at a budget unless a config is given)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from flashmem import policies
 from flashmem.cache import attention
 from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.config import FlashMemoryConfig
+from flashmem.errors import FlashMemError
 from flashmem.models import geometry
+from flashmem.recipe import DEFAULT_BUDGET, default_tokens
 from flashmem.rope import RopeRotator, find_rotator
 
 
@@ -26,9 +29,23 @@ def register() -> None:
 
 
 def attach(
-    model: PreTrainedModel, cfg: FlashMemoryConfig | None = None, *, tokenizer: Any = None, **overrides: Any
+    model: PreTrainedModel,
+    cfg: FlashMemoryConfig | None = None,
+    *,
+    budget: float | None = None,
+    tokens: int | None = None,
+    tokenizer: Any = None,
+    **overrides: Any,
 ) -> FlashMemoryCache:
     """Switch `model` to flashmem attention and return a fresh cache for one batch.
+
+    Without `cfg` the cache is the recipe (`flashmem.recipe`): the device holds about
+    `budget` (default 1/8) x the full cache's KV bytes after a prompt of `tokens`
+    tokens (default: 8,192, or the model's context when shorter), from the first
+    generated token on; a longer prompt holds less, a shorter one more (it is
+    `FlashMemoryConfig.for_budget(budget, tokens, model)`). With `cfg` that config is
+    used as given (`budget` / `tokens` are then refused). `overrides`: config keys laid
+    over either.
 
     Pass the cache to `model.generate(..., cache=cache)` or to manual forwards
     (`model(input_ids, cache=cache, use_cache=True)`). Layers that the cache
@@ -37,13 +54,28 @@ def attach(
     `cold_low_rank`, read `cfg.calibration`, else the one cached for this model by
     `flashmem calibrate`; with `tokenizer` given, a missing one is built once
     and cached (`flashmem.calibration.cached_calibration`). `lsa_layer_shares:
-    profile` reads the model's layer profile, or measures it once with `tokenizer`
-    (or the one `flashmem.load_model` returned with the model).
+    profile` (the recipe's) reads the model's layer profile, or measures it once with
+    `tokenizer` (or the one `flashmem.load_model` returned with the model).
     """
-    cfg = cfg if cfg is not None else FlashMemoryConfig()
-    if overrides:
-        cfg = FlashMemoryConfig(**{**cfg.model_dump(), **overrides})
+    from flashmem.cache.support import check_model
+
+    check_model(model)  # one line for what the cache cannot serve (cache/support.py)
     text_cfg = model.config.get_text_config(decoder=True)
+    if cfg is None:
+        size = default_tokens(text_cfg) if tokens is None else tokens
+        cfg = FlashMemoryConfig.for_budget(DEFAULT_BUDGET if budget is None else budget, size, model, **overrides)
+    elif not isinstance(cfg, FlashMemoryConfig):
+        raise FlashMemError(
+            f"cfg: a {type(cfg).__name__} is not allowed; allowed: a FlashMemoryConfig "
+            "(FlashMemoryConfig.from_yaml(path), FlashMemoryConfig.for_budget(...)), or none for the recipe"
+        )
+    elif budget is not None or tokens is not None:
+        raise FlashMemError(
+            "budget / tokens size the recipe when no config is given; allowed: attach(model, budget=..., "
+            "tokens=...) or attach(model, cfg), not both"
+        )
+    elif overrides:
+        cfg = FlashMemoryConfig(**{**cfg.model_dump(), **overrides})
     cfg.check_for_model(text_cfg.num_hidden_layers)
     register()
     if model.config._attn_implementation != attention.NAME:

@@ -28,6 +28,7 @@ from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
 from flashmem.cache.guard import StepGuard
 from flashmem.cache.latent import make_latent
 from flashmem.cache.scratch import thread_scratch
+from flashmem.cache.traffic import Traffic
 from flashmem.compress.fusion import make_rule
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
@@ -82,7 +83,10 @@ class FlashMemoryCache(Cache):
             raise
         # Synchronous reads when prefetch is off: each is a miss and its time a stall.
         self._fetch_counts: dict[str, float] = {"misses": 0, "stall_s": 0.0}
-        self._guard = StepGuard()
+        # Bytes each forward reads and copies, by path (cache/traffic.py).
+        self._traffic = Traffic()
+        self._traffic.watch(self.store)
+        self._guard = StepGuard(n_layers)
         self._finalizer = weakref.finalize(self, _close_cold_tier, self.prefetcher, self.store)
         rotators = rotators or {}
         sliding = [geometry.keeps_window(kind, text_cfg) for kind in layer_types]
@@ -91,6 +95,10 @@ class FlashMemoryCache(Cache):
         if self.prefetcher is not None:  # 10% slack for in-flight loads
             share = int(0.9 * self.prefetcher.ready_bytes) // max(1, n_flash)
         kv_heads, head_dim = geometry.kv_heads(text_cfg) or 0, geometry.head_dim(text_cfg) or 0
+        # what a full cache (DynamicCache) holds per token and layer, and each layer's cap
+        self._full_per_layer_token = 2 * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        window = getattr(text_cfg, "sliding_window", None) or 0
+        self._full_layer_caps = [max(1, window - 1) if sliding[i] and window else None for i in range(n_layers)]
         managed = [i for i in range(n_layers) if not sliding[i] and i not in full]
         shares = cfg.lsa_layer_shares if isinstance(cfg.lsa_layer_shares, dict) else {}
         outside = sorted(i for i in shares if i >= n_layers)
@@ -123,6 +131,7 @@ class FlashMemoryCache(Cache):
                         prefetcher=self.prefetcher,
                         fetch_counts=self._fetch_counts,
                         lookahead_bytes=share,
+                        traffic=self._traffic,
                     )
                 )
                 layers[-1].guard = self._guard
@@ -194,13 +203,20 @@ class FlashMemoryCache(Cache):
             else:
                 full += nbytes
         managed = sum(tiers.values())
+        tokens = self.get_seq_length()
+        full_cache = self.full_cache_bytes(tokens)
+        device = managed + full + sliding
         return {
-            "tokens_seen": self.get_seq_length(),
+            "tokens_seen": tokens,
             "tiers": tiers,
             "managed_resident_bytes": managed,
             "full_layer_bytes": full,
             "sliding_layer_bytes": sliding,
-            "device_resident_bytes": managed + full + sliding,
+            "device_resident_bytes": device,
+            # what a plain DynamicCache holds for the same tokens, and this cache's share of it
+            "full_cache_bytes": full_cache,
+            "fraction_of_full": device / full_cache if full_cache else 0.0,
+            "tier_fractions": {name: n / full_cache if full_cache else 0.0 for name, n in tiers.items()},
             "peak_managed_resident_bytes": sum(layer.peak_resident_bytes for layer in self.flash_layers),
             "cold_bytes": self.store.nbytes(),
             # attention's keys, values and mask are assembled in buffers this thread's caches
@@ -208,6 +224,25 @@ class FlashMemoryCache(Cache):
             "scratch_bytes": thread_scratch().nbytes(),
             "sealed_blocks": sum(layer.num_sealed for layer in self.flash_layers if layer.is_initialized),
         }
+
+    def full_cache_bytes(self, tokens: int) -> int:
+        """K/V bytes a plain DynamicCache holds after `tokens` tokens for this batch (sliding
+        layers keep their window)."""
+        rows = next((layer.sink_k.shape[0] for layer in self.flash_layers if layer.is_initialized), None)
+        rows = rows if rows is not None else (self._guard.batch or 1)
+        per = self._full_per_layer_token * rows
+        return sum(per * (tokens if cap is None else min(tokens, cap)) for cap in self._full_layer_caps)
+
+    def traffic_report(self) -> dict[str, Any]:
+        """Bytes moved per model forward, by path (cache/traffic.py): totals, per decode step
+        and per prefill forward medians, beside what a full cache reads for the same steps.
+
+        `device_read_bytes`: read from device-resident tiers; `h2d_bytes`: copied from the cold
+        tier to the device; `host_read_bytes`: read by compute where the cold tier holds it;
+        `disk_read_bytes`: read from disk (prefetch included)."""
+        report = self._traffic.report()
+        report["layers"] = len(self.layers)
+        return report
 
     def stats(self) -> dict[str, Any]:
         """Cold-tier counters: what attention waited for, and what each tier moved.
@@ -253,19 +288,30 @@ class FlashMemoryCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' per-layer update, refused with one line when the cache is closed,
-        was left half-updated by a failed step, or is given another batch size."""
-        self._guard.check(int(key_states.shape[0]))
+        was left half-updated by a failed step (whatever raised), is in a step on another
+        thread, or is given another batch size."""
+        self._guard.enter(int(key_states.shape[0]), layer_idx, self._layer_lengths)
         try:
+            if layer_idx == 0:  # a new model forward
+                tokens, q = self.get_seq_length(), int(key_states.shape[-2])
+                self._traffic.begin_step(q, tokens, self.full_cache_bytes(tokens + q))
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException as exc:
             self._guard.fail(exc)
             raise
+        finally:
+            self._guard.leave(layer_idx)
+
+    def _layer_lengths(self) -> list[int]:
+        """Tokens each layer holds (the guard compares them before every step)."""
+        return [int(getattr(layer, "get_seq_length", lambda: 0)()) for layer in self.layers]
 
     def reset(self) -> None:
         """Start a new sequence: every layer empties, and nothing keyed by (layer, block)
         from the previous sequence (prefetched blocks included) is served to the next."""
         super().reset()
         self._guard.reset()
+        self._traffic.reset()
 
     def close(self) -> None:
         """Stop prefetching, then release the cold tier (its files too, unless the config
