@@ -9,7 +9,7 @@ It measures what its advice talks about:
   (`flashmem.memory.calculator`), against what the machine has (RAM, accelerator,
   disk free under the cold folder);
 - threads and device: torch threads, usable cores, CUDA;
-- the config: keep_full_layers, window vs context, block size, selection, prefetch.
+- the config: keep_full_layers (or the layer split), window vs context, block size, selection, prefetch.
 
 Advice is keyed to the three symptoms (accuracy drop, slow, out of memory), each
 finding with the number behind it.
@@ -133,13 +133,8 @@ def _drop_page_cache(path: Path) -> tuple[bool, str]:
     )
 
 
-def machine() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(memory, threads, device) of this machine."""
-    import psutil
-    import torch
-
-    vm = psutil.virtual_memory()
-    mem = {"ram_total_bytes": vm.total, "ram_available_bytes": vm.available}
+def cpu_load() -> tuple[int, float | None]:
+    """(cores this process may use, 1-minute load average or None where the OS has none)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -148,6 +143,27 @@ def machine() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         load1 = os.getloadavg()[0]  # runnable processes, other users' jobs included
     except (AttributeError, OSError):
         load1 = None
+    return cores, load1
+
+
+def suggest_threads(cores: int, load1: float | None) -> int:
+    """Torch threads for a machine with `cores` usable cores and a 1-minute load average
+    `load1`: one per idle core (at least one). OpenMP threads spin when the cores are
+    taken: on a shared 2-core machine at load 8 a 256-token SmolLM2 chunk took ~35 s
+    with 2 threads and ~4 s with 1."""
+    if load1 is None:
+        return max(1, cores)
+    return max(1, min(cores, int(cores - load1 + 0.5)))
+
+
+def machine() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(memory, threads, device) of this machine."""
+    import psutil
+    import torch
+
+    vm = psutil.virtual_memory()
+    mem = {"ram_total_bytes": vm.total, "ram_available_bytes": vm.available}
+    cores, load1 = cpu_load()
     threads = {
         "torch_threads": torch.get_num_threads(),
         "usable_cores": cores,
@@ -202,8 +218,12 @@ def diagnose(cfg: FlashMemoryConfig, *, model: str = "smollm2", context: int = 8
 
     # ---- accuracy drop
     n_full = len(cfg.resolve_full_layers(layers))
-    if n_full == 0:
-        f.append(Finding("accuracy", "warn", "keep_full_layers is empty: every layer is compressed", "keep one or two layers full (keep_full_layers: [0] or [-1]); their K/V stay exact", 0))  # fmt: skip
+    if n_full == 0 and cfg.lsa_layer_shares is None:
+        f.append(Finding("accuracy", "warn", "keep_full_layers is empty and every layer selects the same pages: every layer is compressed alike", "split pages by layer (lsa_layer_shares: profile, as configs/cpu-small.yaml) or keep one or two layers full (keep_full_layers: [0] or [-1])", 0))  # fmt: skip
+    elif n_full == 0:
+        # the recipe: no full layer, pages split over layers by how far each attends
+        how = "by the measured layer profile" if cfg.lsa_layer_shares == "profile" else "by lsa_layer_shares"
+        f.append(Finding("accuracy", "ok", f"no layer kept full: every layer is managed, pages split {how}", "", 0))  # fmt: skip
     else:
         f.append(Finding("accuracy", "ok", f"{n_full} layer(s) keep a full cache", "", n_full))
     if cfg.gpu_cache_limit >= context:
@@ -230,7 +250,7 @@ def diagnose(cfg: FlashMemoryConfig, *, model: str = "smollm2", context: int = 8
     if load1 is not None and t > 1 and load1 > c:
         # Measured on a shared 2-core machine at load 8: a 256-token SmolLM2 chunk took
         # ~35 s with 2 torch threads and ~4 s with 1 (OpenMP threads spin when oversubscribed).
-        f.append(Finding("slow", "warn", f"load average {load1:.1f} on {c} usable cores with {t} torch threads: other jobs compete, threads spin", "use --threads 1 (or fewer threads than idle cores) while the machine is busy", round(load1, 2)))  # fmt: skip
+        f.append(Finding("slow", "warn", f"load average {load1:.1f} on {c} usable cores with {t} torch threads: other jobs compete, threads spin", f"use --threads {suggest_threads(c, load1)} (one per idle core; `flashmem run` picks it when --threads is not given) while the machine is busy", round(load1, 2)))  # fmt: skip
     if t > c:
         f.append(Finding("slow", "warn", f"torch uses {t} threads on {c} usable cores: oversubscribed", f"set --threads {c} (or OMP_NUM_THREADS)", t))  # fmt: skip
     else:

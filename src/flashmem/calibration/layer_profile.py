@@ -21,11 +21,14 @@ import json
 import time
 import warnings
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flashmem import progress
 from flashmem.calibration.artifact import model_fingerprint
 from flashmem.calibration.capture import capture_qk
 from flashmem.calibration.texts import attention_layers, token_sequences
@@ -79,11 +82,14 @@ def measure_layer_profile(
     sequences, source = token_sequences(tokenizer, text, n_seq, seq_tokens)
     device = next(model.parameters()).device
     far: dict[int, list[list[float]]] = {i: [] for i in layers}
-    for chunk in sequences:
-        with capture_qk(model, set(layers), keep_values=False) as cap:
-            model(input_ids=torch.tensor([chunk], device=device), use_cache=False)
-        for i in layers:
-            far[i].append(far_shares(cap.queries[i][0], cap.keys[i][0], cap.scaling[i]))
+    # a minute or more on a busy CPU: progress per decoder layer of each sequence
+    what = "measuring the layer profile (once per model)"
+    with progress.step(what, total=len(sequences) * seq_tokens, unit="tokens") as shown:
+        for chunk in sequences:
+            with capture_qk(model, set(layers), keep_values=False) as cap, _per_layer(model, shown, len(chunk)):
+                model(input_ids=torch.tensor([chunk], device=device), use_cache=False)
+            for i in layers:
+                far[i].append(far_shares(cap.queries[i][0], cap.keys[i][0], cap.scaling[i]))
     return {
         "format": FORMAT,
         "model_fingerprint": model_fingerprint(model),
@@ -95,6 +101,25 @@ def measure_layer_profile(
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+@contextmanager
+def _per_layer(model: Any, shown: progress.Step, tokens: int) -> Iterator[None]:
+    """Advance `shown` by tokens/L as each of the model's L decoder layers finishes a
+    forward (by all `tokens` at the end when the layers cannot be found)."""
+    try:
+        blocks = list(model.get_decoder().layers)
+    except (AttributeError, TypeError):
+        blocks = []
+    share = tokens / len(blocks) if blocks else 0.0
+    handles = [b.register_forward_hook(lambda *_: shown.advance(share)) for b in blocks]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    if not blocks:
+        shown.advance(tokens)
 
 
 def far_shares(q: torch.Tensor, k: torch.Tensor, scaling: float) -> list[float]:

@@ -9,6 +9,7 @@ from typing import Any, NoReturn
 
 import typer
 
+from flashmem import progress
 from flashmem.errors import FlashMemError
 
 try:  # typer >= 0.2x vendors click; older releases use click itself
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     traceback or a usage box; SIGTERM unwinds like Ctrl-C, so cold-tier folders are removed."""
     _register()
     previous = _on_sigterm_exit()
+    progress.quiet_bars_in_logs()  # before torch/transformers import tqdm
+    shown = progress.enable(True)  # conversion, layer profile, prefill, decode (flashmem.progress)
     try:
         code = typer.main.get_command(app).main(args=argv, prog_name="flashmem", standalone_mode=False)
     except FlashMemError as exc:
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo("interrupted", err=True)
         sys.exit(130)
     finally:
+        progress.enable(shown)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     sys.exit(code or 0)

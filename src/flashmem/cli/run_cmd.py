@@ -11,15 +11,18 @@ shows whether the cache still finds what attention needs.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from flashmem import progress
 from flashmem.errors import FlashMemError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "cpu-small.yaml"
+MIN_ASK_TOKENS = 200  # --ask: the question, the fact and some text around it
 
 
 def register(app: typer.Typer) -> None:
@@ -45,32 +48,45 @@ def run(
         "--ask/--no-ask",
         help="plant a fact far back in the text and ask about it (default: on for --text without --prompt)",
     ),
-    fact_depth: float = typer.Option(0.2, "--fact-depth", help="--ask: where the fact goes, 0 = start of the context"),
+    fact_depth: float = typer.Option(
+        0.2, "--fact-depth", min=0.0, max=1.0, help="--ask: where the fact goes, 0 = start of the context, 1 = end"
+    ),
     compare_full: bool = typer.Option(False, "--compare-full", help="also run the plain cache and compare"),
     json_out: Path | None = typer.Option(None, "--json-out", help="write the measurements as JSON"),
-    threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads"),
+    threads: int | None = typer.Option(
+        None, "--threads", min=1, help="torch CPU threads (default: one per idle core, from the load average)"
+    ),
 ) -> None:
     """Generate with the FlashMemory cache and report memory, speed and (optionally) fidelity."""
-    import torch
     from rich.console import Console
 
-    import flashmem
     from flashmem.cli.inputs import check_output_path
     from flashmem.config import FlashMemoryConfig
 
-    console = Console(stderr=True)
-    check_output_path(json_out, "--json-out")  # before minutes of work, not after
-    if threads:
-        torch.set_num_threads(threads)
-    cfg = FlashMemoryConfig.from_yaml(config or _default_config())
-    source = _read_input(input, text)
+    console = Console(stderr=True, soft_wrap=True)  # a log keeps whole lines
+    # every argument is checked here, in a second, before a model loads (half a minute or more)
+    check_output_path(json_out, "--json-out")
     if ask is None:
         ask = input is None and prompt is None
     if ask and prompt is not None:
         raise FlashMemError("--ask and --prompt both given; allowed: one of them")
+    if ask and context_tokens is not None and context_tokens < MIN_ASK_TOKENS:
+        raise FlashMemError(
+            f"--context-tokens: {context_tokens} leaves no room for the text around the question; "
+            f"allowed: >= {MIN_ASK_TOKENS} with --ask"
+        )
+    cfg = FlashMemoryConfig.from_yaml(config or _default_config())
+    source = _read_input(input, text)
+    _check_model(model)
     n_new = max_new_tokens or (16 if ask else 64)
-    console.print(f"[dim]loading {model}...[/dim]")
-    mdl, tok = flashmem.load_model(model)
+
+    import torch
+
+    import flashmem
+
+    _set_threads(threads, console)
+    with progress.step(f"loading {model}"):
+        mdl, tok = flashmem.load_model(model)
     planted = None
     if ask:
         from flashmem.cli.fact import plant_fact
@@ -84,7 +100,7 @@ def run(
         console.print(f"asked at the end: {planted.question}")
     else:
         ids = _encode(tok, source, prompt, context_tokens)
-    console.print(f"[dim]context: {ids.shape[1]} tokens; config: {config or _default_config()}[/dim]")
+    console.print(f"[dim]context: {ids.shape[1]:,} tokens; config: {config or _default_config()}[/dim]")
 
     cache = flashmem.attach(mdl, cfg)
     try:
@@ -110,16 +126,18 @@ def run(
 def _measure(
     mdl: Any, tok: Any, cache: Any, ids: Any, max_new_tokens: int, model: str, cfg: Any, compare_full: bool
 ) -> dict[str, Any]:
-    typer.echo("flashmem:   ", nl=False)
-    gen, logits, t_prefill, t_decode = _generate(mdl, tok, cache, ids, max_new_tokens, stream=True)
+    gen, logits, t_prefill, t_decode = _generate(mdl, tok, cache, ids, max_new_tokens, label="flashmem:   ")
     report = cache.memory_report()
     result: dict[str, Any] = {
         "model": model,
+        "device": str(next(mdl.parameters()).device),
         "context_tokens": int(ids.shape[1]),
         "generated_tokens": len(gen),
         "text": tok.decode(gen, skip_special_tokens=True),
         "prefill_s": t_prefill,
         "prefill_tokens_per_s": ids.shape[1] / t_prefill,
+        # the first token comes with the prefill's logits: decode times the other len(gen) - 1
+        "decode_s": t_decode,
         "decode_tokens_per_s": (len(gen) - 1) / t_decode if len(gen) > 1 and t_decode > 0 else None,
         "memory": report,
         "config": cfg.model_dump(),
@@ -129,6 +147,37 @@ def _measure(
     if compare_full:
         result["compare_full"] = _compare(mdl, tok, ids, gen, logits)
     return result
+
+
+def _check_model(model: str) -> None:
+    """The model name or path, and a built-in's packages, checked without loading anything."""
+    from flashmem.models.loading import resolve
+
+    src = resolve(model)
+    if src.builtin is not None:
+        src.builtin.check_installed()
+
+
+def _set_threads(threads: int | None, console: Any) -> None:
+    """--threads, else OMP_NUM_THREADS when set, else one thread per idle core: OpenMP
+    threads spin on a busy machine (flashmem.doctor.suggest_threads)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+        return
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    from flashmem.doctor import cpu_load, suggest_threads
+
+    cores, load1 = cpu_load()
+    n = suggest_threads(cores, load1)
+    if n < torch.get_num_threads():
+        torch.set_num_threads(n)
+        console.print(
+            f"[dim]torch threads: {n}, one per idle core (load average {load1:.1f} on {cores} cores; "
+            "--threads N to choose)[/dim]"
+        )
 
 
 def _default_config() -> Path:
@@ -165,36 +214,91 @@ def _encode(tok: Any, source: str, prompt: str | None, context_tokens: int | Non
     return torch.tensor([ctx + tail])
 
 
+def _stop_ids(model: Any, tok: Any) -> set[int]:
+    """End-of-sequence ids: the tokenizer's and the generation config's (an int or a list)."""
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return ids
+
+
+class _Stream:
+    """Prints generated text as it comes, without special tokens (`<|im_end|>`): the
+    tokens so far are decoded together and only the new characters printed, so a
+    character split over tokens prints whole."""
+
+    def __init__(self, tok: Any, label: str) -> None:
+        self.tok, self.label, self.ids, self.shown = tok, label, list[int](), ""
+
+    def add(self, token: int) -> None:
+        if not self.ids:
+            typer.echo(self.label, nl=False)
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):  # else: wait for the rest
+            typer.echo(text[len(self.shown) :], nl=False)
+            self.shown = text
+
+    def end(self) -> None:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.startswith(self.shown):
+            typer.echo(text[len(self.shown) :], nl=False)
+        typer.echo("")
+
+
 def _generate(
-    model: Any, tok: Any, cache: Any, ids: Any, n: int, stream: bool
+    model: Any, tok: Any, cache: Any, ids: Any, n: int, label: str
 ) -> tuple[list[int], list[Any], float, float]:
-    """Greedy decoding; returns tokens, the logits that chose them, prefill and decode seconds."""
+    """Greedy decoding, streamed; returns tokens, the logits that chose them, prefill and decode seconds."""
     import torch
 
     import flashmem
 
     logits = []
+    stop = _stop_ids(model, tok)
+    stream = _Stream(tok, label)
     with torch.no_grad():
         t0 = time.perf_counter()
         # model-level chunks: one forward over a long input would allocate activations for all of it
-        last = flashmem.prefill(model, cache, ids)
+        with progress.step("prefill", total=int(ids.shape[1]), unit="tokens") as shown, _count_tokens(model, shown):
+            last = flashmem.prefill(model, cache, ids)
         t_prefill = time.perf_counter() - t0
         gen: list[int] = []
         t0 = time.perf_counter()
-        for i in range(n):
-            step = last[0, -1].float()
-            logits.append(step)
-            nxt = int(step.argmax())
-            gen.append(nxt)
-            if stream:
-                typer.echo(tok.decode([nxt]), nl=False)
-            if nxt == tok.eos_token_id or i == n - 1:
-                break
-            last = model(torch.tensor([[nxt]]), cache=cache, use_cache=True).logits
+        # on a terminal the streamed text is the progress; in a log, lines on stderr
+        with progress.step("decode", total=n, unit="tokens", show=not progress.stdout_is_tty()) as shown:
+            for i in range(n):
+                step = last[0, -1].float()
+                logits.append(step)
+                nxt = int(step.argmax())
+                gen.append(nxt)
+                stream.add(nxt)
+                shown.advance(1)
+                if nxt in stop or i == n - 1:
+                    break
+                last = model(torch.tensor([[nxt]]), cache=cache, use_cache=True).logits
         t_decode = time.perf_counter() - t0
-    if stream:
-        typer.echo("")
+    stream.end()
     return gen, logits, t_prefill, t_decode
+
+
+class _count_tokens:  # noqa: N801 - used as a context manager
+    """Advances `shown` by the tokens of each forward of `model` (prefill's chunks)."""
+
+    def __init__(self, model: Any, shown: progress.Step) -> None:
+        self.model, self.shown, self.handle = model, shown, None
+
+    def __enter__(self) -> None:
+        def hook(_mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = args[0] if args else kwargs.get("input_ids")
+            if x is not None:
+                self.shown.advance(int(x.shape[-1]))  # input_ids [b, t]
+
+        self.handle = self.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
 
 
 def _compare(model: Any, tok: Any, ids: Any, gen: list[int], logits: list[Any]) -> dict[str, Any]:
@@ -207,19 +311,21 @@ def _compare(model: Any, tok: Any, ids: Any, gen: list[int], logits: list[Any]) 
 
     impl = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
+    stop = _stop_ids(model, tok)
+    stream = _Stream(tok, "full cache: ")
     try:
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+            with progress.step(f"full cache: prefill ({ids.shape[1]:,} tokens, one forward)"):
+                out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
             first = out.logits[0, -1].float()
-            typer.echo("full cache: ", nl=False)
             full_gen = [int(first.argmax())]
-            typer.echo(tok.decode(full_gen[-1:]), nl=False)
-            while len(full_gen) < len(gen) and full_gen[-1] != tok.eos_token_id:
+            stream.add(full_gen[-1])
+            while len(full_gen) < len(gen) and full_gen[-1] not in stop:
                 step = model(torch.tensor([full_gen[-1:]]), cache=cache, use_cache=True).logits[0, -1]
                 full_gen.append(int(step.argmax()))
-                typer.echo(tok.decode(full_gen[-1:]), nl=False)
-            typer.echo("")
+                stream.add(full_gen[-1])
+            stream.end()
             if len(full_gen) > 1:  # back to the prompt: drop the fed answer tokens
                 cache.crop(-(len(full_gen) - 1))
             rows = [first.unsqueeze(0)]
@@ -249,37 +355,94 @@ def _full_cache_bytes(model: Any, tokens: int) -> int:
     return int(est.full_cache_bytes)
 
 
+def _per_token(seconds: float, tokens: int) -> str:
+    """'48 ms/token' under a second a token, '10.0 s/token' above, with tokens/s."""
+    each, rate = seconds / tokens, tokens / seconds
+    per = f"{each * 1e3:.3g} ms/token" if each < 1 else f"{each:.1f} s/token"
+    return f"{per}, {rate:.2f} tokens/s" if rate < 10 else f"{per}, {rate:.0f} tokens/s"
+
+
+def speed_lines(r: dict[str, Any]) -> list[str]:
+    """Prefill and decode, each with its tokens, seconds and time per token."""
+    n = r["context_tokens"]
+    lines = [f"prefill: {n:,} tokens in {r['prefill_s']:.1f} s ({_per_token(r['prefill_s'], n)})"]
+    steps = r["generated_tokens"] - 1
+    if steps > 0 and r.get("decode_s"):
+        # the first token comes with the prefill's logits
+        lines.append(
+            f"decode:  {steps:,} tokens after the first in {r['decode_s']:.1f} s ({_per_token(r['decode_s'], steps)})"
+        )
+    return lines
+
+
+def memory_rows(r: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str]]:
+    """The memory table's rows (label, bytes) without all-zero tiers, and notes that
+    explain the peak and, on a CPU, that the device tiers and a memory cold tier share RAM."""
+    mem = r["memory"]
+    full = int(mem.get("full_cache_bytes") or r["full_cache_bytes"])
+    rows = [(name, int(b)) for name, b in mem["tiers"].items() if b]
+    rows += [
+        (name.removesuffix("_bytes"), int(mem[name]))
+        for name in ("full_layer_bytes", "sliding_layer_bytes")
+        if mem[name]
+    ]
+    device = int(mem["device_resident_bytes"])
+    rows.append(("device resident", device))
+    notes = []
+    peak = mem["peak_managed_resident_bytes"] + mem["full_layer_bytes"] + mem["sliding_layer_bytes"]
+    if peak > device:
+        rows.append(("peak (any step)", int(peak)))
+        exact = int(r["config"].get("prefill_exact_tokens") or 0)
+        if r["context_tokens"] <= exact:
+            notes.append(
+                f"peak: the prompt is attended exactly (prefill_exact_tokens: {exact:,}), so the cache held "
+                "the prompt's full K/V until the first generated token, then only the device-resident tiers"
+            )
+        else:
+            notes.append("peak: the most the cache's device tiers held at any step")
+    cold = int(mem["cold_bytes"])
+    rows.append(("cold tier", cold))
+    rows.append(("full cache (DynamicCache)", full))
+    store = r["config"].get("cold_store")
+    if str(r.get("device", "cpu")).startswith("cpu") and full:
+        if store == "memory":
+            held = device + cold
+            notes.append(
+                "on a CPU the device tiers and the memory cold tier are the same RAM: this process holds "
+                f"device resident + cold tier = {held:,} bytes ({held / full:.0%} of the full cache); "
+                "on an accelerator only the device resident bytes are in its memory, or use cold_store: disk"
+            )
+        elif store == "layered":
+            notes.append(
+                "on a CPU the device tiers and the layered cold tier's RAM front are the same RAM; "
+                "the rest of the cold tier is on disk"
+            )
+    return rows, notes
+
+
 def _print_report(r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     mem = r["memory"]
-    full = r["full_cache_bytes"]
-    t = Table(title=f"KV memory after {mem['tokens_seen']} tokens (measured from tensors)")
+    full = int(mem.get("full_cache_bytes") or r["full_cache_bytes"])
+    rows, notes = memory_rows(r)
+    t = Table(title=f"KV memory after {mem['tokens_seen']:,} tokens (measured from tensors)")
     t.add_column("tier")
     t.add_column("bytes", justify="right")
     t.add_column("of full cache", justify="right")
-    for name, nbytes in mem["tiers"].items():
-        t.add_row(name, f"{nbytes:,}", f"{nbytes / full:.2%}")
-    for name in ("full_layer_bytes", "sliding_layer_bytes"):
-        if mem[name]:
-            t.add_row(name.removesuffix("_bytes"), f"{mem[name]:,}", f"{mem[name] / full:.2%}")
-    t.add_row(
-        "[b]device resident[/b]",
-        f"[b]{mem['device_resident_bytes']:,}[/b]",
-        f"[b]{mem['device_resident_bytes'] / full:.2%}[/b]",
-    )
-    peak = mem["peak_managed_resident_bytes"] + mem["full_layer_bytes"] + mem["sliding_layer_bytes"]
-    if peak > mem["device_resident_bytes"]:  # an exact prompt held its K/V until the first token
-        t.add_row("peak (any step)", f"{peak:,}", f"{peak / full:.2%}")
-    t.add_row("cold tier", f"{mem['cold_bytes']:,}", f"{mem['cold_bytes'] / full:.2%}")
-    t.add_row("full cache (DynamicCache)", f"{full:,}", "100.00%")
-    console = Console()
-    console.print(t)
-    speed = f"prefill {r['prefill_tokens_per_s']:.1f} tok/s ({r['prefill_s']:.1f} s)"
-    if r["decode_tokens_per_s"]:
-        speed += f", decode {r['decode_tokens_per_s']:.2f} tok/s"
-    console.print(speed)
+    for name, nbytes in rows:
+        share = f"{nbytes / full:.2%}" if full else "-"
+        if name == "device resident":
+            t.add_row(f"[b]{name}[/b]", f"[b]{nbytes:,}[/b]", f"[b]{share}[/b]")
+        else:
+            t.add_row(name, f"{nbytes:,}", share)
+    console = Console(soft_wrap=True)
+    console.print(t, soft_wrap=False)
+    for note in notes:
+        console.print(f"[dim]{note}[/dim]")
+    for line in speed_lines(r):
+        console.print(line)
     if "question" in r:
         q = r["question"]
         verdict = f"flashmem {'found' if q['flashmem_found'] else 'did not find'} {q['answer']}"

@@ -27,8 +27,9 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from flashmem import progress  # noqa: E402
 from flashmem.errors import FlashMemError  # noqa: E402
-from flashmem.models import geometry
+from flashmem.models import geometry  # noqa: E402
 from flashmem.models.registry import (  # noqa: E402
     BUILTINS,
     DEFAULT_MODEL,
@@ -186,7 +187,9 @@ def _build_cache(src: _Source, target: Path) -> None:
     gguf = src.gguf_file()
     log.info("converting %s to safetensors in %s (one time)", gguf, target)
     t0 = time.perf_counter()
-    model, tok = _convert_gguf(gguf)
+    # about a minute on a busy 2-core CPU for SmolLM2: shown (flashmem.progress) when progress is on
+    with progress.step(f"converting {gguf.name} to safetensors (once per model)"):
+        model, tok = _convert_gguf(gguf)
     _clear_gguf_quantization(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
