@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from flashmem.cli.main import main
+from flashmem.config import FlashMemoryConfig
+from flashmem.memory.calculator import estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = str(ROOT / "configs" / "seed.yaml")
@@ -58,7 +60,8 @@ def test_issue_check_exact_json(capsys):
 
 @pytest.mark.parametrize(
     "model,bpt",
-    [("deepseek-v3", 70272), ("deepseek-v3.2", 85888), ("smollm2", 23040), ("llama-3.1-8b", 131072)],
+    # smollm2: 30 x 3 x 64 x (K + V) x 4 B: float32, the dtype load_model and doctor run it in
+    [("deepseek-v3", 70272), ("deepseek-v3.2", 85888), ("smollm2", 46080), ("llama-3.1-8b", 131072)],
 )
 def test_builtins_json(capsys, model, bpt):
     code, out, _ = run(capsys, "estimate", "--model", model, "--tokens", "128K", "--json")
@@ -170,3 +173,101 @@ def test_an_exact_prompt_shows_its_peak_and_fits_by_it(capsys, tmp_path):
     cfg.write_text(base + "  prefill_exact_tokens: 16384\n")
     code, out, _ = run(capsys, "estimate", "-m", "smollm2", "-t", "8K", "-c", str(cfg))
     assert code == 0 and "flashmem device, prompt" in out and "prompt peak" in out
+
+
+def test_packaged_models_assume_load_models_float32(capsys):
+    """One dtype across estimate, load_model and doctor (issue 28): a packaged model is
+    estimated in float32 unless --dtype says otherwise; a model load_model cannot run keeps its own."""
+    import inspect
+
+    from flashmem.cli.estimate_cmd import assumed_dtype
+    from flashmem.doctor import diagnose
+
+    assert assumed_dtype("smollm2", None) == inspect.signature(diagnose).parameters["dtype"].default == "float32"
+    assert assumed_dtype("gemma-3-270m", None) == "float32"
+    assert assumed_dtype("llama-3.1-8b", None) is None and assumed_dtype("smollm2", "bf16") == "bf16"
+    code, out, _ = run(capsys, "estimate", "-m", "smollm2", "-t", "8K", "--dtype", "bfloat16", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["bytes_per_token"] == 23040 and "dtype_note" not in d
+    code, out, _ = run(capsys, "estimate", "-m", "smollm2", "-t", "8K")
+    assert code == 0 and "float32, as flashmem.load_model" in out
+
+
+def _traffic_file(tmp_path, h2d: int) -> str:
+    zero = {"device_read_bytes": 0, "h2d_bytes": 0, "disk_read_bytes": 0, "host_read_bytes": 0}
+    report = {
+        "steps": {"prefill_chunks": 4, "decode_steps": 8},
+        "totals": dict(zero, h2d_bytes=8 * h2d),
+        "per_decode_step_median": dict(zero, device_read_bytes=10**9, h2d_bytes=h2d),
+        "per_prefill_chunk_median": dict(zero, h2d_bytes=10**6),
+        "full_cache_bytes": 2**34,
+        "layers": 32,
+    }
+    p = tmp_path / "traffic.json"
+    p.write_text(json.dumps(report))
+    return str(p)
+
+
+def test_hardware_model_json_with_counted_traffic(capsys, tmp_path):
+    code, out, _ = run(
+        capsys,
+        *("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "--json"),
+        *("--traffic", _traffic_file(tmp_path, 50 * 10**6)),
+    )
+    assert code == 0
+    d = json.loads(out)
+    hm = d["hardware_model"]
+    assert hm["label"] == "modelled, not measured"
+    weights = 8_030_261_248 * 2
+    hbm, allow, kv = 143771 * 2**20, 2 * 2**30, 131072 * 131072
+    rows = hm["rows"]
+    assert rows["full"]["largest_batch"] == (hbm - weights - allow) // kv == 7
+    assert rows["full"]["step_s"] == pytest.approx((weights + kv) / 4.8e12)
+    assert rows["offloaded"]["step_s"] == pytest.approx(kv / 55e9)
+    # flashmem: the recipe's resident bytes from the calculator, the run's counted link bytes
+    cfg = FlashMemoryConfig.for_budget(1 / 16, 131072, group=4, head_dim=128, dtype_bytes=2)
+    flash = estimate("llama-3.1-8b", tokens=131072, config=cfg).flashmem
+    big = (hbm - weights - allow - flash.prompt_kv_bytes) // flash.device_resident_bytes
+    assert rows["flashmem"]["largest_batch"] == big
+    assert rows["flashmem"]["step_s_at_largest"] == pytest.approx(big * 50e6 / 55e9)
+    assert rows["flashmem"]["prefill_link_bytes"] == 4 * 10**6
+    assert hm["targets"]["throughput_target_met"] and hm["targets"]["batch1_target_met"]
+    assert hm["flashmem_traffic"]["source"].startswith("counted")
+
+
+def test_hardware_model_table_and_overrides(capsys):
+    args = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200")
+    code, out, _ = run(capsys, *args)
+    assert code == 0 and "MODELLED, not measured" in out and "offloaded" in out
+    assert "issue 27 targets (modelled)" in out and "re-rank keys over the link" in out
+    code, out, _ = run(capsys, *args, "--json", "--hbm-gib", "1000", "--link-gbps", "110", "--rerank-keys", "device")
+    hm = json.loads(out)["hardware_model"]
+    assert hm["hardware"]["hbm_bytes"] == 1000 * 2**30 and hm["hardware"]["link_bytes_per_s"] == 110e9
+    assert hm["rows"]["full"]["largest_batch"] == (1000 * 2**30 - 8_030_261_248 * 2 - 2 * 2**30) // 131072**2
+    assert hm["flashmem_traffic"]["parts"]["rerank_keys"] == 0
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--hardware", "h300"], "--hardware: 'h300' is not known; allowed: h100, h200, a100, l4"),
+        (["--hardware", "h100", "--hbm-gbps", "-5"], "--hbm-gbps"),
+        (["--hardware", "h100", "--link-gbps", "0"], "--link-gbps"),
+        (["--link-gbps", "10"], "only with --hardware"),
+        (["--hardware", "h100", "--new-page-fraction", "2"], "--new-page-fraction"),
+        (["--hardware", "h100", "--rerank-keys", "disk"], "--rerank-keys"),
+        (["--hardware", "h100", "--traffic", "/nonexistent.json"], "no such file"),
+        (["--hardware", "h100", "--budget", "0"], "--budget"),
+    ],
+)
+def test_hardware_mistakes_are_one_line(capsys, args, needle):
+    code, _, err = run(capsys, "estimate", "-m", "llama-3.1-8b", "-t", "32K", *args)
+    assert_one_line_error(code, err, needle)
+
+
+def test_hardware_needs_params_for_an_unknown_model(capsys):
+    base = ("estimate", "--layers", "4", "--kv-heads", "8", "--head-dim", "128", "-t", "32K", "--hardware", "h100")
+    code, _, err = run(capsys, *base)
+    assert_one_line_error(code, err, "--params")
+    code, out, _ = run(capsys, *base, "--params", "1e9", "--json")
+    assert code == 0 and json.loads(out)["hardware_model"]["model_cost"]["params"] == 10**9

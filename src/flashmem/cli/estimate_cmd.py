@@ -8,6 +8,8 @@ from typing import Any
 
 import typer
 
+from flashmem.errors import ConfigError
+
 HELP = """Estimate the KV cache of a model after --tokens tokens for --batch sequences.
 
 Give --model (a built-in name, a folder with config.json, or a .gguf file: only
@@ -19,7 +21,22 @@ binary: K = 1024, M = 1048576 (128K = 131072, 1M = 1048576).
 Sizes print as GB = 10^9 bytes and GiB = 2^30 bytes. With --config FILE (a
 FlashMemoryConfig YAML) it also prints the device-resident bytes per tier and
 the cold-tier bytes.
+
+The element type is the model's, except for the packaged models (smollm2,
+gemma3-270m): flashmem.load_model and flashmem doctor run them in float32, so
+estimate assumes float32 too unless --dtype is given.
+
+With --hardware h100|h200|a100|l4 it also prints a hardware model (modelled, not
+measured; docs/accelerator.md): decode-step and prefill time, decode tokens/s and
+the largest batch that fits in HBM (weights + KV + --activation-gib), for the full
+cache in HBM, the full cache offloaded to host and streamed layer by layer, and
+flashmem (--config, else the recipe at --budget). flashmem's link bytes per step are
+predicted (--new-page-fraction of the selected pages, plus the re-rank's keys with
+--rerank-keys link) or counted (--traffic FILE.json from cache.traffic_report(),
+for that run's own model). Every constant can be overridden.
 """
+
+HW_ONLY = ("--hbm-gbps", "--link-gbps", "--nvme-gbps", "--host-gbps", "--hbm-gib", "--tflops", "--traffic")
 
 
 def estimate_command(
@@ -40,9 +57,56 @@ def estimate_command(
         None, "--config", "-c", help="FlashMemoryConfig YAML: show the device/cold split"
     ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    hardware: str | None = typer.Option(
+        None, "--hardware", help="model decode/prefill time and the largest batch on h100, h200, a100 or l4"
+    ),
+    hbm_gbps: float | None = typer.Option(None, "--hbm-gbps", help="override: HBM bandwidth, GB/s"),
+    link_gbps: float | None = typer.Option(None, "--link-gbps", help="override: host-to-device link, GB/s"),
+    nvme_gbps: float | None = typer.Option(None, "--nvme-gbps", help="override: NVMe read, GB/s"),
+    host_gbps: float | None = typer.Option(None, "--host-gbps", help="override: host DRAM read, GB/s"),
+    hbm_gib: float | None = typer.Option(None, "--hbm-gib", help="override: device memory, GiB"),
+    tflops: float | None = typer.Option(None, "--tflops", help="override: peak dense bf16 TFLOP/s"),
+    params: float | None = typer.Option(
+        None, "--params", help="parameter count (e.g. 8.03e9); built-ins and HF folders know theirs"
+    ),
+    traffic: Path | None = typer.Option(
+        None, "--traffic", help="cache.traffic_report() JSON: flashmem's counted bytes per step"
+    ),
+    budget: float = typer.Option(
+        1 / 16, "--budget", help="without --config: flashmem's recipe at this budget (for_budget)"
+    ),
+    new_page_fraction: float = typer.Option(
+        0.4, "--new-page-fraction", help="share of selected pages newly fetched per step (default: ShadowKV's 0.4)"
+    ),
+    rerank_keys: str = typer.Option(
+        "link", "--rerank-keys", help="where the re-rank reads candidate keys: link (today) or device"
+    ),
+    activation_gib: float = typer.Option(2.0, "--activation-gib", help="HBM set aside beyond weights and KV, GiB"),
+    flops_fraction: float = typer.Option(0.5, "--flops-fraction", help="fraction of peak FLOP/s reached"),
+    no_overlap: bool = typer.Option(False, "--no-overlap", help="add link, HBM and compute times instead of max"),
+    host_gib: float | None = typer.Option(
+        None, "--host-gib", help="host memory for the offloaded cache / cold tier, GiB (default: unbounded)"
+    ),
 ) -> None:
     from flashmem.memory.calculator import estimate
 
+    if hardware is None:
+        given = {
+            "--hbm-gbps": hbm_gbps,
+            "--link-gbps": link_gbps,
+            "--nvme-gbps": nvme_gbps,
+            "--host-gbps": host_gbps,
+            "--hbm-gib": hbm_gib,
+            "--tflops": tflops,
+            "--traffic": traffic,
+            "--params": params,
+            "--host-gib": host_gib,
+        }
+        for flag, v in given.items():
+            if v is not None:
+                raise ConfigError(f"{flag}: only with --hardware; allowed: --hardware {'|'.join(HARDWARE_KEYS)}")
+    dtype_given = dtype
+    dtype = assumed_dtype(model, dtype)
     est = estimate(
         model,
         tokens=tokens,
@@ -53,10 +117,157 @@ def estimate_command(
         head_dim=head_dim,
         config=config,
     )
+    hw_model = None
+    if hardware is not None:
+        from flashmem.memory import hardware as hwm
+
+        hw = hwm.get_hardware(
+            hardware,
+            hbm_gbps=hbm_gbps,
+            link_gbps=link_gbps,
+            nvme_gbps=nvme_gbps,
+            host_gbps=host_gbps,
+            hbm_gib=hbm_gib,
+            tflops=tflops,
+        )
+        a = hwm.Assumptions(
+            activation_bytes=int(activation_gib * hwm.GiB),
+            flops_fraction=flops_fraction,
+            overlap=not no_overlap,
+            new_page_fraction=new_page_fraction,
+            rerank_keys=rerank_keys,
+        )
+        a.check()
+        hw_model = hardware_model(
+            model, est, hw, a, config=config, budget=budget, params=params, traffic=traffic, host_gib=host_gib
+        )
     if as_json:
-        typer.echo(json.dumps(est.to_dict(), indent=2))
+        d = est.to_dict()
+        if dtype_given is None and dtype is not None:
+            d["dtype_note"] = DTYPE_NOTE
+        if hw_model is not None:
+            d["hardware_model"] = hw_model
+        typer.echo(json.dumps(d, indent=2))
         return
     _print(est)
+    if dtype_given is None and dtype is not None:
+        typer.echo(DTYPE_NOTE)
+    if hw_model is not None:
+        _print_hardware(hw_model)
+
+
+HARDWARE_KEYS = ("h100", "h200", "a100", "l4")
+DTYPE_NOTE = "dtype: float32, as flashmem.load_model and flashmem doctor run this packaged model (--dtype to change)"
+
+
+def assumed_dtype(model: Any, dtype: str | None) -> str | None:
+    """The element type to assume: `dtype` if given; float32 for a packaged model (the
+    dtype `flashmem.load_model` and `flashmem doctor` use for it); else None (the
+    model's own)."""
+    if dtype is not None or model is None:
+        return dtype
+    from flashmem.memory.specs import resolve_model
+    from flashmem.models.registry import BUILTINS
+
+    try:
+        spec = resolve_model(model)
+    except ConfigError:
+        return None  # estimate() names the mistake
+    return "float32" if spec.source == "built-in" and spec.name in BUILTINS else None
+
+
+def hardware_model(
+    model: Any,
+    est: Any,
+    hw: Any,
+    a: Any,
+    *,
+    config: Path | None,
+    budget: float,
+    params: float | None,
+    traffic: Path | None,
+    host_gib: float | None,
+) -> dict[str, Any]:
+    """The three rows (full, offloaded, flashmem) and issue 27's targets, as a dict."""
+    from flashmem.config import FlashMemoryConfig
+    from flashmem.memory import hardware as hwm
+    from flashmem.memory.calculator import estimate
+    from flashmem.memory.specs import FullAttention, resolve_model
+    from flashmem.memory.units import DTYPE_BYTES
+
+    if not 0 < budget <= 1:
+        raise ConfigError(f"--budget: {budget!r} is not allowed; allowed: above 0, up to 1")
+    if host_gib is not None and not host_gib > 0:
+        raise ConfigError(f"--host-gib: {host_gib!r} is not allowed; allowed: a number > 0")
+    host_bytes = int(host_gib * hwm.GiB) if host_gib is not None else None
+    eb = DTYPE_BYTES[est.dtype]
+    spec = resolve_model(model) if model is not None else None
+    arch = hwm.ARCHS.get(est.model)
+    if arch is None and spec is not None and spec.source.endswith(".json"):
+        arch = hwm.arch_from_config(json.loads(Path(spec.source).read_text(encoding="utf-8")))
+    first_full = next((x for x in (spec.layers if spec else ()) if isinstance(x, FullAttention)), None)
+    head_dim = arch.head_dim if arch else (first_full.head_dim if first_full else 128)
+    q_width = arch.heads * arch.head_dim if arch else (first_full.kv_heads * head_dim if first_full else head_dim)
+    n_params = None
+    if params is not None:
+        if not params >= 1 or params != int(params):
+            raise ConfigError(f"--params: {params!r} is not allowed; allowed: a whole parameter count >= 1")
+        n_params = int(params)
+    per_seq_kv = est.full_cache_bytes // est.batch
+    cost = hwm.model_cost(
+        est.model,
+        layers=est.layers,
+        kv_bytes_per_token=per_seq_kv / est.tokens,
+        dtype_bytes=eb,
+        q_width=q_width,
+        params=n_params,
+        arch=arch,
+    )
+    if config is not None:
+        cfg = FlashMemoryConfig.from_yaml(config)
+        cfg_source = str(config)
+    else:
+        group = arch.heads // arch.kv_heads if arch else 1
+        cfg = FlashMemoryConfig.for_budget(budget, est.tokens, group=group, head_dim=head_dim, dtype_bytes=eb)
+        cfg_source = f"the recipe at budget {budget:g} (FlashMemoryConfig.for_budget)"
+    one = estimate(model, tokens=est.tokens, batch=1, dtype=est.dtype, config=cfg) if model is not None else None
+    if one is None:
+        one = estimate(
+            None,
+            tokens=est.tokens,
+            batch=1,
+            dtype=est.dtype,
+            layers=est.layers,
+            kv_heads=first_full.kv_heads if first_full else 1,
+            head_dim=head_dim,
+            config=cfg,
+        )
+    flash = one.flashmem
+    assert flash is not None
+    if traffic is not None:
+        report = hwm.load_traffic(traffic)
+        tr = hwm.counted_traffic(report, flash.device_resident_bytes, flash.prompt_kv_bytes, str(traffic))
+    else:
+        tr = hwm.predicted_traffic(flash, cfg, est.tokens, a)
+    rows_b = [
+        hwm.full_row(hw, cost, est.tokens, est.batch, a),
+        hwm.offloaded_row(hw, cost, est.tokens, est.batch, a, host_bytes),
+        hwm.flashmem_row(hw, cost, est.tokens, est.batch, a, tr, flash.cold_bytes, host_bytes),
+    ]
+    full1 = hwm.full_row(hw, cost, est.tokens, 1, a)
+    flash1 = hwm.flashmem_row(hw, cost, est.tokens, 1, a, tr, flash.cold_bytes, host_bytes)
+    out = hwm.to_dict(hw, a, cost, rows_b, hwm.targets(hw, cost, a, full1, flash1, tr))
+    out["flashmem_config"] = cfg_source
+    out["flashmem_traffic"] = {
+        "source": tr.source,
+        "link_bytes_per_step": tr.link_bytes,
+        "parts": tr.parts,
+        "device_read_bytes_per_step": tr.device_read_bytes,
+        "prefill_link_bytes": tr.prefill_link_bytes,
+    }
+    out["tokens"] = est.tokens
+    out["batch"] = est.batch
+    return out
 
 
 def _print(est: Any) -> None:
@@ -124,6 +335,58 @@ def _print(est: Any) -> None:
             row.append("yes" if est.flashmem.fits[name] else "no")
         ft.add_row(*row)
     con.print(ft)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.3f} GB" if nbytes >= 1e7 else f"{nbytes / 1e6:,.3f} MB"
+
+
+def _print_hardware(d: dict[str, Any]) -> None:
+    from flashmem.memory.units import fmt_bytes
+
+    hw, a, m = d["hardware"], d["assumptions"], d["model_cost"]
+    typer.echo(
+        f"hardware model: {hw['name']} (MODELLED, not measured): HBM {hw['hbm_bytes_per_s'] / 1e12:.2f} "
+        f"TB/s, {fmt_bytes(hw['hbm_bytes'])}; link {hw['link_bytes_per_s'] / 1e9:.0f} GB/s; NVMe "
+        f"{hw['nvme_bytes_per_s'] / 1e9:.0f} GB/s; {hw['peak_flops'] / 1e12:.0f} TFLOPS x {a['flops_fraction']:g}"
+    )
+    typer.echo(
+        f"weights {fmt_bytes(m['weight_bytes'])} ({m['params']:,} parameters, {m['params_source']}); "
+        f"activation allowance {fmt_bytes(a['activation_bytes'])}; "
+        f"{'overlapped (max)' if a['overlap'] else 'serial (sum)'}; flashmem: {d['flashmem_config']}"
+    )
+    typer.echo(f"decode and prefill at {d['tokens']:,} tokens per sequence, batch {d['batch']} and the largest:")
+    head = ("cache", "HBM/seq", "max batch", "ms/step@b", "tok/s@b", "ms/step@max", "tok/s@max", "bound@max")
+    typer.echo(f"{head[0]:<10}" + "".join(f"{h:>12}" for h in head[1:-1]) + f"  {head[-1]:<10}  link/seq/step  prefill")
+    for r in d["rows"].values():
+        link = r["link_bytes_per_step"] / r["batch"] if r["batch"] else 0.0
+        cells = (
+            _gb(r["device_bytes_per_seq"]),
+            f"{r['largest_batch']:,}",
+            f"{r['step_s'] * 1e3:,.2f}",
+            f"{r['tokens_per_s']:,.1f}",
+            f"{r['step_s_at_largest'] * 1e3:,.1f}",
+            f"{r['tokens_per_s_at_largest']:,.1f}",
+        )
+        typer.echo(
+            f"{r['method']:<10}"
+            + "".join(f"{c:>12}" for c in cells)
+            + f"  {r['bound_at_largest']:<10}  {_gb(link):>13}  {r['prefill_s']:,.2f} s ({r['prefill_bound']})"
+        )
+    tr, tg = d["flashmem_traffic"], d["targets"]
+    parts = ", ".join(f"{k} {fmt_bytes(int(v))}" for k, v in tr["parts"].items() if v)
+    typer.echo(f"flashmem link bytes per sequence and step: {tr['source']}" + (f" ({parts})" if parts else ""))
+    need = tg["link_bytes_per_seq_step_for_target"]
+    typer.echo(
+        f"issue 27 targets (modelled): flashmem tok/s at its largest batch / full cache at its largest: "
+        f"{tg['throughput_ratio_at_largest_batch']:.2f}x (target >= {tg['throughput_ratio_target']:g}x: "
+        f"{'met' if tg['throughput_target_met'] else 'NOT met'}); batch 1, full step / flashmem step: "
+        f"{tg['batch1_speed_ratio']:.2f}x (target >= 1: {'met' if tg['batch1_target_met'] else 'NOT met'})"
+    )
+    typer.echo(
+        "link bytes per sequence and step at which the first would be met: "
+        + (fmt_bytes(int(need)) if need is not None else "none (HBM or compute alone miss it)")
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,593 @@
+"""A hardware model: decode-step time, prefill time and the largest batch on an accelerator.
+
+Every number here is *modelled, not measured*: it is arithmetic on documented
+bandwidth and capacity constants (vendor datasheets, as listed in
+docs/accelerator.md) and on the bytes a step moves. `flashmem estimate --hardware`
+prints it; `benchmarks/gpu_check.py` prints it beside CUDA measurements.
+
+Three ways to hold the KV cache are modelled, one sequence of `tokens` tokens each,
+`batch` sequences:
+
+* **full** - the whole cache in HBM (an ideal paged/static cache: each decode step
+  reads the weights once and every sequence's K/V once).
+* **offloaded** - the whole cache in host memory, streamed to the device layer by
+  layer every step (transformers' `DynamicCache(offloading=True)`: layer l+1 is
+  prefetched on a side stream while layer l computes; two layers are resident).
+* **flashmem** - the device-resident tiers of a `FlashMemoryConfig` (from
+  `flashmem.memory.calculator`) in HBM, the cold tier on the host; per step the
+  device reads the weights and the resident tiers, and the link carries the pages
+  that newly enter the working set (predicted: `new_page_fraction` of the selected
+  pages; or counted: a run's `cache.traffic_report()`), plus, when the config
+  re-ranks candidates by their exact keys and those keys live in the cold tier,
+  the candidates' keys.
+
+Step time is a roofline: each resource's time is bytes / bandwidth (FLOPs / (a
+fraction of peak) for compute); with `overlap` (prefetch on a copy stream) the step
+takes the slowest of them, without it their sum. Prefill is compute-bound:
+2 x params x tokens + causal attention FLOPs, at `flops_fraction` of peak, or the
+link's time for the bytes a prompt moves, if that is longer. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from flashmem.errors import ConfigError
+
+GB = 10**9
+GiB = 2**30
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its host, as rates in bytes/s and FLOP/s and a capacity in bytes."""
+
+    key: str
+    name: str
+    hbm_bytes: int  # device memory, as nvidia-smi reports the total
+    hbm_bytes_per_s: float  # device memory bandwidth (datasheet)
+    link_bytes_per_s: float  # host to device, pinned buffers, as measured (not nominal)
+    nvme_bytes_per_s: float  # one NVMe SSD, sequential read
+    host_bytes_per_s: float  # host DRAM read, one socket (for compute on the host)
+    peak_flops: float  # dense bf16 tensor-core FLOP/s (datasheet, no sparsity)
+    source: str
+
+
+# Sources (docs/accelerator.md has the table): memory totals are nvidia-smi's MiB
+# (H100 81559, A100 80GB 81920, L4 23034 as listed in modal-labs/modal-client PR #2797;
+# H200 143771 as seen on this project's lent H200, .library/device/KINDS.md). Bandwidths
+# and TFLOPS are the vendors' datasheets (H100/H200 SXM: 3.35 / 4.8 TB/s, 989 TFLOPS dense
+# bf16; A100 80GB SXM: 2.039 TB/s, 312 TFLOPS; L4: 300 GB/s GDDR6, 121 TFLOPS). The host
+# link is the measured-with-pinned-buffers figure of shared/ACCELERATOR.md: PCIe Gen5 x16
+# ~55 GB/s (H100/H200), Gen4 x16 ~25 GB/s (A100/L4). NVMe: Gen5 ~13 GB/s, Gen4 ~7 GB/s.
+# Host DRAM: 200 GB/s, the middle of ACCELERATOR.md's 100-300 GB/s per socket.
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(
+        "h100", "NVIDIA H100 SXM (HBM3)", 81559 * MiB, 3.35e12, 55e9, 13e9, 200e9, 989e12,
+        "HBM 3.35 TB/s, 989 TFLOPS bf16 (datasheet); 81559 MiB (nvidia-smi); PCIe Gen5 ~55 GB/s H2D measured",
+    ),
+    "h200": Hardware(
+        "h200", "NVIDIA H200 SXM (HBM3e)", 143771 * MiB, 4.8e12, 55e9, 13e9, 200e9, 989e12,
+        "HBM 4.8 TB/s, 989 TFLOPS bf16 (datasheet); 143771 MiB (nvidia-smi); PCIe Gen5 ~55 GB/s H2D measured",
+    ),
+    "a100": Hardware(
+        "a100", "NVIDIA A100 80GB SXM (HBM2e)", 81920 * MiB, 2.039e12, 25e9, 7e9, 200e9, 312e12,
+        "HBM 2.039 TB/s, 312 TFLOPS bf16 (datasheet); 81920 MiB (nvidia-smi); PCIe Gen4 ~25 GB/s H2D measured",
+    ),
+    "l4": Hardware(
+        "l4", "NVIDIA L4 (GDDR6)", 23034 * MiB, 300e9, 25e9, 7e9, 200e9, 121e12,
+        "GDDR6 300 GB/s, 121 TFLOPS bf16 (datasheet); 23034 MiB (nvidia-smi); PCIe Gen4 ~25 GB/s H2D measured",
+    ),
+}  # fmt: skip
+
+
+def get_hardware(
+    key: str,
+    *,
+    hbm_gbps: float | None = None,
+    link_gbps: float | None = None,
+    nvme_gbps: float | None = None,
+    host_gbps: float | None = None,
+    hbm_gib: float | None = None,
+    tflops: float | None = None,
+) -> Hardware:
+    """The documented constants of `key` (h100, h200, a100, l4), each overridable.
+    Rates are given in GB/s (10**9 bytes/s) and TFLOP/s, the capacity in GiB."""
+    name = str(key).strip().lower()
+    if name not in HARDWARE:
+        raise ConfigError(f"--hardware: {key!r} is not known; allowed: {', '.join(HARDWARE)}")
+    hw = HARDWARE[name]
+    changes: dict[str, Any] = {}
+    for flag, value, attr, unit in (
+        ("--hbm-gbps", hbm_gbps, "hbm_bytes_per_s", 1e9),
+        ("--link-gbps", link_gbps, "link_bytes_per_s", 1e9),
+        ("--nvme-gbps", nvme_gbps, "nvme_bytes_per_s", 1e9),
+        ("--host-gbps", host_gbps, "host_bytes_per_s", 1e9),
+        ("--tflops", tflops, "peak_flops", 1e12),
+        ("--hbm-gib", hbm_gib, "hbm_bytes", GiB),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{flag}: {value!r} is not allowed; allowed: a number > 0")
+        changes[attr] = int(value * unit) if attr == "hbm_bytes" else float(value * unit)
+    if changes:
+        hw = replace(hw, source=hw.source + "; overridden: " + ", ".join(sorted(changes)), **changes)
+    return hw
+
+
+# ----------------------------------------------------------------------------- the model's cost
+@dataclass(frozen=True)
+class Arch:
+    """The dimensions of a dense decoder that set its parameter count and FLOPs."""
+
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    tied: bool = False
+    qkv_bias: bool = False
+    extra_norms: int = 0  # hidden-sized norms per layer beyond the two (Gemma3: 2)
+    qk_norm: bool = False  # a head_dim-sized norm on q and on k per layer (Gemma3)
+
+    @property
+    def params(self) -> int:
+        """Parameter count: embeddings (and an untied head), per layer q/k/v/o, a gated
+        MLP (3 matrices), the norms and biases; the final norm."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + (2 + self.extra_norms) * h
+        if self.qkv_bias:
+            per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        emb = self.vocab * h * (1 if self.tied else 2)
+        return emb + self.layers * per_layer + h
+
+
+# Published configs (config.json on the Hub); `Arch.params` gives 8,030,261,248 for
+# Llama-3.1-8B, 70,553,706,496 for 70B, 7,615,616,512 for Qwen2.5-7B, 134,515,008 for
+# SmolLM2-135M and 268,098,176 for Gemma-3-270m, their published counts.
+ARCHS: dict[str, Arch] = {
+    "llama-3.1-8b": Arch(4096, 14336, 128256, 32, 8, 128, 32),
+    "llama-3.1-70b": Arch(8192, 28672, 128256, 64, 8, 128, 80),
+    "qwen2.5-7b": Arch(3584, 18944, 152064, 28, 4, 128, 28, qkv_bias=True),
+    "smollm2": Arch(576, 1536, 49152, 9, 3, 64, 30, tied=True),
+    "gemma3-270m": Arch(640, 2048, 262144, 4, 1, 256, 18, tied=True, extra_norms=2, qk_norm=True),
+}
+
+
+def arch_from_config(cfg: dict[str, Any]) -> Arch | None:
+    """An `Arch` from a transformers config dict of a dense decoder (Llama, Qwen2,
+    Mistral, Gemma3 text), or None when it lacks a field or is a mixture of experts."""
+    sub = cfg.get("text_config")
+    text: dict[str, Any] = sub if isinstance(sub, dict) else cfg
+    try:
+        h, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        if any(k in text for k in ("num_experts", "n_routed_experts", "num_local_experts")):
+            return None
+        model_type = str(text.get("model_type", ""))
+        return Arch(
+            hidden=h,
+            intermediate=int(text["intermediate_size"]),
+            vocab=int(text["vocab_size"]),
+            heads=heads,
+            kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or h // heads),
+            layers=int(text["num_hidden_layers"]),
+            tied=bool(text.get("tie_word_embeddings", False)),
+            qkv_bias=bool(text.get("attention_bias", model_type.startswith("qwen2"))),
+            extra_norms=2 if model_type.startswith("gemma3") else 0,
+            qk_norm=model_type.startswith("gemma3"),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one sequence of a model costs on a device (bytes and FLOPs)."""
+
+    name: str
+    params: int
+    weight_bytes: int  # params x bytes per weight
+    layers: int
+    q_width: int  # attention heads x head_dim: sets attention FLOPs
+    kv_bytes_per_token: float  # the full cache, every layer, K and V, one sequence (mean at this length)
+    params_source: str = ""
+
+    def attention_flops(self, query_tokens: int, context: int) -> float:
+        """FLOPs of QK^T and PV for `query_tokens` queries each over `context` keys: 4 x q_width
+        per query and key, per layer."""
+        return 4.0 * self.layers * self.q_width * query_tokens * context
+
+    def prefill_flops(self, tokens: int) -> float:
+        """2 x params x tokens + causal attention: query i attends i keys (1..tokens), so
+        sum 4 q_width i = 2 q_width tokens (tokens + 1) per layer."""
+        return 2.0 * self.params * tokens + 2.0 * self.layers * self.q_width * tokens * (tokens + 1)
+
+
+def model_cost(
+    name: str,
+    *,
+    layers: int,
+    kv_bytes_per_token: float,
+    dtype_bytes: int,
+    q_width: int,
+    params: int | None = None,
+    arch: Arch | None = None,
+) -> ModelCost:
+    """A `ModelCost` from the calculator's per-token bytes and the parameter count: `params`
+    if given, else `arch` (or the built-in `ARCHS[name]`)."""
+    arch = arch if arch is not None else ARCHS.get(name)
+    if params is not None:
+        if isinstance(params, bool) or not isinstance(params, int) or params < 1:
+            raise ConfigError(f"--params: {params!r} is not allowed; allowed: a parameter count >= 1")
+        src = "given (--params)"
+    elif arch is not None:
+        params, src = arch.params, "computed from the model's dimensions"
+        q_width = arch.heads * arch.head_dim
+    else:
+        raise ConfigError(
+            f"--params: the parameter count of {name!r} is not known; allowed: give --params N "
+            f"(for a mixture of experts, the parameters read per token), or a built-in of {', '.join(ARCHS)}"
+        )
+    return ModelCost(name, params, params * dtype_bytes, layers, q_width, kv_bytes_per_token, src)
+
+
+# ----------------------------------------------------------------------------- assumptions
+@dataclass(frozen=True)
+class Assumptions:
+    """The model's stated assumptions (docs/accelerator.md gives the reasons)."""
+
+    # HBM set aside beyond weights and KV: CUDA context, cuBLAS workspace, the allocator's
+    # slack, one prefill chunk's activations and a step's logits
+    activation_bytes: int = 2 * GiB
+    # fraction of peak FLOP/s a prefill (and a decode step's matrix products) reaches
+    flops_fraction: float = 0.5
+    # prefetch on a copy stream: a step takes its slowest resource, else their sum
+    overlap: bool = True
+    # of the pages a flashmem step selects, the share not already on the device (ShadowKV's
+    # cache of recently fetched chunks cut its fetches by about 60%, so 0.4)
+    new_page_fraction: float = 0.4
+    # where a re-ranking config reads its candidates' exact keys: "link" (from the cold tier,
+    # as the code does today on CUDA) or "device" (ranked on device-resident data, issue 27)
+    rerank_keys: str = "link"
+
+    def check(self) -> None:
+        if not 0 <= self.new_page_fraction <= 1:
+            raise ConfigError(f"--new-page-fraction: {self.new_page_fraction!r} is not allowed; allowed: 0 to 1")
+        if not 0 < self.flops_fraction <= 1:
+            raise ConfigError(f"--flops-fraction: {self.flops_fraction!r} is not allowed; allowed: above 0, up to 1")
+        if self.activation_bytes < 0:
+            raise ConfigError(f"--activation-gib: {self.activation_bytes / GiB!r} is not allowed; allowed: >= 0")
+        if self.rerank_keys not in ("link", "device"):
+            raise ConfigError(f"--rerank-keys: {self.rerank_keys!r} is not allowed; allowed: link, device")
+
+
+# ----------------------------------------------------------------------------- flashmem's traffic
+@dataclass(frozen=True)
+class FlashTraffic:
+    """flashmem's bytes per sequence: what it holds on the device and what a step moves."""
+
+    resident_bytes: int  # device-resident tiers in steady decode
+    prompt_bytes: int  # extra device bytes while one sequence's prompt runs (its exact prompt)
+    device_read_bytes: float  # read from HBM per decode step (the KV part; weights added later)
+    link_bytes: float  # host to device per decode step
+    disk_bytes: float  # read from disk per decode step
+    host_read_bytes: float  # read by compute on the host per decode step
+    prefill_link_bytes: float  # host to device over a whole prompt
+    attended_tokens: int  # keys a decode step attends per layer (for its FLOPs)
+    source: str
+    parts: dict[str, float] = field(default_factory=dict)  # where link_bytes come from
+
+
+def predicted_traffic(flash: Any, cfg: Any, tokens: int, a: Assumptions) -> FlashTraffic:
+    """flashmem's traffic predicted from a config: `flash` is the calculator's
+    `FlashEstimate` for ONE sequence (`estimate(..., batch=1, config=cfg).flashmem`)."""
+    counts = flash.tier_counts  # per managed layer, per sequence, token-equivalents
+    cold_tok = float(flash.cold_bytes_per_token)  # K+V of one sealed token, every managed layer
+    page = int(cfg.page_tokens)
+    sealed_pages = int(counts["sealed_blocks"]) * int(cfg.pages_per_block)
+    selected_tokens = int(counts["working_set"])
+    new_pages = a.new_page_fraction * selected_tokens * cold_tok
+    rerank = 0.0
+    if int(cfg.lsa_rerank) > 1 and a.rerank_keys == "link" and selected_tokens:
+        # the index picks max(rerank x selected, floor) candidate pages per head and layer; their
+        # exact keys (half of K+V) are read from the cold tier (issue 27: 1 GiB/step at 128K, 1/16)
+        cand = min(sealed_pages, max(int(cfg.lsa_rerank) * (selected_tokens // page), int(cfg.lsa_rerank_min_pages)))
+        rerank = cand * page * cold_tok / 2
+    link = new_pages + rerank
+    disk = link if cfg.cold_store in ("disk", "lmdb") else 0.0  # worst case: no host RAM cache hits
+    # the streamed exact prompt (issue 27 item 3): chunk j of C tokens reads every earlier token
+    # that is not resident (sinks + window) from the cold tier
+    chunk = max(1, int(cfg.prefill_chunk))
+    resident_tok = int(counts["sinks"]) + int(counts["window"])
+    n_chunks = -(-tokens // chunk)
+    behind = sum(max(0, j * chunk - resident_tok) for j in range(n_chunks))
+    attended = int(counts["sinks"]) + int(counts["window"]) + int(counts["open_block"]) + selected_tokens
+    return FlashTraffic(
+        resident_bytes=int(flash.device_resident_bytes),
+        prompt_bytes=int(flash.prompt_kv_bytes),
+        device_read_bytes=float(flash.device_resident_bytes) + link,
+        link_bytes=link,
+        disk_bytes=disk,
+        host_read_bytes=0.0,
+        prefill_link_bytes=behind * cold_tok,
+        attended_tokens=attended,
+        source=(
+            f"predicted from the config: {a.new_page_fraction:g} of the selected pages new per step"
+            + (", re-rank keys over the link" if rerank else "")
+        ),
+        parts={"new_pages": new_pages, "rerank_keys": rerank},
+    )
+
+
+TRAFFIC_KEYS = ("device_read_bytes", "h2d_bytes", "disk_read_bytes", "host_read_bytes")
+
+
+def load_traffic(path: str | Path) -> dict[str, Any]:
+    """Read and check a `cache.traffic_report()` JSON file (schema in docs/accelerator.md)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"--traffic: {p}: no such file; allowed: a JSON file from cache.traffic_report()") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--traffic: {p}: cannot be read as JSON ({type(exc).__name__})") from None
+    check_traffic(data, str(p))
+    return data
+
+
+def check_traffic(data: Any, where: str = "traffic") -> None:
+    """Raise a one-line ConfigError unless `data` has traffic_report()'s schema."""
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"--traffic: {where}: {what}; allowed: the JSON of cache.traffic_report()")
+
+    def count(v: Any, name: str) -> None:
+        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+            raise bad(f"{name} is {v!r}, not a count >= 0")
+
+    if not isinstance(data, dict):
+        raise bad("not a JSON object")
+    for section in ("steps", "totals", "per_decode_step_median", "per_prefill_chunk_median"):
+        if not isinstance(data.get(section), dict):
+            raise bad(f"missing the object {section!r}")
+    for k in ("prefill_chunks", "decode_steps"):
+        count(data["steps"].get(k), f"steps.{k}")
+    for section in ("totals", "per_decode_step_median", "per_prefill_chunk_median"):
+        for k in TRAFFIC_KEYS:
+            count(data[section].get(k), f"{section}.{k}")
+    count(data.get("full_cache_bytes"), "full_cache_bytes")
+    count(data.get("layers"), "layers")
+
+
+def counted_traffic(report: dict[str, Any], resident_bytes: int, prompt_bytes: int, source: str) -> FlashTraffic:
+    """flashmem's traffic as a run counted it (`cache.traffic_report()`, one sequence): the
+    per-decode-step medians drive a step; a prompt is the per-chunk median x its chunks. The
+    figures are for the run's own model, length and config."""
+    step = report["per_decode_step_median"]
+    chunk = report["per_prefill_chunk_median"]
+    return FlashTraffic(
+        resident_bytes=resident_bytes,
+        prompt_bytes=prompt_bytes,
+        device_read_bytes=float(step["device_read_bytes"]),
+        link_bytes=float(step["h2d_bytes"]),
+        disk_bytes=float(step["disk_read_bytes"]),
+        host_read_bytes=float(step["host_read_bytes"]),
+        prefill_link_bytes=float(chunk["h2d_bytes"]) * int(report["steps"]["prefill_chunks"]),
+        attended_tokens=0,
+        source=f"counted: {source} (per-decode-step medians of that run)",
+    )
+
+
+# ----------------------------------------------------------------------------- rows
+@dataclass
+class Row:
+    """One way of holding the cache on one device: its fit, a step at `batch` and at the
+    largest batch that fits, and one prompt's prefill. Times in seconds, bytes per step."""
+
+    method: str
+    device_bytes_per_seq: float  # HBM a sequence adds
+    fixed_device_bytes: float  # weights + allowance (+ one prompt's transient)
+    largest_batch: int
+    batch: int
+    step_s: float
+    bound: str
+    hbm_bytes_per_step: float
+    link_bytes_per_step: float
+    step_s_at_largest: float
+    bound_at_largest: str
+    prefill_s: float
+    prefill_bound: str
+    prefill_link_bytes: float
+    host_bytes_per_seq: float  # host memory a sequence needs (cold tier / offloaded cache)
+    note: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def tokens_per_s_at_largest(self) -> float:
+        return self.largest_batch / self.step_s_at_largest if self.largest_batch and self.step_s_at_largest else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_s"] = self.tokens_per_s
+        d["tokens_per_s_at_largest"] = self.tokens_per_s_at_largest
+        return d
+
+
+def step_time(
+    hw: Hardware,
+    a: Assumptions,
+    *,
+    hbm: float,
+    link: float = 0.0,
+    disk: float = 0.0,
+    host: float = 0.0,
+    flops: float = 0.0,
+) -> tuple[float, str]:
+    """Seconds for one step and the resource that sets it (roofline)."""
+    parts = {
+        "HBM": hbm / hw.hbm_bytes_per_s,
+        "link": link / hw.link_bytes_per_s,
+        "NVMe": disk / hw.nvme_bytes_per_s,
+        "host DRAM": host / hw.host_bytes_per_s,
+        "compute": flops / (a.flops_fraction * hw.peak_flops),
+    }
+    bound = max(parts, key=lambda k: parts[k])
+    if a.overlap:
+        return parts[bound], bound
+    return sum(parts.values()), bound + " (serial sum)"
+
+
+def largest_batch(hw: Hardware, fixed: float, per_seq: float, host_bytes: int | None, host_per_seq: float) -> int:
+    """floor((HBM - fixed) / per sequence), and no more than host memory holds if given."""
+    if per_seq <= 0:
+        return 0
+    n = max(0, math.floor((hw.hbm_bytes - fixed) / per_seq))
+    if host_bytes is not None and host_per_seq > 0:
+        n = min(n, math.floor(host_bytes / host_per_seq))
+    return n
+
+
+def _prefill(hw: Hardware, a: Assumptions, m: ModelCost, tokens: int, link: float) -> tuple[float, str]:
+    return step_time(
+        hw, a, hbm=m.weight_bytes + tokens * m.kv_bytes_per_token, link=link, flops=m.prefill_flops(tokens)
+    )
+
+
+def full_row(
+    hw: Hardware, m: ModelCost, tokens: int, batch: int, a: Assumptions, kv_passes: int = 1, method: str = "full"
+) -> Row:
+    """The whole cache in HBM. A step reads the weights once and each sequence's K/V
+    `kv_passes` times (1: an ideal cache; DynamicCache's torch.cat reads and writes it once
+    more: 3)."""
+    kv = float(tokens * m.kv_bytes_per_token)
+    fixed = m.weight_bytes + a.activation_bytes
+
+    def at(b: int) -> tuple[float, str, float]:
+        hbm = m.weight_bytes + b * kv * kv_passes
+        flops = b * (2.0 * m.params + m.attention_flops(1, tokens))
+        t, bound = step_time(hw, a, hbm=hbm, flops=flops)
+        return t, bound, hbm
+
+    big = largest_batch(hw, fixed, kv, None, 0)
+    t, bound, hbm = at(batch)
+    tl, bl, _ = at(big) if big else (0.0, "does not fit", 0.0)
+    pt, pb = _prefill(hw, a, m, tokens, 0.0)
+    return Row(method, kv, fixed, big, batch, t, bound, hbm, 0.0, tl, bl, pt, pb, 0.0, 0.0)
+
+
+def offloaded_row(hw: Hardware, m: ModelCost, tokens: int, batch: int, a: Assumptions, host_bytes: int | None) -> Row:
+    """The whole cache in host memory, each layer's K/V copied to the device every step
+    (two layers resident: the one computing and the one prefetched). Its copy back to the
+    host (D2H, the other direction of the link) is not on the H2D path and is not counted."""
+    kv = float(tokens * m.kv_bytes_per_token)
+    per_seq = 2 * kv / m.layers
+    fixed = m.weight_bytes + a.activation_bytes
+
+    def at(b: int) -> tuple[float, str, float]:
+        hbm = m.weight_bytes + b * kv  # what arrives is read once by attention
+        flops = b * (2.0 * m.params + m.attention_flops(1, tokens))
+        t, bound = step_time(hw, a, hbm=hbm, link=b * kv, flops=flops)
+        return t, bound, hbm
+
+    big = largest_batch(hw, fixed, per_seq, host_bytes, kv)
+    t, bound, hbm = at(batch)
+    tl, bl, _ = at(big) if big else (0.0, "does not fit", 0.0)
+    pt, pb = _prefill(hw, a, m, tokens, 0.0)  # one forward: K/V leave per layer, D2H (not counted)
+    return Row("offloaded", per_seq, fixed, big, batch, t, bound, hbm, batch * kv, tl, bl, pt, pb, 0.0, kv)
+
+
+def flashmem_row(
+    hw: Hardware,
+    m: ModelCost,
+    tokens: int,
+    batch: int,
+    a: Assumptions,
+    traffic: FlashTraffic,
+    cold_bytes_per_seq: float,
+    host_bytes: int | None,
+) -> Row:
+    """flashmem: resident tiers per sequence in HBM, one sequence's prompt transient at a
+    time (prompts are prefilled one by one), the cold tier on the host."""
+    per_seq = float(traffic.resident_bytes)
+    fixed = m.weight_bytes + a.activation_bytes + traffic.prompt_bytes
+    attended = traffic.attended_tokens or tokens
+
+    def at(b: int) -> tuple[float, str, float, float]:
+        hbm = m.weight_bytes + b * traffic.device_read_bytes
+        link = b * traffic.link_bytes
+        flops = b * (2.0 * m.params + m.attention_flops(1, attended))
+        t, bound = step_time(
+            hw, a, hbm=hbm, link=link, disk=b * traffic.disk_bytes, host=b * traffic.host_read_bytes, flops=flops
+        )
+        return t, bound, hbm, link
+
+    big = largest_batch(hw, fixed, per_seq, host_bytes, cold_bytes_per_seq)
+    t, bound, hbm, link = at(batch)
+    tl, bl, _, _ = at(big) if big else (0.0, "does not fit", 0.0, 0.0)
+    pt, pb = _prefill(hw, a, m, tokens, traffic.prefill_link_bytes)
+    return Row(
+        "flashmem", per_seq, fixed, big, batch, t, bound, hbm, link, tl, bl, pt, pb,
+        traffic.prefill_link_bytes, cold_bytes_per_seq, note=traffic.source,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- targets
+TARGET_THROUGHPUT_RATIO = 3.0  # issue 27: flashmem at its largest batch vs the full cache at its own
+
+
+def targets(
+    hw: Hardware, m: ModelCost, a: Assumptions, full_b1: Row, flash_b1: Row, traffic: FlashTraffic
+) -> dict[str, Any]:
+    """Issue 27's two modelled targets, and the link bytes per sequence and step at which the
+    first would hold. `*_b1` rows are computed at batch 1."""
+    ratio_fill = (
+        flash_b1.tokens_per_s_at_largest / full_b1.tokens_per_s_at_largest if full_b1.tokens_per_s_at_largest else 0.0
+    )
+    ratio_b1 = full_b1.step_s / flash_b1.step_s if flash_b1.step_s else 0.0
+    # largest link bytes/sequence/step at which flashmem's largest batch gives 3x: the step must
+    # take at most B / (3 x full tokens/s); the link then carries B x x in that time
+    need: float | None = None
+    b = flash_b1.largest_batch
+    if b and full_b1.tokens_per_s_at_largest:
+        t_max = b / (TARGET_THROUGHPUT_RATIO * full_b1.tokens_per_s_at_largest)
+        hbm = m.weight_bytes + b * (traffic.device_read_bytes - traffic.link_bytes)
+        attended = traffic.attended_tokens or 1
+        flops = b * (2.0 * m.params + m.attention_flops(1, attended))
+        t_rest, _ = step_time(hw, replace(a, overlap=True), hbm=hbm, flops=flops)
+        if t_rest < t_max:  # else HBM or compute alone already miss the target
+            need = (t_max if a.overlap else t_max - t_rest) * hw.link_bytes_per_s / b
+    return {
+        "throughput_ratio_at_largest_batch": ratio_fill,
+        "throughput_ratio_target": TARGET_THROUGHPUT_RATIO,
+        "throughput_target_met": ratio_fill >= TARGET_THROUGHPUT_RATIO,
+        "batch1_speed_ratio": ratio_b1,
+        "batch1_target_met": ratio_b1 >= 1.0,
+        "link_bytes_per_seq_step_for_target": need,
+    }
+
+
+def to_dict(hw: Hardware, a: Assumptions, m: ModelCost, rows: list[Row], tgt: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "label": "modelled, not measured",
+        "hardware": asdict(hw),
+        "assumptions": asdict(a),
+        "model_cost": asdict(m),
+        "rows": {r.method: r.to_dict() for r in rows},
+    }
+    if tgt is not None:
+        out["targets"] = tgt
+    return out

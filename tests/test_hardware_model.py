@@ -1,0 +1,182 @@
+"""The hardware model (flashmem.memory.hardware): its arithmetic against figures worked
+out by hand here, for Llama-3.1-8B at 128K tokens on an H200. Modelled, not measured."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from flashmem.config import FlashMemoryConfig
+from flashmem.errors import ConfigError
+from flashmem.memory import hardware as hwm
+from flashmem.memory.calculator import estimate
+
+# By hand: Llama-3.1-8B, 32 layers x 8 KV heads x 128 dims x (K + V) x 2 bytes (bf16)
+KV_TOKEN = 32 * 8 * 128 * 2 * 2  # 131,072 B
+TOKENS = 131072
+KV_SEQ = KV_TOKEN * TOKENS  # 16 GiB
+# parameters: embeddings + head 2 x 128256 x 4096; per layer q 4096^2, k/v 2 x 4096 x 1024,
+# o 4096^2, MLP 3 x 4096 x 14336, two norms 2 x 4096; the final norm 4096
+PARAMS = 2 * 128256 * 4096 + 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 4096
+WEIGHTS = PARAMS * 2
+HBM = 143771 * 2**20  # nvidia-smi's H200 total
+BW = 4.8e12
+LINK = 55e9
+ALLOW = 2 * 2**30
+
+
+@pytest.fixture
+def h200() -> tuple[hwm.Hardware, hwm.ModelCost, hwm.Assumptions]:
+    cost = hwm.model_cost("llama-3.1-8b", layers=32, kv_bytes_per_token=KV_TOKEN, dtype_bytes=2, q_width=0)
+    return hwm.get_hardware("h200"), cost, hwm.Assumptions()
+
+
+def test_the_model_knows_llama_8b_as_published(h200):
+    _, cost, _ = h200
+    assert PARAMS == 8_030_261_248  # the published count
+    assert cost.params == PARAMS and cost.weight_bytes == WEIGHTS
+    assert cost.q_width == 32 * 128  # from the built-in's dimensions, not the argument
+    assert KV_SEQ == 16 * 2**30
+    # the other built-ins' published counts
+    assert hwm.ARCHS["smollm2"].params == 134_515_008
+    assert hwm.ARCHS["gemma3-270m"].params == 268_098_176
+    assert hwm.ARCHS["qwen2.5-7b"].params == 7_615_616_512
+    assert hwm.ARCHS["llama-3.1-70b"].params == 70_553_706_496
+
+
+def test_full_cache_in_hbm(h200):
+    hw, cost, a = h200
+    row = hwm.full_row(hw, cost, TOKENS, 1, a)
+    assert row.largest_batch == math.floor((HBM - WEIGHTS - ALLOW) / KV_SEQ) == 7
+    assert row.step_s == pytest.approx((WEIGHTS + KV_SEQ) / BW)  # ~6.9 ms
+    assert row.bound == "HBM"
+    assert row.step_s_at_largest == pytest.approx((WEIGHTS + 7 * KV_SEQ) / BW)
+    assert row.tokens_per_s_at_largest == pytest.approx(7 / ((WEIGHTS + 7 * KV_SEQ) / BW))
+    # prefill: 2 x params x N + causal attention 2 x layers x q_width x N (N + 1), at half of 989 TFLOPS
+    flops = 2 * PARAMS * TOKENS + 2 * 32 * 4096 * TOKENS * (TOKENS + 1)
+    assert row.prefill_s == pytest.approx(flops / (0.5 * 989e12)) and row.prefill_bound == "compute"
+    # DynamicCache's torch.cat reads and writes the cache once more per step
+    dyn = hwm.full_row(hw, cost, TOKENS, 1, a, kv_passes=3)
+    assert dyn.step_s == pytest.approx((WEIGHTS + 3 * KV_SEQ) / BW)
+
+
+def test_offloaded_streams_every_layer_over_the_link(h200):
+    hw, cost, a = h200
+    row = hwm.offloaded_row(hw, cost, TOKENS, 1, a, None)
+    assert row.device_bytes_per_seq == 2 * KV_SEQ / 32  # two layers resident
+    assert row.largest_batch == math.floor((HBM - WEIGHTS - ALLOW) / (2 * KV_SEQ / 32)) == 123
+    assert row.step_s == pytest.approx(KV_SEQ / LINK) and row.bound == "link"  # ~312 ms
+    assert row.link_bytes_per_step == KV_SEQ
+    # host memory bounds it when given: 100 GiB holds 6 caches of 16 GiB
+    assert hwm.offloaded_row(hw, cost, TOKENS, 1, a, 100 * 2**30).largest_batch == 6
+    # without overlap the step is the sum of its parts
+    serial = hwm.offloaded_row(hw, cost, TOKENS, 1, hwm.Assumptions(overlap=False), None)
+    flops = 2 * PARAMS + 4 * 32 * 4096 * TOKENS
+    assert serial.step_s == pytest.approx(KV_SEQ / LINK + (WEIGHTS + KV_SEQ) / BW + flops / (0.5 * 989e12))
+
+
+def synthetic_report(step_read: int, step_h2d: int, chunk_h2d: int, chunks: int) -> dict:
+    zero = {k: 0 for k in hwm.TRAFFIC_KEYS}
+    return {
+        "steps": {"prefill_chunks": chunks, "decode_steps": 16},
+        "totals": dict(zero, h2d_bytes=chunk_h2d * chunks + 16 * step_h2d),
+        "per_decode_step_median": dict(zero, device_read_bytes=step_read, h2d_bytes=step_h2d),
+        "per_prefill_chunk_median": dict(zero, h2d_bytes=chunk_h2d),
+        "full_cache_bytes": KV_SEQ,
+        "layers": 32,
+    }
+
+
+def test_flashmem_row_from_a_counted_traffic_report(h200):
+    hw, cost, a = h200
+    resident, step_read, step_h2d = 2**30, 10**9, 50 * 10**6
+    report = synthetic_report(step_read, step_h2d, 10**8, 256)
+    hwm.check_traffic(report)
+    tr = hwm.counted_traffic(report, resident, 0, "synthetic")
+    row = hwm.flashmem_row(hw, cost, TOKENS, 1, a, tr, KV_SEQ, None)
+    assert row.largest_batch == math.floor((HBM - WEIGHTS - ALLOW) / resident) == 123
+    assert row.step_s == pytest.approx((WEIGHTS + step_read) / BW) and row.bound == "HBM"  # 3.55 ms > 0.9 ms link
+    assert row.step_s_at_largest == pytest.approx(123 * step_h2d / LINK)  # 112 ms: the link binds
+    assert row.bound_at_largest == "link"
+    assert row.tokens_per_s_at_largest == pytest.approx(LINK / step_h2d)  # 1100 tok/s
+    assert row.prefill_link_bytes == 256 * 10**8
+    # issue 27's targets, by hand
+    full1 = hwm.full_row(hw, cost, TOKENS, 1, a)
+    tg = hwm.targets(hw, cost, a, full1, row, tr)
+    full_tps = 7 / ((WEIGHTS + 7 * KV_SEQ) / BW)
+    assert tg["throughput_ratio_at_largest_batch"] == pytest.approx((LINK / step_h2d) / full_tps)
+    assert tg["throughput_target_met"]  # ~4.5x
+    assert tg["batch1_speed_ratio"] == pytest.approx(((WEIGHTS + KV_SEQ) / BW) / ((WEIGHTS + step_read) / BW))
+    assert tg["batch1_target_met"]
+    # the link budget for 3x: the step may take 123 / (3 x full tok/s); the link carries 123 x x in it
+    assert tg["link_bytes_per_seq_step_for_target"] == pytest.approx(123 / (3 * full_tps) * LINK / 123)
+    # a report with more link bytes per step than that misses the target
+    slow = hwm.counted_traffic(synthetic_report(step_read, 10**8, 0, 0), resident, 0, "slow")
+    slow_row = hwm.flashmem_row(hw, cost, TOKENS, 1, a, slow, KV_SEQ, None)
+    assert not hwm.targets(hw, cost, a, full1, slow_row, slow)["throughput_target_met"]
+
+
+def test_flashmem_row_predicted_from_the_recipe(h200):
+    """The recipe at 1/16 and 128K (issue 27): 4,096 selected tokens per layer, 1,024 re-rank
+    candidate pages of 16 tokens whose keys (half of K+V) come over the link: 1 GiB."""
+    hw, cost, _ = h200
+    cfg = FlashMemoryConfig.for_budget(1 / 16, TOKENS, group=4, head_dim=128, dtype_bytes=2)
+    flash = estimate("llama-3.1-8b", tokens=TOKENS, config=cfg).flashmem
+    assert flash is not None and flash.tier_counts["working_set"] == 4096
+    a = hwm.Assumptions()
+    tr = hwm.predicted_traffic(flash, cfg, TOKENS, a)
+    assert tr.parts["rerank_keys"] == 1024 * 16 * KV_TOKEN / 2 == 2**30
+    assert tr.parts["new_pages"] == pytest.approx(0.4 * 4096 * KV_TOKEN)
+    assert tr.link_bytes == pytest.approx(2**30 + 0.4 * 4096 * KV_TOKEN)
+    assert tr.device_read_bytes == pytest.approx(flash.device_resident_bytes + tr.link_bytes)
+    row = hwm.flashmem_row(hw, cost, TOKENS, 1, a, tr, flash.cold_bytes, None)
+    assert row.step_s == pytest.approx(tr.link_bytes / LINK) and row.bound == "link"  # ~23 ms
+    fixed = WEIGHTS + ALLOW + flash.prompt_kv_bytes  # one sequence's exact prompt at a time
+    assert row.largest_batch == math.floor((HBM - fixed) / flash.device_resident_bytes)
+    # ranked on the device: only new pages cross, and batch 1 is then faster than the full cache
+    dev = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(rerank_keys="device"))
+    assert dev.parts["rerank_keys"] == 0 and dev.link_bytes == pytest.approx(0.4 * 4096 * KV_TOKEN)
+    # the streamed prompt: chunk j of 512 reads every earlier token past the sinks and window
+    resident_tok = flash.tier_counts["sinks"] + flash.tier_counts["window"]
+    behind = sum(max(0, j * 512 - resident_tok) for j in range(TOKENS // 512))
+    assert tr.prefill_link_bytes == pytest.approx(behind * KV_TOKEN)
+
+
+def test_overrides_and_mistakes():
+    hw = hwm.get_hardware("H200", hbm_gbps=1000, link_gbps=64, hbm_gib=100, tflops=500)
+    assert hw.hbm_bytes_per_s == 1e12 and hw.link_bytes_per_s == 64e9
+    assert hw.hbm_bytes == 100 * 2**30 and hw.peak_flops == 500e12
+    assert "overridden" in hw.source
+    with pytest.raises(ConfigError, match="allowed: h100, h200, a100, l4"):
+        hwm.get_hardware("h300")
+    for bad in (-1, 0, float("nan")):
+        with pytest.raises(ConfigError, match="--link-gbps"):
+            hwm.get_hardware("h100", link_gbps=bad)
+    with pytest.raises(ConfigError, match="--new-page-fraction"):
+        hwm.Assumptions(new_page_fraction=1.5).check()
+    with pytest.raises(ConfigError, match="--params"):
+        hwm.model_cost("mystery", layers=2, kv_bytes_per_token=1, dtype_bytes=2, q_width=1)
+    with pytest.raises(ConfigError, match="missing the object 'per_decode_step_median'"):
+        hwm.check_traffic({"steps": {}, "totals": {}})
+    report = synthetic_report(1, 2, 3, 4)
+    report["per_decode_step_median"]["h2d_bytes"] = -5
+    with pytest.raises(ConfigError, match="per_decode_step_median.h2d_bytes"):
+        hwm.check_traffic(report)
+
+
+def test_arch_from_an_hf_config_matches_the_built_in():
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+        "tie_word_embeddings": False,
+    }
+    assert hwm.arch_from_config(cfg) == hwm.ARCHS["llama-3.1-8b"]
+    assert hwm.arch_from_config(json.loads(json.dumps({**cfg, "num_local_experts": 8}))) is None
+    assert hwm.arch_from_config({"hidden_size": 8}) is None
