@@ -156,7 +156,8 @@ def test_memory_store_with_codec():
     "kind,cls", [("memory", MemoryStore), ("disk", DiskStore), ("layered", LayeredStore), ("lmdb", LmdbStore)]
 )
 def test_open_store_factory(tmp_path, kind, cls):
-    cfg = FlashMemoryConfig(cold_store=kind, cold_dir=str(tmp_path), cold_codec="int8", cold_ram_bytes=10**6)
+    cold_dir = None if kind == "memory" else str(tmp_path)  # a memory store keeps no files
+    cfg = FlashMemoryConfig(cold_store=kind, cold_dir=cold_dir, cold_codec="int8", cold_ram_bytes=10**6)
     with open_store(cfg, dtype=torch.bfloat16, name="layer cache/0") as s:
         assert isinstance(s, cls) and s.codec.name == "int8"
         s.put((0, 0), *block(0, 0, torch.bfloat16))

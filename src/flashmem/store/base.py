@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,21 +73,12 @@ class ColdStore(ABC):
         `coded_reads` is True."""
         raise NotImplementedError(f"{type(self).__name__} has no coded reads (coded_reads is False)")
 
-    def gather_pages(
-        self,
-        layer_idx: int,
-        blocks: torch.Tensor,
-        within: torch.Tensor,
-        pages_per_block: int,
-        device: torch.device | str,
-        keys: bool = True,
-        values: bool = True,
-        only: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """Pages of many blocks in one op: blocks, within [b, h, k] -> k, v [b, h, k, P, d]
-        (None for a part not asked for), or None where the store cannot (the default:
-        the caller reads whole blocks with `get`). MemoryStore's arena can. `only` [b, h, k]
-        bool: just those pages, flat [n, P, d]."""
+    def gather_pages(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """(layer_idx, blocks, within, pages_per_block, device, keys=True, values=True,
+        only=None): pages of many blocks in one op: blocks, within [b, h, k] -> k, v
+        [b, h, k, P, d] (None for a part not asked for), or None where the store cannot
+        (the default: the caller reads whole blocks with `get`). MemoryStore's arena can.
+        `only` [b, h, k] bool: just those pages, flat [n, P, d]."""
         return None
 
     def block_keys(self, layer_idx: int, n: int, device: torch.device | str) -> torch.Tensor | None:

@@ -54,8 +54,11 @@ def describe(exc: OSError) -> str:
     return f"{text} ({name})" if name else text
 
 
-def store_error(path: str, what: str, exc: OSError, hint: str = "") -> ColdStoreError:
-    msg = f"cold store {path}: {what}: {describe(exc)}"
+def store_error(path: str, what: str, exc: BaseException, hint: str = "") -> ColdStoreError:
+    """One line: `cold store <path>: <what>: <reason>[; <hint>]` (an OSError's reason
+    names its errno; any other exception is named by its type, e.g. lmdb's errors)."""
+    reason = describe(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+    msg = f"cold store {path}: {what}: {reason}"
     if hint:
         msg += f"; {hint}"
     return ColdStoreError(msg)
