@@ -60,9 +60,8 @@ def load() -> float:
 
 
 def run_flashmem(n: int, args, share_heads: bool = False) -> dict:
-    from disk_probe import drop_segments
-
     import flashmem
+    from flashmem_eval.benchkit import drop_segments
 
     model = model_for(n)
     ids = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(0))

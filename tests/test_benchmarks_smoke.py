@@ -1,0 +1,184 @@
+"""Smoke tests of the scripts under benchmarks/: each answers `--help`, and each maintained
+benchmark runs its cheapest real invocation (a tiny model and a few steps, or SmolLM2 on a
+short prompt under the `model` marker) and writes the rows its docs quote from.
+
+The scripts run in this process through `runpy` (as `python benchmarks/X.py ARGS` runs
+them, without paying a fresh interpreter and torch import each), with one torch thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+# The maintained benchmarks: the README and docs/results.md quote their numbers, and
+# benchmarks/reproduce.sh runs them. Everything else lives in benchmarks/diagnostics/.
+MAINTAINED = [
+    "bench_cold_tier.py",
+    "bench_prefetch.py",
+    "bench_scale.py",
+    "bench_target_8k.py",
+    "decode_alternating.py",
+    "needle_selected.py",
+    "page_retrieval.py",
+    "serve_load.py",
+]
+# written by another change; checked when present
+OPTIONAL = ["gpu_check.py"]
+
+
+def run_script(path: Path, *args: str) -> str:
+    """Run a script as __main__ with argv; what it printed. SystemExit(0/None) is success."""
+    old_argv, threads = sys.argv, torch.get_num_threads()
+    sys.argv = [str(path), *args]
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except SystemExit as exc:
+                if exc.code not in (0, None):
+                    msg = f"{path.name} {' '.join(args)} exited {exc.code}: {buf.getvalue()[-2000:]}"
+                    raise AssertionError(msg) from None
+    finally:
+        sys.argv = old_argv
+        torch.set_num_threads(threads)
+    return buf.getvalue()
+
+
+def test_top_level_scripts_are_the_maintained_ones():
+    """A new script at the top of benchmarks/ is either maintained (listed here, smoke-tested)
+    or a diagnostic under benchmarks/diagnostics/."""
+    present = {p.name for p in BENCH.glob("*.py")}
+    assert present - set(OPTIONAL) == set(MAINTAINED)
+
+
+SCRIPTS = sorted(
+    [BENCH / n for n in MAINTAINED]
+    + [BENCH / n for n in OPTIONAL if (BENCH / n).exists()]
+    + list((BENCH / "diagnostics").glob("*.py")),
+    key=lambda p: str(p),
+)
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(BENCH)))
+def test_help(path: Path):
+    text = run_script(path, "--help")
+    assert text.startswith("usage: "), text[:200]
+    doc = path.read_text(encoding="utf-8").split('"""')[1]
+    first = doc.strip().splitlines()[0]
+    assert not first.rstrip().endswith("?"), f"{path.name}: the docstring should say what it measures: {first!r}"
+
+
+def test_reproduce_script_help_and_refusal():
+    import subprocess
+
+    script = BENCH / "reproduce.sh"
+    ok = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "Sections" in ok.stdout
+    bad = subprocess.run(["bash", str(script), "nosuchsection"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown section 'nosuchsection'" in bad.stderr
+
+
+# ---- the cheapest real invocations
+
+
+def test_decode_alternating_tiny(tmp_path: Path):
+    out = tmp_path / "da.json"
+    run_script(BENCH / "decode_alternating.py", "--lengths", "1024", "--steps", "1", "--no-fixed", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    caches = {r["cache"] for r in rows}
+    assert {"recipe", "dynamic"} <= caches, caches
+    recipe = next(r for r in rows if r["cache"] == "recipe")
+    assert recipe["tokens"] == 1024 and recipe["decode_ms_median"] > 0
+    assert 0 < recipe["decode_resident_fraction"] < 0.5  # the recipe at 1/8 holds a fraction while decoding
+
+
+def test_bench_cold_tier_small(tmp_path: Path):
+    text = run_script(BENCH / "bench_cold_tier.py", "--dir", str(tmp_path), "--mib", "2", "--threads", "1")
+    assert "store random get, sync" in text and "MB/s" in text
+
+
+def test_bench_prefetch_tiny(tmp_path: Path):
+    out = tmp_path / "pf.json"
+    args = ["--skip-smollm", "--tiny-tokens", "2048", "--steps", "1", "--window", "256", "--raw-mib", "4"]
+    run_script(BENCH / "bench_prefetch.py", *args, "--threads", "1", "--dir", str(tmp_path), "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["prefetch"] for r in rows] == [False, True]  # prefetch off, then on, same cache
+    assert all(r["model"] == "tiny-llama" and r["context"] == 2048 and r["disk_reads"] > 0 for r in rows[:1])
+
+
+def test_bench_scale_one_child(tmp_path: Path):
+    out = tmp_path / "scale.json"
+    args = ["--lengths", "2048", "--steps", "1", "--chunk", "1024", "--methods", "flashmem", "--plot", ""]
+    run_script(BENCH / "bench_scale.py", *args, "--dir", str(tmp_path), "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]  # a failed child leaves no row
+    assert [(r["method"], r["tokens"]) for r in rows] == [("flashmem", 2048)]
+    assert rows[0]["device_resident_bytes"] > 0 and rows[0]["decode_ms_median"] > 0
+
+
+def test_needle_selected_tiny_and_summary(tmp_path: Path):
+    out = tmp_path / "ns.jsonl"
+    args = ["512", "0.25", "default", "0", "--depths", "0.5", "--model", "tiny:2", "--json-out", str(out)]
+    run_script(BENCH / "needle_selected.py", *args)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4  # 2 tasks x 2 haystacks x 1 seed x 1 depth
+    assert all(r["variant"] == "default" and set(r["held"]) == {"0", "1"} for r in rows)
+    text = run_script(BENCH / "needle_selected.py", "--summary", str(out))
+    assert "tiny:2" in text and "held" in text
+
+
+def test_needle_selected_refuses_a_half_command():
+    with pytest.raises(AssertionError, match="exited 2"):
+        run_script(BENCH / "needle_selected.py", "512", "0.25")
+
+
+def test_page_retrieval_tiny(tmp_path: Path):
+    out = tmp_path / "pr.jsonl"
+    run_script(
+        BENCH / "page_retrieval.py", "512", "0.25", "full,default", "passkey", "0", "0.5", "--model", "tiny:2",
+        "--json-out", str(out),
+    )  # fmt: skip
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["fmt"] == "passkey" and row["full"] in (0, 1) and row["default"] in (0, 1)
+    assert row["full_ratio"] == 1.0 and 0 < row["default_ratio"] < 1
+
+
+@pytest.mark.model
+def test_bench_target_8k_short_on_smollm2(tmp_path: Path):
+    out = tmp_path / "t8k.json"
+    args = ["--config", str(ROOT / "configs" / "cpu-small.yaml"), "--prompt", "256", "--decode", "4"]
+    run_script(BENCH / "bench_target_8k.py", *args, "--json-out", str(out))
+    row: dict[str, Any] = json.loads(out.read_text())
+    assert row["prompt_tokens"] == 256 and row["decoded_tokens"] == 4
+    assert 0 <= row["kl_mean"] < 1 and 0 <= row["top1_agree"] <= 1
+    assert 0 < row["resident_ratio"] < 1 and row["decode_time_ratio_flashmem_over_full"] > 0
+
+
+@pytest.mark.model
+def test_serve_load_small_on_smollm2(tmp_path: Path):
+    """The load test with a 300-token document, one client, two requests: a server process
+    starts, serves, reuses the prefix, and the report comes back without errors."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "serve.json"
+    args = ["--doc-tokens", "300", "--requests", "2", "--clients", "1", "--max-tokens", "2", "--ratio-questions", "1"]
+    run_script(BENCH / "serve_load.py", *args, "--port", str(port), "--deadline", "300", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["error_count"] == 0 and result["errors"] == []
+    assert result["server_peak_rss_bytes"] > 0
+    assert result["ratio"]["answers_identical"]  # the same question, cold and reused, same answer
