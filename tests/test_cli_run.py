@@ -131,3 +131,150 @@ def test_run_ask_and_prompt_together_is_one_line_error(tiny_folder, tmp_path, ca
         main(["run", "--model", str(tiny_folder), "--config", str(cfg), "--ask", "--prompt", "hi"])
     assert exc.value.code == 2
     assert "--ask and --prompt" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the first run, fast and legible
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--fact-depth", "1.5"], "--fact-depth"),
+        (["--text", "kjv", "--context-tokens", "50"], "--context-tokens: 50"),
+        (["--model", "no-such-model"], "unknown model"),
+        (["--ask", "--prompt", "hi"], "--ask and --prompt"),
+    ],
+)
+def test_bad_arguments_are_refused_before_a_model_loads(monkeypatch, capsys, args, message):
+    """`flashmem run --fact-depth 1.5` was refused after 33 s of model loading."""
+    import time
+
+    from flashmem.models import loading
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit) as exc:
+        main(["run", *args])
+    assert exc.value.code == 2
+    assert time.perf_counter() - t0 < 10  # no model load, no prefill
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_streamed_answer_has_no_special_tokens_and_whole_characters(tiny_folder, capsys):
+    from transformers import AutoTokenizer
+
+    from flashmem.cli.run_cmd import _Stream
+
+    tok = AutoTokenizer.from_pretrained(tiny_folder)
+    ids = tok("the café at Zürich", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    assert len(ids) > 5
+    stream = _Stream(tok, "answer: ")
+    for i in ids:
+        stream.add(i)
+    stream.end()
+    out = capsys.readouterr().out
+    assert out == "answer: the café at Zürich\n"  # byte-level pieces joined, <eos> not printed
+    assert tok.eos_token not in out and "\ufffd" not in out
+
+
+def _result(**memory):
+    mem = {
+        "tokens_seen": 8208,
+        "tiers": {"sinks": 100, "window": 900, "csa_entries": 0, "prefill_kv": 0, "working_set": 1000},
+        "full_layer_bytes": 0,
+        "sliding_layer_bytes": 0,
+        "device_resident_bytes": 2000,
+        "peak_managed_resident_bytes": 10300,
+        "cold_bytes": 9000,
+        **memory,
+    }
+    return {
+        "memory": mem,
+        "full_cache_bytes": 10000,
+        "context_tokens": 8192,
+        "device": "cpu",
+        "config": {"prefill_exact_tokens": 32768, "cold_store": "memory"},
+    }
+
+
+def test_memory_table_drops_zero_tiers_and_explains_the_peak_and_the_shared_ram():
+    from flashmem.cli.run_cmd import memory_rows
+
+    rows, notes = memory_rows(_result())
+    names = [n for n, _ in rows]
+    assert names == ["sinks", "window", "working_set", "device resident", "peak (any step)", "cold tier",
+                     "full cache (DynamicCache)"]  # fmt: skip
+    text = " ".join(notes)
+    assert "held the prompt's full K/V until the first generated token" in text
+    assert "same RAM" in text and "11,000 bytes (110% of the full cache)" in text  # device + cold
+    # the lead's memory_report may carry the full cache itself: it wins
+    rows, _ = memory_rows(_result(full_cache_bytes=20000))
+    assert dict(rows)["full cache (DynamicCache)"] == 20000
+    # on an accelerator, or with a disk cold tier, the RAM note is not shown
+    gpu = _result()
+    gpu["device"] = "cuda:0"
+    assert not any("same RAM" in n for n in memory_rows(gpu)[1])
+    disk = _result()
+    disk["config"]["cold_store"] = "disk"
+    assert not any("same RAM" in n for n in memory_rows(disk)[1])
+
+
+def test_speed_lines_give_time_per_token_in_readable_units():
+    from flashmem.cli.run_cmd import speed_lines
+
+    r = {"context_tokens": 8192, "prefill_s": 394.0, "generated_tokens": 16, "decode_s": 150.0}
+    prefill, decode = speed_lines(r)
+    assert prefill == "prefill: 8,192 tokens in 394.0 s (48.1 ms/token, 20.8 tokens/s)"
+    assert decode == "decode:  15 tokens after the first in 150.0 s (10.0 s/token, 0.10 tokens/s)"
+    fast = speed_lines({**r, "decode_s": 0.3})[1]
+    assert "(20 ms/token, 50.0 tokens/s)" in fast
+
+
+def test_progress_in_a_log_is_a_few_lines(monkeypatch, capsys):
+    import time
+
+    from flashmem import progress
+
+    monkeypatch.setenv("FLASHMEM_PROGRESS", "1")  # capsys' stderr is not a TTY: lines
+    with progress.step("quick", total=10, unit="tokens") as s:
+        s.advance(10)
+    assert capsys.readouterr().err == ""  # done before SHOW_AFTER_S: nothing to say
+
+    monkeypatch.setattr(progress, "SHOW_AFTER_S", 0.05)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", (0.1,))
+    with progress.step("prefill", total=100, unit="tokens") as s:
+        for _ in range(10):
+            time.sleep(0.05)
+            s.advance(10)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "prefill (100 tokens)..."
+    assert lines[-1].startswith("prefill: done, 100 tokens in ")
+    assert 2 <= len(lines) <= 8  # one per gap, not one per advance
+    assert all("/100 tokens (" in line for line in lines[1:-1])
+
+    monkeypatch.setenv("FLASHMEM_PROGRESS", "0")
+    with progress.step("off", total=1) as s:
+        time.sleep(0.1)
+    assert capsys.readouterr().err == ""
+
+
+def test_layer_profile_reports_progress_per_layer(tiny_folder, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flashmem import progress
+    from flashmem.calibration.layer_profile import measure_layer_profile
+
+    monkeypatch.setenv("FLASHMEM_PROGRESS", "1")
+    monkeypatch.setattr(progress, "SHOW_AFTER_S", 0.0)
+    seen = []
+    real = progress.Step.advance
+    monkeypatch.setattr(progress.Step, "advance", lambda self, n=1: (seen.append(n), real(self, n)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    prof = measure_layer_profile(model, AutoTokenizer.from_pretrained(tiny_folder), tokens=512, seq_tokens=256)
+    layers = model.config.num_hidden_layers
+    assert len(seen) == 2 * layers and sum(seen) == pytest.approx(prof["tokens"])  # each layer of each sequence
+    assert "measuring the layer profile (once per model): done, 512 tokens in" in capsys.readouterr().err

@@ -70,3 +70,24 @@ def test_cli_json_and_bad_folder(tmp_path, capsys) -> None:
         main(["doctor", "--cold-dir", str(tmp_path / "missing"), "--probe-mib", "1"])
     assert ex.value.code == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_no_warning_against_the_recipe(tmp_path) -> None:
+    """configs/cpu-small.yaml keeps no layer full and splits pages by the measured layer
+    profile: doctor must not tell its user to keep a layer full."""
+    from flashmem.cli.run_cmd import DEFAULT_CONFIG
+
+    cfg = FlashMemoryConfig.from_yaml(DEFAULT_CONFIG)
+    assert cfg.lsa_layer_shares == "profile" and not cfg.keep_full_layers
+    r = diagnose(cfg, model="smollm2", context=8192, cold_dir=tmp_path, probe_bytes=2**20, probe_seconds=0.2,
+                 machine_info=_machine())  # fmt: skip
+    layers = [f for f in r.findings if "layer" in f.finding and f.symptom == "accuracy"]
+    assert layers and all(f.level == "ok" for f in layers)
+    assert not [f for f in r.findings if "keep_full_layers" in f.advice]
+
+
+@pytest.mark.parametrize("cores,load,threads", [(2, 6.9, 1), (2, 0.3, 2), (2, 1.2, 1), (16, 4.0, 12), (2, None, 2)])
+def test_threads_one_per_idle_core(cores, load, threads) -> None:
+    from flashmem.doctor import suggest_threads
+
+    assert suggest_threads(cores, load) == threads

@@ -187,6 +187,30 @@ def test_gguf_converted_once_then_cached(fake_gguf, cache_dir, monkeypatch):
         assert torch.equal(m1(ids).logits, m2(ids).logits)
 
 
+def test_conversion_shows_progress_once(fake_gguf, cache_dir, monkeypatch, capsys):
+    """The one-time GGUF conversion (about a minute on a busy CPU) says what it does;
+    a cached load does not."""
+    import time
+
+    from flashmem import progress
+
+    path, conv = fake_gguf
+    monkeypatch.setenv("FLASHMEM_PROGRESS", "1")  # capsys' stderr is not a TTY: lines
+    monkeypatch.setattr(progress, "SHOW_AFTER_S", 0.0)
+
+    def slow(gguf):
+        time.sleep(0.2)
+        return conv(gguf)
+
+    monkeypatch.setattr(loading, "_convert_gguf", slow)
+    load_model(path)
+    err = capsys.readouterr().err
+    assert "converting tiny.gguf to safetensors (once per model)..." in err
+    assert "converting tiny.gguf to safetensors (once per model): done" in err
+    load_model(path)
+    assert conv.calls == 1 and "converting" not in capsys.readouterr().err
+
+
 def test_dtype_is_applied(fake_gguf, cache_dir):
     path, _ = fake_gguf
     m, _ = load_model(path, dtype=torch.bfloat16)

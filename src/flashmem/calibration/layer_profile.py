@@ -112,7 +112,11 @@ def _per_layer(model: Any, shown: progress.Step, tokens: int) -> Iterator[None]:
     except (AttributeError, TypeError):
         blocks = []
     share = tokens / len(blocks) if blocks else 0.0
-    handles = [b.register_forward_hook(lambda *_: shown.advance(share)) for b in blocks]
+
+    def done(*_: Any) -> None:  # returns None: the layer's output is left as it is
+        shown.advance(share)
+
+    handles = [b.register_forward_hook(done) for b in blocks]
     try:
         yield
     finally:

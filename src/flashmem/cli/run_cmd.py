@@ -359,7 +359,8 @@ def _per_token(seconds: float, tokens: int) -> str:
     """'48 ms/token' under a second a token, '10.0 s/token' above, with tokens/s."""
     each, rate = seconds / tokens, tokens / seconds
     per = f"{each * 1e3:.3g} ms/token" if each < 1 else f"{each:.1f} s/token"
-    return f"{per}, {rate:.2f} tokens/s" if rate < 10 else f"{per}, {rate:.0f} tokens/s"
+    digits = 2 if rate < 10 else 1 if rate < 100 else 0
+    return f"{per}, {rate:.{digits}f} tokens/s"
 
 
 def speed_lines(r: dict[str, Any]) -> list[str]:
