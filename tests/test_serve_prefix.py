@@ -105,7 +105,7 @@ def test_damaged_record_is_a_miss_not_a_failure(tmp_path) -> None:
     engine = _engine(m, cfg, store)
     prompt = _prompt(100)
     fresh = _run(engine, prompt)
-    victim = sorted(tmp_path.glob("*.safetensors"))[0]
+    victim = sorted(tmp_path.glob("*.fmprefix"))[0]
     victim.write_bytes(b"garbage")
     seq = _run(engine, prompt)
     assert seq.finish_reason in ("length", "stop") and seq.generated == fresh.generated
@@ -131,7 +131,7 @@ def test_quota_evicts_least_recently_used_and_never_pinned(tmp_path) -> None:
     store.save("f", "", _record(3000))
     assert "b" not in store
     assert not any(p.suffix == ".tmp" for p in tmp_path.iterdir())
-    assert len(list(tmp_path.glob("*.safetensors"))) == len(store)
+    assert len(list(tmp_path.glob("*.fmprefix"))) == len(store)
 
 
 def test_live_sequence_pins_its_prefix(tmp_path) -> None:

@@ -21,18 +21,23 @@ def default_prefix_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "flashmem") / "prefix"
 
 
+# Sizes above this are typos (1e400, 10^30): one line, not an OverflowError.
+MAX_SIZE = 2**60
+
+
 def parse_bytes(text: str, flag: str = "--cold-quota") -> int:
-    """`500M`, `4G`, `4GiB`, `1e9` -> bytes (K/M/G/T binary, as in the calculator)."""
+    """`500M`, `4G`, `4GiB`, `1e9` -> bytes (K/M/G/T binary, as in the calculator), 1 byte to 1 EiB."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
     num = t[:-1] if mult > 1 else t
+    allowed = "allowed: a size from 1 byte to 1 EiB, like 500M, 4G, 4GiB"
     try:
-        value = int(float(num) * mult)
+        raw = float(num) * mult
     except ValueError:
-        raise FlashMemError(f"{flag}: {text!r} is not a size; allowed: bytes like 500M, 4G, 4GiB") from None
-    if value <= 0:
-        raise FlashMemError(f"{flag}: {text!r}; allowed: a positive size")
-    return value
+        raise FlashMemError(f"{flag}: {text!r} is not a size; {allowed}") from None
+    if raw != raw or not 1 <= raw <= MAX_SIZE:  # NaN, inf, 1e400, 0, negative
+        raise FlashMemError(f"{flag}: {text!r}; {allowed}")
+    return int(raw)
 
 
 def serve(
@@ -58,6 +63,9 @@ def serve(
     max_tokens: int = typer.Option(16, "--default-max-tokens", min=1, help="max_tokens when a request gives none"),
     model_name: str | None = typer.Option(None, "--served-name", help="the model id clients send (default: --model)"),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads"),
+    max_request_bytes: str = typer.Option(
+        "4M", "--max-request-bytes", help="largest request body (413 beyond it), e.g. 4M"
+    ),
 ) -> None:
     """Serve the model through the FlashMemory cache with the OpenAI API (completions, chat, streaming)."""
     try:
@@ -80,6 +88,7 @@ def serve(
     cfg = FlashMemoryConfig.from_yaml(config or _default_config())
     keys = load_api_keys(api_keys) if api_keys is not None else None
     quota = parse_bytes(cold_quota)
+    body_limit = parse_bytes(max_request_bytes, "--max-request-bytes")
     _check_port(host, port)  # before a minute of model loading, not after
     store = None if no_prefix_cache else PrefixStore(prefix_dir or default_prefix_dir(), quota_bytes=quota)
     if threads:
@@ -99,7 +108,10 @@ def serve(
     where = f"prefixes in {store.root} (quota {quota} bytes)" if store is not None else "no prefix reuse"
     typer.echo(f"serving {engine.model_name!r} on http://{host}:{port}/v1; {where}", err=True)
     uvicorn.run(
-        create_app(engine, api_keys=keys, default_max_tokens=max_tokens), host=host, port=port, log_level="warning"
+        create_app(engine, api_keys=keys, default_max_tokens=max_tokens, max_body_bytes=body_limit),
+        host=host,
+        port=port,
+        log_level="warning",
     )
 
 

@@ -12,19 +12,22 @@ import hashlib
 from pathlib import Path
 
 from flashmem.errors import FlashMemError
+from flashmem.user_files import MiB, read_user_text
 
 # Without --api-keys every request is one tenant.
 OPEN_SALT = "open"
 
 
+# A keys file larger than this is a mistake (a device, a log file), not a list of keys.
+MAX_KEYS_BYTES = MiB
+
+
 def load_api_keys(path: str | Path) -> dict[str, str]:
-    """key -> tenant salt. FlashMemError (one line) for a missing, unreadable or empty file."""
+    """key -> tenant salt. FlashMemError (one line) for a missing, unreadable, empty or
+    oversized file, and for anything but a regular file (/dev/zero, a FIFO: refused
+    without reading or blocking)."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise FlashMemError(f"--api-keys {p}: cannot read it ({reason})") from None
+    text = read_user_text(p, "--api-keys", MAX_KEYS_BYTES)
     keys: dict[str, str] = {}
     for n, line in enumerate(text.splitlines(), 1):
         parts = line.split("#", 1)[0].split()

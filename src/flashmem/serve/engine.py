@@ -50,6 +50,9 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0  # OpenAI's: minus this from every token generated so far
+    frequency_penalty: float = 0.0  # minus this times how often each token was generated
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
 
 @dataclass
@@ -147,6 +150,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._evictions_seen = 0  # the store's eviction count already added to the metric
+        self._damaged_seen = 0  # the same for records that failed their check
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -223,9 +227,11 @@ class Engine:
                 # Blocks that end before the last prompt token: that token must run to give logits.
                 seq.keys = chain(seq.prompt_ids, C, self.fingerprint, seq.salt, limit=(n - 1) // C)
                 hit = store.longest(seq.keys)
+                # The records that are there and pass their checks: a gone or damaged one
+                # ends the reuse there (it is removed; the prefill writes it again).
                 records = store.load(seq.keys[:hit]) if hit else []
-                if records is None:  # evicted or damaged meanwhile: prefill it all
-                    hit, records = 0, []
+                hit = len(records)
+                self._store_counters()
                 store.pin(seq.keys[:hit])
                 seq.pinned = seq.keys[:hit]
                 if hit:
@@ -294,7 +300,7 @@ class Engine:
         assert logits is not None
         if len(seq.logits) < seq.record_logits:
             seq.logits.append(logits.clone())
-        tok = _sample(logits, seq.sampling, seq.generator)
+        tok = _sample(process_logits(logits, seq.sampling, seq.generated), seq.sampling, seq.generator)
         now = time.perf_counter()
         if seq.t_first is None:
             seq.t_first = now
@@ -373,10 +379,37 @@ class Engine:
         if self.prefix_store is not None:
             m.prefix_bytes.set(self.prefix_store.nbytes())
             m.prefix_records.set(len(self.prefix_store))
-            ev = self.prefix_store.evictions
-            if ev > self._evictions_seen:
-                m.prefix_evictions.inc(ev - self._evictions_seen)
-                self._evictions_seen = ev
+            self._store_counters()
+
+    def _store_counters(self) -> None:
+        """Add the store's new evictions and damaged records to the metrics."""
+        store, m = self.prefix_store, self.metrics
+        if store is None:
+            return
+        ev = store.evictions
+        if ev > self._evictions_seen:
+            m.prefix_evictions.inc(ev - self._evictions_seen)
+            self._evictions_seen = ev
+        bad = store.damaged
+        if bad > self._damaged_seen:
+            m.prefix_damaged.inc(bad - self._damaged_seen)
+            self._damaged_seen = bad
+
+
+def process_logits(logits: torch.Tensor, s: Sampling, generated: list[int]) -> torch.Tensor:
+    """OpenAI's logit processing: logit_bias added, then for every token generated so far
+    count * frequency_penalty + presence_penalty subtracted. logits: [vocab] -> [vocab]."""
+    if not s.logit_bias and not ((s.presence_penalty or s.frequency_penalty) and generated):
+        return logits
+    out = logits.clone()
+    if s.logit_bias:
+        ids = torch.tensor(list(s.logit_bias), dtype=torch.long, device=out.device)
+        out[ids] += torch.tensor(list(s.logit_bias.values()), dtype=out.dtype, device=out.device)
+    if (s.presence_penalty or s.frequency_penalty) and generated:
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=out.numel())[: out.numel()]
+        counts = counts.to(device=out.device, dtype=out.dtype)
+        out -= counts * s.frequency_penalty + (counts > 0).to(out.dtype) * s.presence_penalty
+    return out
 
 
 def _sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:

@@ -29,6 +29,11 @@ class ServeMetrics:
         )
         self.prefill_tokens = Counter("flashmem_prefill_tokens", "prompt tokens computed", registry=r)
         self.prefix_evictions = Counter("flashmem_prefix_evictions", "prefix records evicted (quota)", registry=r)
+        self.prefix_damaged = Counter(
+            "flashmem_prefix_damaged_records",
+            "stored prefix records that failed their checksum (never used, removed)",
+            registry=r,
+        )
         self.cold_stalls = Counter("flashmem_cold_stalls", "cold-tier block reads attention waited for", registry=r)
         self.cold_stall_seconds = Counter(
             "flashmem_cold_stall_seconds", "seconds attention waited for cold-tier blocks", registry=r

@@ -12,30 +12,54 @@ during block j (`flashmem.serve.state.export_delta`: sealed blocks' exact K/V,
 their HCA entries and index pages, plain layers' K/V) plus the bounded tail at
 its end; records 1..j rebuild the state after block j exactly.
 
-Files: `<root>/<h_j>.safetensors` (parent hash in the metadata), written
-atomically (temporary file, then rename), so the store survives a restart and
-a crash never leaves half a record. The last-use time is the file's mtime
+Files: `<root>/<h_j>.fmprefix`, each one record: an 8-byte magic, a 16-byte
+xxh3-128 digest of everything after it, then the record in safetensors format
+(its metadata holds the key and the parent hash). A record is checked before
+use: one that fails (a flipped bit anywhere, header or payload; zeros; random
+bytes; a truncation; a file renamed to another key) is never used: it costs the
+reuse of that block and the ones after it, is counted (`damaged`, shown in
+/metrics as `flashmem_prefix_damaged_records_total`) and removed. Records are
+written atomically (temporary file, then rename), so the store survives a
+restart and a crash never leaves half a record. The folder is 0700 and the
+records 0600 (they encode the users' prompts), and no write follows a symlink.
+The index follows the files: a record deleted from outside is dropped from it
+when it is next looked up, and written again by the next prefill that computes
+it. The last-use time is the file's mtime
 (touched on every hit, leaf last), and the store evicts least recently used
 records while it holds more than `quota_bytes`, skipping records pinned by a
 live sequence. Evicting a record makes its descendants unreachable; they are
 the least recently used ones next (a hit touches parents before children).
+Files of the earlier unchecked format (`<h_j>.safetensors`) are removed on open.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
+import stat
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+import xxhash
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from flashmem.errors import ColdStoreError
+from flashmem.store.private_fs import DIR_MODE, make_private_dirs, open_private
 
-SUFFIX = ".safetensors"
+SUFFIX = ".fmprefix"
+MAGIC = b"FMPFX\x00\x01\x00"  # format 1
+DIGEST = 16  # xxh3-128
+_OLD_FORMAT = re.compile(r"^[0-9a-f]{40}\.safetensors$")
+
+
+class DamagedRecordError(Exception):
+    """A record's bytes do not match its digest, or do not parse (internal: a miss)."""
 
 
 @dataclass
@@ -63,15 +87,53 @@ def chain(tokens: list[int], block_tokens: int, fingerprint: str, salt: str, lim
     return keys
 
 
+def encode_record(key: str, parent: str, record: dict[str, torch.Tensor]) -> bytes:
+    """The file bytes of a record: magic, digest of the rest, safetensors (key and parent in its metadata)."""
+    body = st_save(record, metadata={"key": key, "parent": parent})
+    return MAGIC + xxhash.xxh3_128_digest(body) + body
+
+
+def decode_record(key: str, data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a record file's bytes; DamagedRecordError unless every byte checks out."""
+    if len(data) < len(MAGIC) + DIGEST or data[: len(MAGIC)] != MAGIC:
+        raise DamagedRecordError("bad magic or truncated")
+    body = memoryview(data)[len(MAGIC) + DIGEST :]
+    if xxhash.xxh3_128_digest(body) != data[len(MAGIC) : len(MAGIC) + DIGEST]:
+        raise DamagedRecordError("digest mismatch")
+    try:
+        tensors = st_load(bytes(body))
+    except Exception as exc:  # noqa: BLE001 - verified bytes that do not parse are still damage
+        raise DamagedRecordError(f"unreadable: {exc}") from None
+    if _metadata_key(bytes(body)) != key:
+        raise DamagedRecordError("record of another key")
+    return tensors
+
+
+def _metadata_key(body: bytes) -> str | None:
+    """The `key` in a safetensors body's metadata (its JSON header: 8-byte length, then JSON)."""
+    n = int.from_bytes(body[:8], "little")
+    try:
+        header = json.loads(body[8 : 8 + n])
+    except ValueError:
+        return None
+    meta = header.get("__metadata__") or {}
+    return meta.get("key") if isinstance(meta, dict) else None
+
+
 class PrefixStore:
     """Records keyed by hash-chain keys, on disk under `root`, LRU under `quota_bytes`."""
 
     def __init__(self, root: str | Path, quota_bytes: int | None = None) -> None:
         self.root = Path(root)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(str(self.root))
+            st = os.lstat(self.root)
+            if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+                raise ColdStoreError(f"prefix store folder {self.root}: not a folder; allowed: a folder you own")
+            if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != DIR_MODE:
+                os.chmod(self.root, DIR_MODE)  # records encode prompts: this user only
             probe = self.root / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
+            os.close(open_private(str(probe), os.O_WRONLY | os.O_CREAT))
             probe.unlink()
         except OSError as exc:
             raise ColdStoreError(f"prefix store folder {self.root} is not writable: {exc.strerror or exc}") from None
@@ -79,6 +141,7 @@ class PrefixStore:
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self.evictions = 0
+        self.damaged = 0  # records that failed their check (removed)
         for path in self.root.glob("*" + SUFFIX):  # a restart: what earlier runs left
             try:
                 st = path.stat()
@@ -87,14 +150,23 @@ class PrefixStore:
             self._entries[path.name[: -len(SUFFIX)]] = Entry(parent="", nbytes=st.st_size, used=st.st_mtime)
         for tmp in self.root.glob("*.tmp"):  # a crash mid-write
             tmp.unlink(missing_ok=True)
+        for old in self.root.iterdir():  # unchecked records of the earlier format are never used
+            if _OLD_FORMAT.match(old.name):
+                old.unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- queries
     def __contains__(self, key: str) -> bool:
+        """Whether a record of `key` is stored (a record deleted from outside is dropped here)."""
         with self._lock:
-            return key in self._entries
+            if key not in self._entries:
+                return False
+        if self._path(key).exists():
+            return True
+        self._drop(key)
+        return False
 
     def longest(self, keys: list[str]) -> int:
-        """How many leading keys of a chain are stored."""
+        """How many leading keys of a chain are in the index (`load` checks their files)."""
         with self._lock:
             n = 0
             for k in keys:
@@ -112,18 +184,28 @@ class PrefixStore:
             return len(self._entries)
 
     # ---------------------------------------------------------------- records
-    def load(self, keys: list[str]) -> list[dict[str, torch.Tensor]] | None:
-        """The records of `keys` in order, each touched; None when one is gone or unreadable
-        (evicted meanwhile, damaged): the caller prefills instead."""
+    def load(self, keys: list[str]) -> list[dict[str, torch.Tensor]]:
+        """The records of the longest leading run of `keys` whose files are there and check
+        out, each touched. The first one that is gone (deleted, evicted meanwhile) or fails
+        its check ends the run: it is dropped from the index and its file removed; the
+        caller prefills from there."""
         out = []
         for k in keys:
+            path = self._path(k)
             try:
-                out.append(load_file(str(self._path(k))))
-            except Exception:  # noqa: BLE001 - a damaged or vanished record is a miss, never a failure
+                data = path.read_bytes()
+            except OSError:  # gone: the index follows the files
                 self._drop(k)
-                return None
+                break
+            try:
+                out.append(decode_record(k, data))
+            except DamagedRecordError:
+                with self._lock:
+                    self.damaged += 1
+                self._drop(k)
+                break
         now = time.time()
-        for i, k in enumerate(keys):  # parents before children: LRU evicts leaves first
+        for i, k in enumerate(keys[: len(out)]):  # parents before children: LRU evicts leaves first
             self._touch(k, now + i * 1e-6)
         return out
 
@@ -132,9 +214,16 @@ class PrefixStore:
         path = self._path(key)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            save_file(record, str(tmp), metadata={"parent": parent})
+            data = encode_record(key, parent, record)
+            fd = open_private(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
-            size = path.stat().st_size
+            size = len(data)
         except Exception as exc:  # OSError, or safetensors' own error type for the same causes
             tmp.unlink(missing_ok=True)
             reason = getattr(exc, "strerror", None) or str(exc)
