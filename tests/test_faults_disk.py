@@ -422,6 +422,30 @@ def test_truncated_lmdb_file_is_one_line_not_a_crash(tmp_path):
     )
 
 
+@pytest.mark.parametrize("damage", ["emptied", "missing", "inside the meta pages"])
+def test_emptied_or_missing_lmdb_file_is_refused_and_left_as_found(tmp_path, damage):
+    """Issue 30: data.mdb is an LMDB store's whole content. Emptied (truncated to 0) or
+    deleted, LMDB would start a fresh environment in its place and the store would
+    reopen empty (`dropped: 0`), every block gone without a word: refused in one line
+    instead, and the file is not rewritten."""
+    path = persisted(LmdbStore, tmp_path, 20)
+    data = os.path.join(path, "data.mdb")
+    if damage == "missing":
+        os.unlink(data)
+    else:
+        os.truncate(data, 0 if damage == "emptied" else 100)
+    with pytest.raises(ColdStoreError) as err:
+        LmdbStore.reopen(path, persist=True)
+    msg = one_line(err.value)
+    assert path in msg and "data.mdb" in msg and "allowed:" in msg
+    if damage == "missing":
+        assert not os.path.exists(data)
+    else:
+        assert os.path.getsize(data) == (0 if damage == "emptied" else 100)
+    with pytest.raises(ColdStoreError):  # still refused: nothing was initialised by the first try
+        LmdbStore.reopen(path, persist=True)
+
+
 # ------------------------------------------------------------------ 5. commit log (DiskStore's own format)
 def flip(path: str, offset: int) -> None:
     with open(path, "r+b") as f:

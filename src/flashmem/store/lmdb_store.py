@@ -39,6 +39,7 @@ FORMAT = 1
 BACKEND = "lmdb"
 _KEY = struct.Struct(">iq")  # big-endian: LMDB's byte order sorts keys by (layer, block)
 MAP_SIZE = 2**40  # address space only: the file grows with what is written
+MIN_DATA_BYTES = 2 * 4096  # LMDB's two meta pages (its page size is the OS page size, 4 KiB or more)
 ERRORS = (OSError, lmdb.Error)  # what opening or writing an environment raises
 
 
@@ -199,6 +200,11 @@ def _check_has_content(folder: str) -> None:
         raise ColdStoreError(
             f"cold store {folder}: data.mdb is empty (0 bytes; it held every block of this store); "
             "allowed: an intact LMDB store folder"
+        )
+    if size < MIN_DATA_BYTES:
+        raise ColdStoreError(
+            f"cold store {folder}: data.mdb is truncated ({size} bytes; an LMDB file starts with two meta "
+            f"pages, {MIN_DATA_BYTES} bytes at least); allowed: an intact LMDB store folder"
         )
 
 
