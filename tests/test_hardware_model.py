@@ -180,3 +180,26 @@ def test_arch_from_an_hf_config_matches_the_built_in():
     assert hwm.arch_from_config(cfg) == hwm.ARCHS["llama-3.1-8b"]
     assert hwm.arch_from_config(json.loads(json.dumps({**cfg, "num_local_experts": 8}))) is None
     assert hwm.arch_from_config({"hidden_size": 8}) is None
+
+
+def test_arch_params_equal_the_real_models_parameter_count():
+    """Arch.params against transformers' own models (tiny random ones)."""
+    from tiny_models import MODELS
+
+    for build in MODELS.values():
+        model = build()
+        arch = hwm.arch_from_config(model.config.to_dict())
+        assert arch is not None
+        assert arch.params == sum(p.numel() for p in model.parameters()), type(model).__name__
+
+
+def test_the_caches_own_traffic_names_are_accepted(h200):
+    """cache.traffic_report() names a prompt's forwards `prefill_forwards` /
+    `per_prefill_forward_median` and adds keys of its own: both schemas read the same."""
+    report = synthetic_report(10**9, 50 * 10**6, 10**8, 256)
+    report["steps"] = {"prefill_forwards": 256, "decode_steps": 16}
+    report["per_prefill_forward_median"] = dict(report.pop("per_prefill_chunk_median"), full_cache_bytes=1)
+    report["per_decode_step_median"]["full_cache_bytes"] = KV_SEQ
+    hwm.check_traffic(report)
+    tr = hwm.counted_traffic(report, 2**30, 0, "cache names")
+    assert tr.prefill_link_bytes == 256 * 10**8 and tr.link_bytes == 50 * 10**6

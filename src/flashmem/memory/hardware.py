@@ -358,24 +358,44 @@ def check_traffic(data: Any, where: str = "traffic") -> None:
 
     if not isinstance(data, dict):
         raise bad("not a JSON object")
-    for section in ("steps", "totals", "per_decode_step_median", "per_prefill_chunk_median"):
+    for section in ("steps", "totals", "per_decode_step_median"):
         if not isinstance(data.get(section), dict):
             raise bad(f"missing the object {section!r}")
-    for k in ("prefill_chunks", "decode_steps"):
-        count(data["steps"].get(k), f"steps.{k}")
-    for section in ("totals", "per_decode_step_median", "per_prefill_chunk_median"):
+    prefill = _prefill_median(data)
+    if not isinstance(prefill, dict):
+        raise bad("missing the object 'per_prefill_chunk_median' (or 'per_prefill_forward_median')")
+    count(_prefill_count(data), "steps.prefill_chunks")
+    count(data["steps"].get("decode_steps"), "steps.decode_steps")
+    for section, values in (
+        ("totals", data["totals"]),
+        ("per_decode_step_median", data["per_decode_step_median"]),
+        ("per_prefill_chunk_median", prefill),
+    ):
         for k in TRAFFIC_KEYS:
-            count(data[section].get(k), f"{section}.{k}")
+            count(values.get(k), f"{section}.{k}")
     count(data.get("full_cache_bytes"), "full_cache_bytes")
     count(data.get("layers"), "layers")
 
 
+def _prefill_median(data: dict[str, Any]) -> Any:
+    """The per-prompt-forward medians: `per_prefill_chunk_median`, or the cache's own name for
+    them, `per_prefill_forward_median`."""
+    return data.get("per_prefill_chunk_median", data.get("per_prefill_forward_median"))
+
+
+def _prefill_count(data: dict[str, Any]) -> Any:
+    steps = data.get("steps", {})
+    return steps.get("prefill_chunks", steps.get("prefill_forwards"))
+
+
 def counted_traffic(report: dict[str, Any], resident_bytes: int, prompt_bytes: int, source: str) -> FlashTraffic:
     """flashmem's traffic as a run counted it (`cache.traffic_report()`, one sequence): the
-    per-decode-step medians drive a step; a prompt is the per-chunk median x its chunks. The
+    per-decode-step medians drive a step; a prompt is the per-forward median x its forwards
+    (`prefill_chunks` / `per_prefill_chunk_median`, or `prefill_forwards` /
+    `per_prefill_forward_median`; other keys are ignored). The
     figures are for the run's own model, length and config."""
     step = report["per_decode_step_median"]
-    chunk = report["per_prefill_chunk_median"]
+    chunk = _prefill_median(report)
     return FlashTraffic(
         resident_bytes=resident_bytes,
         prompt_bytes=prompt_bytes,
@@ -383,7 +403,7 @@ def counted_traffic(report: dict[str, Any], resident_bytes: int, prompt_bytes: i
         link_bytes=float(step["h2d_bytes"]),
         disk_bytes=float(step["disk_read_bytes"]),
         host_read_bytes=float(step["host_read_bytes"]),
-        prefill_link_bytes=float(chunk["h2d_bytes"]) * int(report["steps"]["prefill_chunks"]),
+        prefill_link_bytes=float(chunk["h2d_bytes"]) * int(_prefill_count(report)),
         attended_tokens=0,
         source=f"counted: {source} (per-decode-step medians of that run)",
     )

@@ -1,0 +1,48 @@
+"""benchmarks/gpu_check.py runs end to end on a CPU with --smoke (tiny sizes), as CI runs it:
+the exactness section passes, every length has measured decode times for both caches, and the
+hardware model's figures stand beside them, labelled modelled."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_smoke_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env={"OMP_NUM_THREADS": "1", **_env()})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = json.loads(out.read_text())
+    ex = d["exactness"]
+    assert ex["ok"] and ex["blocks"]["max_abs_diff"] <= 1e-3 and ex["pages_rerank_prefetch"]["max_abs_diff"] <= 1e-3
+    assert ex["blocks"]["sealed_blocks"] > 0 and ex["blocks"]["cold_bytes"] > 0  # the cold tier was used
+    assert [r["tokens"] for r in d["lengths"]] == [256, 512]
+    for r in d["lengths"]:
+        assert r["dynamic"]["decode_ms_median"] > 0 and len(r["dynamic"]["decode_ms"]) == 3
+        assert r["flashmem"]["decode_ms_median"] > 0 and r["flashmem"]["prefill_s"] > 0
+        assert r["flashmem"]["cold_bytes"] > 0
+        p = r["prediction"]
+        assert p["label"] == "modelled, not measured" and p["dynamic_decode_ms"] > p["ideal_full_decode_ms"] > 0
+        # the model's weights: the smoke Llama's real parameter count x 2 bytes (bf16)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from gpu_check import SMOKE
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **SMOKE))
+        assert p["weight_bytes"] == 2 * sum(t.numel() for t in model.parameters())
+    assert "exactness: ok" in proc.stdout
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
