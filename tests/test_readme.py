@@ -190,3 +190,21 @@ def test_snippet_runs_as_written_on_smollm2():
     check_snippet_result(ns, printed)
     assert ns["model"].config.model_type == "llama"  # SmolLM2 is a Llama
     assert printed.split("\n")[0].strip(), "SmolLM2 generated no text"
+
+
+def test_every_relative_link_and_image_exists():
+    """Links and images into the repository (docs/, results/, src/) point at files that exist,
+    and a link's #anchor at a heading of that file."""
+
+    def slug(heading: str) -> str:  # GitHub's anchor of a heading
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    targets = re.findall(r"\]\(([^)#\s]+)(#[^)\s]+)?\)", readme())
+    local = [(t, a) for t, a in targets if not re.match(r"[a-z]+://", t)]
+    assert len(local) >= 5
+    for target, anchor in local:
+        path = ROOT / target
+        assert path.exists(), f"README links to {target}, which does not exist"
+        if anchor and path.suffix == ".md":
+            headings = {slug(h) for h in re.findall(r"^#+ (.*)$", path.read_text(encoding="utf-8"), flags=re.M)}
+            assert anchor[1:] in headings, f"README links to {target}{anchor}: no such heading"
