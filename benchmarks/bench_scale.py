@@ -5,7 +5,7 @@
                                      [--plot results/scale_tiny.png] [--dynamic-max 1048576]
                                      [--methods flashmem,flashmem-shared,dynamic] [--prefill-queries 64]
 
-Model: the tiny random Llama of bench_prefetch.py (4 layers, hidden 256, 4 KV
+Model: the tiny random Llama of `flashmem_eval.benchkit.tiny_llama_long` (4 layers, hidden 256, 4 KV
 heads x 64 dims, fp32: 8 KiB of K/V per token) on random tokens. Every length
 runs in its own process, so its peak RSS (ru_maxrss) is its own.
 

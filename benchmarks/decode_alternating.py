@@ -5,7 +5,7 @@
                                             [--variants norerank] [--no-fixed] [--budget 0.125]
                                             [--model smollm2]
 
-Model: the tiny random Llama of bench_prefetch.py (4 layers, 4 KV heads x 64,
+Model: the tiny random Llama of `flashmem_eval.benchkit.tiny_llama_long` (4 layers, 4 KV heads x 64,
 fp32) on random tokens, 1 torch thread; `--model smollm2`: SmolLM2-135M on the
 KJV text (trained to 8K, so lengths up to 8192). Per length, three caches live side by
 side and decode in turn, the order rotating every step so machine noise hits
