@@ -148,7 +148,9 @@ def test_peak_resident_bytes_stay_under_budget_on_long_prefill():
         model(ids, cache=cache, use_cache=True)
     report = cache.memory_report()
     layer = cache.flash_layers[0]
-    per_token = 2 * layer.hca_k.shape[1] * layer.hca_k.shape[-1] * layer.hca_k.element_size()
+    per_token = (
+        2 * layer.summaries.hca_k.shape[1] * layer.summaries.hca_k.shape[-1] * layer.summaries.hca_k.element_size()
+    )
     counts = tier_counts(cfg, 8192)
     budget_per_layer = per_token * (counts.resident_kv + 512) + per_token // 2 * counts.index_key_vectors
     full_cache = per_token * 8192 * 2

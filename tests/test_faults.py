@@ -137,7 +137,7 @@ def test_seal_is_all_or_nothing_when_put_fails(model, tmp_path, kind):
                 model(ids(1, 120), cache=cache, use_cache=True)
         n = layer.num_sealed
         pages = layer.cfg.hca_chunk_size // layer.cfg.page_tokens
-        assert n > 0 and layer.index.count == n * pages and layer.hca_cnt.shape[-1] == n
+        assert n > 0 and layer.index.count == n * pages and layer.summaries.hca_cnt.shape[-1] == n
         assert layer.block_start + n * 16 + layer.open_k.shape[-2] + layer.win_k.shape[-2] == layer.valid.shape[-1]
 
 

@@ -128,12 +128,12 @@ def test_reads_below_full_rank_return_the_projection(r, fit, cal_dir, model_ids_
     # page reads from the arena (what selection and re-ranking use) give the same rows
     ppb = ll.cfg.pages_per_block
     idx = torch.tensor([[[j * ppb + 1, (j + 2) * ppb]]]).expand(1, ll.win_k.shape[1], 2)
-    pk_got, pv_got = ll._arena_pages(idx)
+    pk_got, pv_got = ll.reader.arena_pages(idx)
     assert torch.allclose(pk_got[:, :, 0], got_k[:, :, 4:8], atol=1e-5)
     assert torch.allclose(pv_got[:, :, 0], got_v[:, :, 4:8], atol=1e-5)
     k2, _ = ll.fetch_block(j + 2)
     assert torch.allclose(pk_got[:, :, 1], k2[:, :, :4], atol=1e-5)
-    keys_only = ll._arena_pages(idx, values=False)  # the re-rank candidates' read
+    keys_only = ll.reader.arena_pages(idx, values=False)  # the re-rank candidates' read
     assert keys_only[1] is None and torch.allclose(keys_only[0], pk_got, atol=1e-6)
 
 

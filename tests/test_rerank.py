@@ -92,13 +92,13 @@ def test_rerank_changes_the_choice_of_a_blurred_index_and_reads_the_same_both_wa
 
 
 def test_chunks_longer_than_the_limit_keep_the_index_choice(monkeypatch):
-    from flashmem.cache import flash_layer
+    from flashmem.cache import ranking
 
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(2))
     kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=3)
     plain_out, plain = _run(model, ids, 6, **kw)
-    monkeypatch.setattr(flash_layer, "RERANK_MAX_QUERIES", 0)  # every chunk (and step) is longer
+    monkeypatch.setattr(ranking, "RERANK_MAX_QUERIES", 0)  # every chunk (and step) is longer
     out, sel = _run(model, ids, 6, **kw, lsa_rerank=4)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(plain, sel))
     assert torch.equal(out, plain_out)
@@ -108,7 +108,7 @@ def test_a_candidate_floor_over_every_page_makes_the_index_order_irrelevant(monk
     """lsa_rerank_min_pages: with at least as many candidates as pages, the exact keys
     alone choose, so an index scoring at random selects what the real one does; with
     r * k candidates only, it does not."""
-    from flashmem.cache.flash_layer import FlashLayer
+    from flashmem.cache.ranking import CandidateRanker
 
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(4))
@@ -116,9 +116,11 @@ def test_a_candidate_floor_over_every_page_makes_the_index_order_irrelevant(monk
     floor = dict(kw, lsa_rerank_min_pages=10_000)
     real_out, real = _run(model, ids, 6, **floor)
     real_r2_out, _ = _run(model, ids, 6, **kw)
-    scores = FlashLayer._scores
+    scores = CandidateRanker.scores
     gen = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(FlashLayer, "_scores", lambda self, qg, s: torch.rand(scores(self, qg, s).shape, generator=gen))
+    monkeypatch.setattr(
+        CandidateRanker, "scores", lambda self, qg, s, h: torch.rand(scores(self, qg, s, h).shape, generator=gen)
+    )
     rand_out, rand = _run(model, ids, 6, **floor)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(real, rand))
     assert torch.equal(real_out, rand_out)
@@ -128,21 +130,21 @@ def test_a_candidate_floor_over_every_page_makes_the_index_order_irrelevant(monk
 
 def test_the_candidate_floor_bounds_the_reads_per_step(monkeypatch):
     """Candidates per step: max(r * k, lsa_rerank_min_pages), never more than the pages."""
-    from flashmem.cache.flash_layer import FlashLayer
+    from flashmem.cache.ranking import CandidateRanker
 
     seen = []
-    rerank, in_place = FlashLayer._rerank, FlashLayer._rerank_in_place
+    rerank, in_place = CandidateRanker.rerank, CandidateRanker.rerank_in_place
 
     def counting(self, cand, qg, ptv, k_sel, scaling):
         seen.append((cand.shape[-1], ptv.shape[1]))
         return rerank(self, cand, qg, ptv, k_sel, scaling)
 
-    def counting_in_place(self, qg, ptv, k_sel, scaling, cand=None):
+    def counting_in_place(self, qg, ptv, k_sel, scaling, num_sealed, cand=None):
         seen.append((ptv.shape[1] if cand is None else cand.shape[-1], ptv.shape[1]))
-        return in_place(self, qg, ptv, k_sel, scaling, cand)
+        return in_place(self, qg, ptv, k_sel, scaling, num_sealed, cand)
 
-    monkeypatch.setattr(FlashLayer, "_rerank", counting)
-    monkeypatch.setattr(FlashLayer, "_rerank_in_place", counting_in_place)
+    monkeypatch.setattr(CandidateRanker, "rerank", counting)
+    monkeypatch.setattr(CandidateRanker, "rerank_in_place", counting_in_place)
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(4))
     kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=3, lsa_rerank=2)
@@ -160,21 +162,21 @@ def test_candidates_scored_in_place_choose_as_their_copied_keys_do(monkeypatch, 
     ~70 pages) are scored where the memory store holds them (`block_keys`, no copy into page
     order; every page: no index stage); the choice and the logits are those of the
     candidates' keys copied out page by page."""
-    from flashmem.cache.flash_layer import FlashLayer
+    from flashmem.cache.ranking import CandidateRanker
     from flashmem.store.memory import MemoryStore
 
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(6))
     kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=6, lsa_rerank=4)
     kw["lsa_rerank_min_pages"] = floor
-    in_place, used = FlashLayer._rerank_in_place, []
+    in_place, used = CandidateRanker.rerank_in_place, []
 
-    def counting(self, qg, ptv, k_sel, scaling, cand=None):
-        out = in_place(self, qg, ptv, k_sel, scaling, cand)
+    def counting(self, qg, ptv, k_sel, scaling, num_sealed, cand=None):
+        out = in_place(self, qg, ptv, k_sel, scaling, num_sealed, cand)
         used.append((cand is None, out is not None))
         return out
 
-    monkeypatch.setattr(FlashLayer, "_rerank_in_place", counting)
+    monkeypatch.setattr(CandidateRanker, "rerank_in_place", counting)
     in_place_out, chosen = _run(model, ids, 6, **kw)
     assert used and all(ok for _, ok in used)
     # the floor: every page on every step; without it, candidates a part of the pages on long steps

@@ -43,7 +43,7 @@ def _logits_and_ws_bytes(model, ids, **kw):
         out = run(model, cache, ids, 8)
         ws = sum(layer.resident_bytes()["working_set"] for layer in cache.layers)
         # a step's decoded copy is a transient: nothing uncounted stays resident after it
-        assert all(layer._ws_plain == [None, None] for layer in cache.layers)
+        assert all(layer.working_set.plain == [None, None] for layer in cache.layers)
     finally:
         cache.close()
     return out, ws
@@ -90,6 +90,7 @@ def test_pages_held_over_keep_their_codes_as_if_coded_again(monkeypatch, rerank,
     those of coding the whole working set every step. Direct reads, re-rank candidates,
     every page as a candidate and whole blocks through the prefetcher each take that path."""
     from flashmem.cache.flash_layer import FlashLayer
+    from flashmem.cache.working_set import WorkingSet
     from test_rerank import _run
 
     monkeypatch.setattr(FlashLayer, "read_memory_directly", not through)
@@ -98,16 +99,16 @@ def test_pages_held_over_keep_their_codes_as_if_coded_again(monkeypatch, rerank,
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(8))
     kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=6)
     kw.update(lsa_rerank=min(rerank, 4), lsa_rerank_min_pages=rerank if rerank > 4 else 0, working_set_codec="int8")
-    merge, merged = FlashLayer._merge_working_set, []
+    merge, merged = WorkingSet.merge, []
 
     def counting(self, idx, held, *a):
         merged.append(int((~held[0]).sum()))
         return merge(self, idx, held, *a)
 
-    monkeypatch.setattr(FlashLayer, "_merge_working_set", counting)
+    monkeypatch.setattr(WorkingSet, "merge", counting)
     kept_out, kept = _run(model, ids, 8, **kw)
     assert merged and any(n > 0 for n in merged)  # pages held over and pages read fresh
-    monkeypatch.setattr(FlashLayer, "_held_over", lambda self, idx: None)  # code every page every step
+    monkeypatch.setattr(WorkingSet, "held_over", lambda self, idx, reader: None)  # code every page every step
     again_out, again = _run(model, ids, 8, **kw)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(kept, again))
     assert torch.equal(kept_out, again_out)

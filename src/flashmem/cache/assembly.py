@@ -1,0 +1,174 @@
+"""Attention assembly: one attention over the parts a step attends.
+
+The layer adds its parts in order (sinks | HCA entries | CSA entries | working set
+| open block | window), each with an additive bias per key (padding and left-out
+summaries -inf; `summary_bias` on fused entries); `attend` appends the new tokens
+(causal among themselves) and an optional rest entry, writes keys, values and the
+mask into reused buffers (`cache/scratch.py`) and runs SDPA once.
+
+Shapes: parts [b, h, n, d] (or int8 (codes, scale [b, h, n, 1]), decoded into place);
+biases [b, h or 1, n]; queries [b, Hq, m, d] -> out [b, Hq, m, d].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from flashmem.cache.scratch import Scratch, thread_scratch
+from flashmem.cache.working_set import Part
+from flashmem.compress import page_code
+
+NEG = float("-inf")
+
+
+def step_scratch() -> Scratch:
+    """The buffers a step's attention is assembled in: the thread's, reused. Under autograd
+    (a forward outside torch.no_grad) fresh ones: a buffer written again by the next layer
+    would change what backward reads."""
+    return Scratch() if torch.is_grad_enabled() else thread_scratch()
+
+
+class Assembly:
+    """Keys, values and their biases, part by part, for one chunk's attention."""
+
+    def __init__(self, b: int, hkv: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.b, self.hkv, self.dtype, self.device = b, hkv, dtype, device
+        self.keys: list[Part] = []
+        self.values: list[Part] = []
+        self.biases: list[torch.Tensor] = []
+
+    def add(self, k: Part, v: Part, bias: torch.Tensor) -> None:
+        """A part k, v [b, h, n, d] with its bias [b, h or 1, n]; empty parts are skipped."""
+        n = part_len(k)
+        if n:
+            self.keys.append(k)
+            self.values.append(v)
+            self.biases.append(bias.expand(self.b, self.hkv, n))
+
+    def add_valid(self, k: Part, v: Part, valid: torch.Tensor) -> None:
+        """A part whose tokens are hidden where valid [b, n] is False (padding)."""
+        self.add(k, v, bias_from_valid(valid, self.dtype))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        valid_new: torch.Tensor,
+        scaling: float,
+        rest: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """q [b, Hq, m, d] over the parts plus the chunk's own K/V [b, h, m, d] (causal,
+        padding valid_new [b, m] hidden; each sees itself so no row is empty) and the rest
+        entry (value [b, h, 1, d], logit [b, Hq, m]) -> [b, Hq, m, d]."""
+        b, hkv, m = self.b, self.hkv, q.shape[2]
+        dev = k_new.device
+        causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+        allowed = (causal[None] & valid_new[:, None, :]) | torch.eye(m, dtype=torch.bool, device=dev)[None]
+        new_bias = torch.zeros(b, 1, m, m, dtype=q.dtype, device=dev).masked_fill(~allowed[:, None], NEG)
+        keys, values = [*self.keys, k_new], [*self.values, v_new]
+        group = q.shape[1] // hkv
+        # The mask [b, Hq, m, L] is written into a reused buffer laid out [b, h, group, m, L]
+        # (query head h * group + g, as enable_gqa pairs them): a prefill chunk's mask is
+        # 100+ MB per layer, and a fresh one each time costs its page faults.
+        L = sum(bias.shape[-1] for bias in self.biases) + m + (rest is not None)
+        scratch = step_scratch()
+        mask = scratch.take("mask", (b, hkv, group, m, L), q.dtype, dev)
+        at = 0
+        for bias in self.biases:  # [b, h, n]: one row for every query
+            n = bias.shape[-1]
+            mask[..., at : at + n] = bias[:, :, None, None, :]
+            at += n
+        mask[..., at : at + m] = new_bias[:, :, None]  # [b, 1, 1, m, m]
+        if rest is not None:  # a zero key: its logit is all bias, per query head and query
+            v_rest, logit = rest
+            keys.append(torch.zeros_like(v_rest, dtype=k_new.dtype))
+            values.append(v_rest.to(v_new.dtype))
+            mask[..., -1] = logit.view(b, hkv, group, m)
+        mask = mask.view(b, hkv * group, m, L)
+        K = concat(keys, lambda shape: scratch.take("keys", shape, k_new.dtype, dev))
+        V = concat(values, lambda shape: scratch.take("values", shape, v_new.dtype, dev))
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+
+
+def part_len(p: Part) -> int:
+    return (p[0] if isinstance(p, tuple) else p).shape[-2]
+
+
+def bias_from_valid(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[b, L] validity -> [b, 1, L] additive bias (0 or -inf)."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, NEG)[:, None]
+
+
+def concat(parts: list[Part], buffer: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
+    """Attention's keys or values: parts [b, h, n_i, d] -> [b, h, sum n_i, d], written into
+    `buffer(shape)` (a reused scratch buffer). An int8 part (codes, scale [b, h, n, 1]) is
+    decoded into its place in the same pass, not decoded and then copied."""
+    if len(parts) == 1 and isinstance(parts[0], torch.Tensor):
+        return parts[0]
+    if torch.is_grad_enabled():  # autograd refuses out= writes: decode, then concatenate
+        dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+        return torch.cat([p if isinstance(p, torch.Tensor) else page_code.decode(p[0], p[1], dtype) for p in parts], -2)
+    lead = parts[0][0] if isinstance(parts[0], tuple) else parts[0]
+    b, h, _, d = lead.shape
+    out = buffer((b, h, sum(part_len(p) for p in parts), d))
+    at = 0
+    for p in parts:
+        n = part_len(p)
+        if isinstance(p, tuple):
+            torch.mul(p[0], p[1], out=out[:, :, at : at + n])
+        else:
+            out[:, :, at : at + n] = p
+        at += n
+    return out
+
+
+def entry_bias(counts: torch.Tensor, use: torch.Tensor, rule: str, dtype: torch.dtype) -> torch.Tensor:
+    """Additive logit bias of fused entries. counts: [b, n]; use: [b, h, n] or [n] -> [b, h, n].
+
+    `log_size` gives an entry standing for s tokens log(s) extra logit (proportional
+    attention, as in token merging), so it can carry the mass of the tokens it replaces.
+    """
+    c = counts[:, None, :].to(torch.float32)
+    bias = c.clamp_min(1).log() if rule == "log_size" else torch.zeros_like(c)
+    keep = use & (counts[:, None, :] > 0)
+    return bias.masked_fill(~keep, NEG).to(dtype)
+
+
+def rest_entry(
+    scores: torch.Tensor,
+    selected: torch.Tensor,
+    page_tokens_valid: torch.Tensor,
+    v_sum: torch.Tensor,
+    ws: tuple[torch.Tensor, torch.Tensor] | None,
+    scaling: float,
+    m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One entry per KV head standing for every sealed token not attended exactly,
+    so the softmax keeps the mass the left-out history had (without it, attention
+    renormalises over a few pages and the output leaves the model's range).
+
+    Logit, per query: log sum over left-out pages of n_page * exp(s q . index key);
+    value: the mean value of the left-out tokens (running sum v_sum [b, h, d] minus the
+    working set's: ws = (values [b, h, n, d], validity [b, h, n])). scores:
+    [b, h, m*group, pages]; selected: [b, h, pages]; page_tokens_valid: [b, pages, P]
+    -> value [b, h, 1, d], logit [b, Hq, m].
+    """
+    b, h, nq, _ = scores.shape
+    group = nq // m
+    counts = page_tokens_valid.sum(-1).to(torch.float32)  # [b, pages]
+    left = ~selected & (counts > 0)[:, None, :]
+    lg = scores.float() * scaling + counts.clamp_min(1).log()[:, None, None, :]
+    logit = torch.logsumexp(lg.masked_fill(~left[:, :, None, :], NEG), dim=-1)  # [b, h, nq]
+    logit = logit.view(b, h, m, group).transpose(2, 3).reshape(b, h * group, m)
+    n_left = counts.sum(-1)[:, None].expand(b, h)
+    if ws is not None:
+        ws_v, ws_valid = ws
+        w = ws_valid.to(torch.float32)
+        v_sum = v_sum - (ws_v.float() * w[..., None]).sum(-2)
+        n_left = n_left - w.sum(-1)
+    v_rest = v_sum / n_left.clamp_min(1)[..., None]
+    return v_rest[:, :, None, :], logit

@@ -1,0 +1,193 @@
+"""Block reads: how a layer gets sealed blocks' exact K/V back from the cold tier.
+
+One room for every path a read can take (docs/design.md, "Data flow", step 3):
+- through the Prefetcher, when there is one (a hit if look-ahead loaded the block
+  already, else a miss whose wait is stall time);
+- straight from the store, a synchronous read counted as a miss and stall;
+- a memory store's arena on the compute device, pages of many blocks in one
+  `index_select` (`gather_pages`), or every block's keys in place (`block_keys`);
+- decoded from low-rank coefficients (`cold_low_rank`, `LatentKV`) after any of them.
+
+It also queues look-ahead loads for the next step and counts the bytes each read
+moves (`Traffic`). Tensor shapes: a block is [b, h, B, d]; pages [b, h, k, P, d].
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashmem.cache.lookahead import predict_next_blocks
+from flashmem.cache.traffic import Traffic
+from flashmem.config import FlashMemoryConfig
+from flashmem.store.base import ColdStore
+from flashmem.store.memory import cut_pages
+from flashmem.store.prefetch import Prefetcher
+
+if TYPE_CHECKING:
+    from flashmem.cache.latent import LatentKV
+
+
+class BlockReader:
+    """A layer's reads from its cold tier, with the counters of synchronous reads.
+
+    prefetcher: reads go through it and look-ahead fills it (None: reads go to the
+    store); fetch_counts: {"misses", "stall_s"} of synchronous reads, shared by the
+    cache's layers; lookahead_bytes: this layer's share of the prefetcher's ready
+    buffer, which caps look-ahead requests; traffic: the cache's byte counters.
+    """
+
+    # A step's missing blocks are queued to the prefetcher together, so its threads read them
+    # in parallel instead of one synchronous read at a time (docs/measurements.md, "Scale").
+    demand_batch: bool = True
+
+    def __init__(
+        self,
+        layer_idx: int,
+        cfg: FlashMemoryConfig,
+        store: ColdStore,
+        *,
+        prefetcher: Prefetcher | None = None,
+        fetch_counts: dict[str, float] | None = None,
+        lookahead_bytes: int | None = None,
+        traffic: Traffic | None = None,
+    ) -> None:
+        self.layer_idx = layer_idx
+        self.cfg = cfg
+        self.store = store
+        self.prefetcher = prefetcher
+        self.fetch_counts = fetch_counts
+        self.lookahead_bytes = lookahead_bytes
+        self.traffic = traffic if traffic is not None else Traffic()
+        # cold_low_rank: blocks are stored as coefficients, decoded on every read (set by the cache)
+        self.latent: LatentKV | None = None
+        self.device: torch.device = torch.device("cpu")
+        self.dtype: torch.dtype = torch.float32
+        self.block_start = 0  # position of the first sealed token (the sinks come before)
+        self._block_bytes: int | None = None
+        self._shape: tuple[int, int, int] = (1, 1, 1)  # b, h, d of the layer's K/V
+
+    def bind(self, shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype, block_start: int) -> None:
+        """The layer's geometry for a new sequence: (b, h, d), device, dtype, first sealed position."""
+        self._shape, self.device, self.dtype, self.block_start = shape, device, dtype, block_start
+        self._block_bytes = None
+
+    @property
+    def direct(self) -> bool:
+        """Reads go straight to the store (no prefetcher): the arena paths may be used."""
+        return self.prefetcher is None
+
+    # ------------------------------------------------------------------ whole blocks
+    def fetch_block(self, block_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact (or codec-decoded) K/V of a sealed block on the layer's device, [b, h, B, d] each."""
+        key = (self.layer_idx, int(block_idx))
+        pf = self.prefetcher
+        if pf is not None:
+            out = pf.get(key, self.device)
+        else:
+            t0 = time.perf_counter()
+            out = self.store.get(key, self.device)
+            self._count_sync(1, t0)
+        self.traffic.cold_read(self.store, self.device, self._coded_bytes(out[0]))
+        if self.latent is not None:  # coefficients -> K/V, keys rotated at their positions
+            out = self.latent.decode_block(*out, self.block_start + int(block_idx) * self.cfg.hca_chunk_size)
+        return out
+
+    def pages_of_blocks(
+        self, idx: torch.Tensor, need: torch.Tensor, only: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the blocks `need` (sorted ids) once each and cut pages idx [b, h, k] out of
+        them -> k, v [b, h, k, P, d] (pages of blocks not in `need`: arbitrary rows); with
+        `only` [b, h, k] bool just those pages, flat [n, P, d]."""
+        ppb = self.cfg.pages_per_block
+        need_ids = need.tolist()
+        if self.prefetcher is not None and self.demand_batch:
+            # Queue every block this step needs before waiting for the first: the loader
+            # threads then read them in parallel (already ready or in flight: skipped).
+            self.prefetcher.request([(self.layer_idx, j) for j in need_ids], urgent=True)
+        blocks = [self.fetch_block(j) for j in need_ids]
+        pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
+        pool_v = torch.stack([bv for _, bv in blocks])
+        slot = torch.searchsorted(need, idx // ppb).clamp_max(len(need_ids) - 1)  # [b, h, k]
+        return cut_pages(pool_k, slot, idx % ppb, ppb, only), cut_pages(pool_v, slot, idx % ppb, ppb, only)
+
+    # ------------------------------------------------------------------ the arena
+    def arena_pages(
+        self, idx: torch.Tensor, keys: bool = True, values: bool = True, only: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """Pages idx [b, h, k] from the store's `gather_pages` (k, v [b, h, k, P, d], a part
+        not asked for None; with `only` [b, h, k] bool just those, flat [n, P, d]), counted
+        as synchronous reads (one per block touched, as fetch_block counts); None without a
+        prefetcher-free path or when the store declines."""
+        if self.prefetcher is not None:
+            return None
+        ppb = self.cfg.pages_per_block
+        lat = self.latent
+        if lat is not None and only is not None:  # latent pages decode by their [b, h, k] positions
+            return None
+        slots = (keys, values) if lat is None else lat.slots(keys, values)  # store slots holding them
+        t0 = time.perf_counter()
+        got = self.store.gather_pages(self.layer_idx, idx // ppb, idx % ppb, ppb, self.device, *slots, only=only)
+        if got is not None:
+            self._count_sync(int(torch.unique(idx // ppb if only is None else (idx // ppb)[only]).numel()), t0)
+            self.traffic.cold_read(self.store, self.device, sum(t.nbytes for t in got if t is not None))
+        if got is not None and lat is not None:  # coefficients -> K/V, keys rotated at their positions
+            got = lat.decode_pages(got[0], got[1], idx, self.block_start, keys, values)
+        return got
+
+    def block_keys(self, num_sealed: int) -> torch.Tensor | None:
+        """Every sealed block's keys where the store holds them on the compute device
+        ([n, b, h, B, d], read-only, no copy), or None where it cannot (a prefetcher, a
+        latent tier, coded blocks, another device). Counted as a read of every block."""
+        if self.prefetcher is not None or self.latent is not None:
+            return None
+        t0 = time.perf_counter()
+        keys = self.store.block_keys(self.layer_idx, num_sealed, self.device)
+        if keys is not None:
+            self._count_sync(num_sealed, t0)
+            self.traffic.cold_read(self.store, self.device, keys.nbytes, in_place=True)
+        return keys
+
+    # ------------------------------------------------------------------ look-ahead
+    def look_ahead(self, blocks: torch.Tensor, num_sealed: int) -> None:
+        """Queue background loads of the blocks predicted for the next step: this step's
+        blocks [b, h, k] and neighbours within prefetch_window (docs/design.md)."""
+        pf = self.prefetcher
+        if pf is None:
+            return
+        cfg = self.cfg
+        cap = None
+        if self.lookahead_bytes is not None:
+            cap = max(1, self.lookahead_bytes // self.prefetch_block_bytes())
+        ids = predict_next_blocks(blocks, num_sealed, cfg.hca_chunk_size, cfg.prefetch_window, max_blocks=cap)
+        pf.request([(self.layer_idx, j) for j in ids])
+
+    def prefetch_block_bytes(self) -> int:
+        """Bytes one block takes in the prefetch buffer (coded when the store hands out payloads)."""
+        n = self._block_bytes
+        if n is None:
+            b, h, d = self._shape
+            if self.latent is not None:
+                d = self.latent.width  # the store's slots hold low-rank coefficients
+            shape = (b, h, self.cfg.hca_chunk_size, d)
+            if self.store.coded_reads:
+                n = int(self.store.codec.nbytes(shape, self.dtype))
+            else:
+                n = 2 * b * h * self.cfg.hca_chunk_size * d * self.dtype.itemsize
+            self._block_bytes = n = max(1, n)
+        return n
+
+    def _coded_bytes(self, k: torch.Tensor) -> int:
+        """Bytes a block with keys like k [b, h, B, d] takes as the cold tier hands it over (K and V)."""
+        codec = self.store.codec
+        if codec.name == "exact":
+            return 2 * k.nbytes
+        return int(codec.nbytes(tuple(k.shape), k.dtype))  # type: ignore[arg-type]
+
+    def _count_sync(self, blocks: int, t0: float) -> None:
+        counts = self.fetch_counts
+        if counts is not None:
+            counts["misses"] += blocks
+            counts["stall_s"] += time.perf_counter() - t0

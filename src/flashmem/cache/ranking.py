@@ -1,0 +1,178 @@
+"""Candidate ranking: which sealed pages a chunk of queries attends exactly.
+
+The index (a `BlockScorer` over `IndexVectors`, or the HCA entries) scores every
+page; `index/selection.py` picks the top ones per KV head. With `lsa_rerank` r > 1
+the index picks r x k candidates (at least `lsa_rerank_min_pages`) and their exact
+keys keep the k with the most attention mass (`index/rerank.py`): read from the
+cold tier page by page, or scored in place where a memory store holds every
+block's keys on the compute device (`block_keys`).
+
+`rank` returns a `Selection`: the chosen page ids and, when the candidates' K/V
+were read to re-rank them, those too, so the working set is cut from them rather
+than read again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flashmem.cache.block_reads import BlockReader
+from flashmem.config import FlashMemoryConfig
+from flashmem.index.base import BlockScorer
+from flashmem.index.rerank import exact_block_mass, exact_page_mass
+from flashmem.index.selection import select_blocks, top_pages
+from flashmem.index.vectors import IndexVectors
+
+# (layer_idx, selected page ids [b, h, k] sorted, index scores [b, h, nq, n]) -> page ids
+# [b, h, k] sorted: a diagnostic override of the selection (see FlashMemoryCache.selection_hook).
+SelectionHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Selections scored by at most this many queries are re-ranked (`lsa_rerank`): decode
+# steps, the prompt's tail (cache/attention.py), short teacher-forced chunks, and long
+# prefill chunks when `lsa_prefill_queries` samples at most this many of their queries.
+# Re-ranking with all of a long chunk's hundreds of queries costs r times its attention
+# (tiny model, 32K at 1/8: prefill 33 s -> 169 s when every chunk was re-ranked).
+RERANK_MAX_QUERIES = 64
+# Re-rank candidates' keys are scored in place, over every block (`rerank_in_place`), when
+# they are at least 1/IN_PLACE_CANDIDATES of the pages: copying a page's keys out costs about
+# 3x (SmolLM2 at 8K) to 7x (tiny model at 32K-64K) scoring one in place, one CPU thread
+# (benchmarks/micro_decode_parts.py).
+IN_PLACE_CANDIDATES = 3
+
+
+@dataclass
+class Candidates:
+    """Re-rank candidates read this step: page ids [b, h, c] sorted, their keys
+    [b, h, c, P, d] and values (None: only keys were read)."""
+
+    ids: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor | None
+
+
+@dataclass
+class Selection:
+    idx: torch.Tensor  # page ids [b, h, k], sorted
+    candidates: Candidates | None = None
+
+
+class CandidateRanker:
+    """One layer's index stage and re-rank."""
+
+    def __init__(
+        self, layer_idx: int, cfg: FlashMemoryConfig, scorer: BlockScorer, reader: BlockReader, index: IndexVectors
+    ) -> None:
+        self.layer_idx = layer_idx
+        self.cfg = cfg
+        self.scorer = scorer
+        self.reader = reader
+        self.index = index
+
+    def scores(self, qg: torch.Tensor, scaling: float, hca_k: torch.Tensor) -> torch.Tensor:
+        """Index scores of every page for queries qg [b, h, nq, d] -> [b, h, nq, n_pages]
+        (hca_k [b, h, n, d]: the HCA entries, for a scorer that ranks by them)."""
+        summaries = hca_k[:, :, :, None] if self.scorer.uses_hca_entries else self.index.read(qg.dtype)
+        return self.scorer.score(qg, summaries, scaling)
+
+    def rank(
+        self,
+        scores: torch.Tensor,
+        page_valid: torch.Tensor,
+        k_sel: int,
+        scaling: float,
+        qg: torch.Tensor | None = None,
+        page_tokens_valid: torch.Tensor | None = None,
+        num_sealed: int = 0,
+    ) -> Selection:
+        """Top `k_sel` pages per KV head from index scores [b, h, nq, n_pages]; page_valid:
+        [b, n_pages]. With `lsa_rerank` r > 1 (qg [b, h, nq, d] and page_tokens_valid
+        [b, n_pages, P] given) the index picks r * k_sel candidates (at least
+        `lsa_rerank_min_pages`) and their exact keys pick the k_sel."""
+        cfg = self.cfg
+        rerank = qg is not None and page_tokens_valid is not None
+        n_pages = scores.shape[-1]
+        n_cand = min(max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages) if rerank else k_sel, n_pages)
+        sel: Selection | None = None
+        if n_cand > k_sel and n_cand == n_pages:  # every page a candidate: no index stage
+            assert qg is not None and page_tokens_valid is not None
+            sel = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed)
+        if sel is None:
+            idx = select_blocks(
+                scores,
+                page_valid,
+                n_cand,
+                scaling,
+                follow=cfg.lsa_follow_pages,
+                pool=cfg.lsa_pool,
+                share_heads=cfg.lsa_share_heads,
+            )
+            sel = Selection(idx)
+            if n_cand > k_sel:
+                assert qg is not None and page_tokens_valid is not None
+                ranked = None
+                if IN_PLACE_CANDIDATES * n_cand >= n_pages:
+                    ranked = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed, idx)
+                sel = ranked if ranked is not None else self.rerank(idx, qg, page_tokens_valid, k_sel, scaling)
+        return sel
+
+    def rerank(
+        self, cand: torch.Tensor, qg: torch.Tensor, page_tokens_valid: torch.Tensor, k_sel: int, scaling: float
+    ) -> Selection:
+        """The k_sel of the candidate pages cand [b, h, c] (sorted) with the most exact
+        attention mass for queries qg [b, h, nq, d]; the candidates' K/V come back with
+        the choice, for this step's working set."""
+        cfg = self.cfg
+        b, h, c = cand.shape
+        ck, cv = self._read_candidates(cand)  # [b, h, c, P, d]; cv None: read for the winners only
+        bi = torch.arange(b, device=cand.device)[:, None, None]
+        cvalid = page_tokens_valid[bi, cand]  # [b, h, c, P]
+        mass = exact_page_mass(qg, ck, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)  # [b, h, c]
+        n_pages = page_tokens_valid.shape[1]
+        dense = torch.full((b, h, n_pages), -1.0, device=cand.device).scatter(-1, cand, mass)
+        allowed = torch.zeros(b, h, n_pages, dtype=torch.bool, device=cand.device).scatter(-1, cand, True)
+        allowed &= page_tokens_valid.any(-1)[:, None, :]
+        idx = top_pages(dense, allowed, k_sel, cfg.lsa_follow_pages)
+        return Selection(idx, Candidates(cand, ck, cv))
+
+    def rerank_in_place(
+        self,
+        qg: torch.Tensor,
+        page_tokens_valid: torch.Tensor,
+        k_sel: int,
+        scaling: float,
+        num_sealed: int,
+        cand: torch.Tensor | None = None,
+    ) -> Selection | None:
+        """`rerank` with the keys read where the store holds them (one batched matmul over
+        every block, no copy into page order); candidates cand [b, h, c] (None: every page)
+        by masking the others' tokens, the same softmax over the candidates. None where the
+        store cannot hand keys over so (`BlockReader.block_keys`)."""
+        cfg = self.cfg
+        block_k = self.reader.block_keys(num_sealed)
+        if block_k is None:
+            return None
+        b, n_pages, P = page_tokens_valid.shape
+        allowed = page_tokens_valid.any(-1)[:, None, :]  # [b, 1, pages]
+        valid = page_tokens_valid[:, None]  # [b, 1, pages, P]
+        if cand is not None:
+            h = cand.shape[1]
+            chosen = torch.zeros(b, h, n_pages, dtype=torch.bool, device=cand.device).scatter_(-1, cand, True)
+            allowed = allowed & chosen
+            valid = valid & chosen[..., None]
+        mass = exact_block_mass(
+            qg, block_k, valid.flatten(-2), P, scaling, cfg.lsa_pool, cfg.lsa_share_heads
+        )  # [b, h, pages]
+        return Selection(top_pages(mass, allowed, k_sel, cfg.lsa_follow_pages))
+
+    def _read_candidates(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Exact keys of pages idx [b, h, c] -> k [b, h, c, P, d] and v: from the memory
+        store's arena only the keys (v None: the winners' values are read after), else
+        both, cut from whole blocks read once each."""
+        got = self.reader.arena_pages(idx, values=False)
+        if got is not None:
+            assert got[0] is not None
+            return got[0], None
+        return self.reader.pages_of_blocks(idx, torch.unique(idx // self.cfg.pages_per_block))

@@ -1,0 +1,172 @@
+"""A selecting step's attention over a layer's tiers: what a chunk of queries attends.
+
+Per chunk (docs/design.md, "Data flow"): the sinks; then, once blocks are sealed,
+the pages the index ranks highest (`ranking.py`), gathered into the working set
+(`working_set.py`) with look-ahead queued for the next step, the summaries of what
+is left out (HCA entries of far blocks, CSA entries of near ones) and the optional
+rest entry; then the open block and the window, and the chunk's own tokens
+(`assembly.py` runs the one attention). With `position_mode: window` the shown
+pages, the open block, the window, the new keys and the queries move to
+consecutive positions after the sinks.
+
+The layer owns the state; these functions read it and ask its working set and
+reader to change. Shapes: q [b, Hq, m, d]; qg (a KV head's GQA group, token-major)
+[b, h, m*group, d]; page ids [b, h, k].
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashmem.cache import ranking
+from flashmem.cache.assembly import NEG, Assembly, rest_entry
+from flashmem.rope import RopeRotator
+
+if TYPE_CHECKING:
+    from flashmem.cache.flash_layer import FlashLayer
+
+
+def attend(
+    layer: FlashLayer,
+    q: torch.Tensor,
+    qg: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    valid_new: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """One chunk: q [b, Hq, m, d] over the tiers plus its own K/V -> [b, Hq, m, d]."""
+    b, hkv, m, _ = k_new.shape
+    asm = Assembly(b, hkv, q.dtype, q.device)
+    S = layer.sink_k.shape[-2]
+    asm.add_valid(layer.sink_k, layer.sink_v, layer.valid[:, :S])
+    shown, rest = 0, None
+    if layer.num_sealed > 0:
+        shown, rest = _add_history(layer, asm, qg, m, scaling)
+    q, k_new = _add_recent(layer, asm, q, k_new, shown)
+    return asm.attend(q, k_new, v_new, valid_new, scaling, rest)
+
+
+def _add_history(
+    layer: FlashLayer, asm: Assembly, qg: torch.Tensor, m: int, scaling: float
+) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Select and gather pages, then add the summaries of what is left out and the
+    working set. qg: [b, h, m*group, d] -> (tokens of pages shown in window mode, the
+    rest entry or None)."""
+    cfg = layer.cfg
+    b, hkv = asm.b, asm.hkv
+    n, ppb = layer.num_sealed, cfg.pages_per_block
+    page_tokens_valid = layer.block_valid_tokens().reshape(b, n * ppb, cfg.page_tokens)  # [b, pages, P]
+    k_sel = cfg.blocks_to_select(n * ppb)
+    selected = torch.zeros(b, hkv, n * ppb, dtype=torch.bool, device=qg.device)  # per page
+    # The rest entry needs every query's scores; a selection pools them, so a sample will do.
+    q_index = qg if cfg.keeps_rest_entry else sample_queries(qg, m, cfg.lsa_prefill_queries)
+    scores = None
+    if k_sel > 0 or cfg.keeps_rest_entry:
+        scores = layer.ranker.scores(q_index, scaling, layer.summaries.hca_k)
+    if k_sel > 0:
+        assert scores is not None
+        positions = q_index.shape[2] * m // qg.shape[2]  # query positions scoring the index
+        idx = _select_and_gather(layer, scores, page_tokens_valid, k_sel, scaling, q_index, positions)
+        selected.scatter_(-1, idx, True)
+    else:
+        layer.working_set.clear()
+    layer.summaries.add_to(asm, selected, n)
+    shown = _add_working_set(layer, asm) if k_sel > 0 else 0
+    rest = None
+    if cfg.keeps_rest_entry:
+        assert scores is not None
+        ws_v, ws_valid = layer.working_set.v, layer.working_set.valid
+        ws = (ws_v, ws_valid) if k_sel > 0 and ws_v is not None and ws_valid is not None else None
+        rest = rest_entry(scores, selected, page_tokens_valid, layer.v_sum, ws, scaling, m)
+    return shown, rest
+
+
+def _select_and_gather(
+    layer: FlashLayer,
+    scores: torch.Tensor,
+    page_tokens_valid: torch.Tensor,
+    k_sel: int,
+    scaling: float,
+    q_index: torch.Tensor,
+    positions: int,
+) -> torch.Tensor:
+    """Rank the pages, gather the chosen ones into the working set, queue look-ahead ->
+    page ids [b, h, k]. q_index: [b, h, nq, d] the queries that scored, from `positions`
+    query positions (a long chunk's are re-ranked only when few enough)."""
+    cfg = layer.cfg
+    rerank = cfg.lsa_rerank > 1 and positions <= ranking.RERANK_MAX_QUERIES
+    ctx = (q_index, page_tokens_valid) if rerank else (None, None)
+    page_valid = page_tokens_valid.any(-1)  # [b, pages]
+    sel = layer.ranker.rank(scores, page_valid, k_sel, scaling, ctx[0], ctx[1], layer.num_sealed)
+    if layer.selection_hook is not None:
+        sel = ranking.Selection(layer.selection_hook(layer.layer_idx, sel.idx, scores), sel.candidates)
+    layer.working_set.gather(sel.idx, page_tokens_valid, layer.reader, sel.candidates)
+    # prefetch for the next step (re-ranked: the candidates, which it reads again)
+    ahead = sel.idx if sel.candidates is None else sel.candidates.ids
+    layer.reader.look_ahead(ahead // cfg.pages_per_block, layer.num_sealed)
+    return sel.idx
+
+
+def _add_working_set(layer: FlashLayer, asm: Assembly) -> int:
+    """The working set's K/V (int8: codes and scales, decoded where attention reads them)
+    -> tokens shown at window positions (position_mode: window), else 0."""
+    ws = layer.working_set
+    assert ws.valid is not None and ws.idx is not None
+    ws_k, ws_v = ws.part(0), ws.part(1)
+    shown = 0
+    if layer.cfg.position_mode == "window":  # selected page j's tokens move to S + j*P .., right after the sinks
+        assert ws.k is not None
+        P, S = layer.cfg.page_tokens, layer.block_start
+        true = S + ws.idx[..., None] * P + torch.arange(P, device=ws.idx.device)  # [b, h, k, P]
+        moved = S + torch.arange(true[0, 0].numel(), device=ws.idx.device)
+        ws_k = _rope(layer).rotate(ws.k, moved - true.flatten(-2))
+        shown = ws.idx.shape[-1] * P
+    asm.add(ws_k, ws_v, torch.zeros_like(ws.valid, dtype=asm.dtype).masked_fill(~ws.valid, NEG))
+    return shown
+
+
+def _add_recent(
+    layer: FlashLayer, asm: Assembly, q: torch.Tensor, k_new: torch.Tensor, shown: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the open block and the window -> the queries and new keys, moved to follow the
+    shown pages in window mode (a shift of every one of them by the same amount, queries
+    included, keeps their relative positions)."""
+    S = layer.block_start
+    o0 = S + layer.num_sealed * layer.cfg.hca_chunk_size
+    o1 = o0 + layer.open_k.shape[-2]
+    w1 = o1 + layer.win_k.shape[-2]
+    open_k, win_k = layer.open_k, layer.win_k
+    shift = S + shown - o0 if layer.cfg.position_mode == "window" else 0
+    if shift:
+        rope = _rope(layer)
+        delta = torch.tensor(float(shift), device=q.device)
+        open_k, win_k = rope.rotate(open_k, delta), rope.rotate(win_k, delta)
+        q, k_new = rope.rotate(q, delta), rope.rotate(k_new, delta)
+    asm.add_valid(open_k, layer.open_v, layer.valid[:, o0:o1])
+    asm.add_valid(win_k, layer.win_v, layer.valid[:, o1:w1])
+    return q, k_new
+
+
+def _rope(layer: FlashLayer) -> RopeRotator:
+    assert layer.rope is not None  # checked in FlashLayer.__init__ for position_mode: window
+    return layer.rope
+
+
+def group_queries(q: torch.Tensor, group: int) -> torch.Tensor:
+    """[b, Hq, m, d] -> [b, Hkv, m*group, d], token-major, each KV head's GQA group."""
+    b, hq, m, d = q.shape
+    return q.view(b, hq // group, group, m, d).transpose(2, 3).reshape(b, hq // group, m * group, d)
+
+
+def sample_queries(qg: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """n evenly spaced of a chunk's m query positions, the last included, each with its
+    whole GQA group: [b, h, m*group, d] -> [b, h, n*group, d]; all of them when n is 0 or >= m."""
+    if n <= 0 or m <= n:
+        return qg
+    group = qg.shape[2] // m
+    pos = (m - 1 - torch.arange(n, device=qg.device) * m // n).flip(0)  # distinct: m > n
+    rows = (pos[:, None] * group + torch.arange(group, device=qg.device)).reshape(-1)
+    return qg.index_select(2, rows)

@@ -1,0 +1,112 @@
+"""Traffic: the bytes each prefill chunk and decode step moves, by path.
+
+On an accelerator what a step costs is what it reads, and where from
+(docs/accelerator.md). The cache counts, per model forward:
+
+- `device_read_bytes`: K/V and index bytes attention and the index read from the
+  device-resident tiers (sinks, window, open block, summaries, the working set as
+  held, the index, the exact prompt's K/V, the new tokens);
+- `h2d_bytes`: bytes copied from the cold tier into the device's working set or
+  the exact prompt's stream (host to device on a GPU; on a CPU the same copy
+  within RAM). A coded cold tier counts its coded bytes;
+- `host_read_bytes`: bytes read by compute where the cold tier holds them (the
+  re-rank scoring a memory store's keys in place, on a CPU only);
+- `disk_read_bytes`: bytes the store's disk tier read (prefetch included).
+
+One `Traffic` is shared by a cache's layers; the cache opens a step at the first
+layer's update (`begin_step`) and `report()` gives totals and per-step medians
+beside the full cache's bytes for the same steps (a full cache reads every
+token's K/V in every layer each step).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashmem.store.base import ColdStore
+
+PATHS = ("device_read_bytes", "h2d_bytes", "host_read_bytes", "disk_read_bytes")
+# Store tiers that live in RAM: their reads are not disk reads.
+_RAM_TIERS = frozenset({"memory", "ram"})
+
+
+@dataclass
+class StepTraffic:
+    kind: str  # "prefill" (a forward of several tokens) or "decode" (one token)
+    tokens_before: int  # tokens the cache held when the step began
+    queries: int
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
+    full_cache_bytes: int = 0  # what a full cache reads for the same step
+
+
+class Traffic:
+    """Byte counters per step, shared by one cache's layers."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepTraffic] = []
+        self._store: ColdStore | None = None
+        self._disk_mark = 0
+
+    def watch(self, store: ColdStore) -> None:
+        """Count `store`'s disk-tier reads per step."""
+        self._store = store
+        self._disk_mark = self._disk_bytes()
+
+    def begin_step(self, queries: int, tokens_before: int, full_cache_bytes: int) -> None:
+        """A new model forward of `queries` tokens over `tokens_before` cached ones; a full
+        cache reads `full_cache_bytes` of K/V for it (every earlier token's and the new ones')."""
+        self._close_step()
+        kind = "decode" if queries == 1 else "prefill"
+        self.steps.append(StepTraffic(kind, tokens_before, queries, full_cache_bytes=full_cache_bytes))
+
+    def add(self, path: str, nbytes: int) -> None:
+        if self.steps:
+            self.steps[-1].counts[path] += int(nbytes)
+
+    def cold_read(self, store: ColdStore, device: torch.device, nbytes: int, in_place: bool = False) -> None:
+        """`nbytes` of K/V read from the cold tier for `device`: copied to the device, or
+        read where the store holds them (in_place: scored on the host, nothing copied)."""
+        self.add("host_read_bytes" if in_place else "h2d_bytes", nbytes)
+
+    def reset(self) -> None:
+        self.steps.clear()
+        self._disk_mark = self._disk_bytes()
+
+    def report(self) -> dict[str, Any]:
+        """Totals, per-step medians (decode steps, prefill forwards) and the full cache's."""
+        self._close_step()
+        out: dict[str, Any] = {
+            "steps": {
+                "prefill_forwards": sum(s.kind == "prefill" for s in self.steps),
+                "decode_steps": sum(s.kind == "decode" for s in self.steps),
+            },
+            "totals": {p: sum(s.counts[p] for s in self.steps) for p in PATHS},
+            "full_cache_bytes": sum(s.full_cache_bytes for s in self.steps),
+        }
+        for kind, name in (("decode", "per_decode_step_median"), ("prefill", "per_prefill_forward_median")):
+            steps = [s for s in self.steps if s.kind == kind]
+            med = {p: int(statistics.median(s.counts[p] for s in steps)) if steps else 0 for p in PATHS}
+            med["full_cache_bytes"] = int(statistics.median(s.full_cache_bytes for s in steps)) if steps else 0
+            out[name] = med
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _disk_bytes(self) -> int:
+        if self._store is None:
+            return 0
+        try:
+            tiers = self._store.tier_stats()
+        except Exception:  # a closed store: nothing more is read
+            return self._disk_mark
+        return int(sum(st.get("bytes_read", 0) for name, st in tiers.items() if name not in _RAM_TIERS))
+
+    def _close_step(self) -> None:
+        """Attribute the disk reads since the last mark to the step that is ending."""
+        now = self._disk_bytes()
+        if self.steps:
+            self.steps[-1].counts["disk_read_bytes"] += now - self._disk_mark
+        self._disk_mark = now

@@ -1,0 +1,272 @@
+"""The working set: the selected pages' exact K/V, held on the device for attention.
+
+Held in the model's dtype, or (`working_set_codec: int8`) as int8 rows with one
+fp32 scale per token and KV head (`compress/page_code.py`), decoded for each
+step's attention. A page the last step already held keeps its place (and, int8,
+its codes: a page's codes depend on its own tokens only, so keeping them equals
+coding it again); only the others are read, through the layer's `BlockReader`,
+or cut from this step's re-rank candidates when those were read.
+
+Shapes: page ids idx [b, h, k]; K/V held [b, h, k*P, d]; validity [b, h, k*P].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashmem.cache.block_reads import BlockReader
+from flashmem.cache.ranking import Candidates
+from flashmem.compress import page_code
+
+# A part of attention's keys or values: a tensor [b, h, n, d], or int8 codes [b, h, n, d]
+# with their scales [b, h, n, 1] (the working set, decoded where attention reads it).
+Part = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+# Pages of the new selection the last working set holds ([b, h, k] bool) and their slots there.
+Held = tuple[torch.Tensor, torch.Tensor]
+
+
+class WorkingSet:
+    def __init__(self, codec: str, page_tokens: int, dtype: torch.dtype) -> None:
+        self.codec = codec
+        self.page_tokens = page_tokens
+        self.dtype = dtype
+        # K (0) and V (1) as held: (tensor,) or int8 (codes, scale)
+        self.code: list[tuple[torch.Tensor, ...] | None] = [None, None]
+        # This step's decoded copy of coded K/V (made while coding, or on first read):
+        # attention, the rest entry and a partial re-gather share it; dropped at the
+        # step's end (a transient, as the chunk's activations are).
+        self.plain: list[torch.Tensor | None] = [None, None]
+        self.idx: torch.Tensor | None = None  # page ids [b, h, k]
+        self.valid: torch.Tensor | None = None  # [b, h, k*P]
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def k(self) -> torch.Tensor | None:
+        """Keys [b, h, k*P, d] in the model's dtype (decoded once per step when coded)."""
+        return self._read(0)
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return self._read(1)
+
+    def _read(self, slot: int) -> torch.Tensor | None:
+        code = self.code[slot]
+        if code is None or len(code) == 1:
+            return None if code is None else code[0]
+        plain = self.plain[slot]
+        if plain is None:
+            plain = self.plain[slot] = page_code.decode(code[0], code[1], self.dtype)
+        return plain
+
+    def part(self, slot: int) -> Part:
+        """Keys (0) or values (1) for this step's attention: the decoded tensor where this
+        step has one, else an int8 set's (codes, scale)."""
+        code, plain = self.code[slot], self.plain[slot]
+        assert code is not None
+        if len(code) == 1:
+            return code[0]
+        return plain if plain is not None else (code[0], code[1])
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for code in self.code if code is not None for t in code)
+
+    def end_step(self) -> None:
+        self.plain = [None, None]
+
+    def clear(self) -> None:
+        self.code = [None, None]
+        self.plain = [None, None]
+        self.idx = self.valid = None
+
+    # ------------------------------------------------------------------ writes
+    def _store(self, slot: int, t: torch.Tensor) -> None:
+        self.plain[slot] = None
+        if self.codec == "int8":  # this step reads the decoded copy made in passing
+            codes, scale, self.plain[slot] = page_code.encode_and_decode(t, self.dtype)
+            self.code[slot] = (codes, scale)
+        else:
+            self.code[slot] = (t,)
+
+    def set(self, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_tokens_valid: torch.Tensor) -> None:
+        """idx [b, h, k] pages with their K/V [b, h, k, P, d] become the working set."""
+        b, h, _ = idx.shape
+        d = k.shape[-1]
+        self._store(0, k.reshape(b, h, -1, d))
+        self._store(1, v.reshape(b, h, -1, d))
+        self.valid = page_tokens_valid[torch.arange(b, device=idx.device)[:, None, None], idx].reshape(b, h, -1)
+        self.idx = idx
+
+    def merge(
+        self, idx: torch.Tensor, held: Held, k_new: torch.Tensor, v_new: torch.Tensor, page_tokens_valid: torch.Tensor
+    ) -> None:
+        """An int8 working set of pages idx [b, h, k]: the pages `held` keep their codes
+        from the last step's; the others' K/V k_new, v_new [n_new, P, d] (in (b, h, k)
+        order) are coded now."""
+        keep, src = held
+        b, h, k = idx.shape
+        assert self.idx is not None
+        rows_prev = b * h * self.idx.shape[-1]
+        bi = torch.arange(b, device=idx.device)[:, None, None]
+        hi = torch.arange(h, device=idx.device)[None, :, None]
+        flat = keep.reshape(-1)
+        # each page's row in [last working set's pages; new pages] (one index_select: index_copy_
+        # into a fresh tensor measured 30-50x slower on CPU, benchmarks/micro_decode_parts.py)
+        old_rows = ((bi * h + hi) * self.idx.shape[-1] + src).reshape(-1)
+        pick = torch.where(flat, old_rows, rows_prev + (~flat).cumsum(0) - 1)
+        P = self.page_tokens
+        for slot, fresh in ((0, k_new), (1, v_new)):
+            code = self.code[slot]
+            assert code is not None and len(code) == 2
+            codes, scale = code
+            d = codes.shape[-1]
+            new_c, new_s = page_code.encode(fresh)  # [n_new, P, d], [n_new, P, 1]
+            out_c = torch.cat([codes.view(-1, P * d), new_c.view(-1, P * d)]).index_select(0, pick)
+            out_s = torch.cat([scale.view(-1, P), new_s.view(-1, P)]).index_select(0, pick)
+            self.code[slot] = (out_c.view(b, h, k * P, d), out_s.view(b, h, k * P, 1))
+            self.plain[slot] = None  # decoded on this step's first read
+        self.valid = page_tokens_valid[bi, idx].reshape(b, h, -1)
+        self.idx = idx
+
+    def no_pages(self) -> torch.Tensor:
+        """The K or V of no pages, [0, P, d] (every page held over)."""
+        code = self.code[0]
+        assert code is not None
+        return code[0].new_empty(0, self.page_tokens, code[0].shape[-1], dtype=self.dtype)
+
+    # ------------------------------------------------------------------ gathering
+    def gather(
+        self,
+        idx: torch.Tensor,
+        page_tokens_valid: torch.Tensor,
+        reader: BlockReader,
+        candidates: Candidates | None = None,
+    ) -> None:
+        """Bring the selected pages idx [b, h, k] (sorted) to the device; page_tokens_valid:
+        [b, n_pages, P]. Reused as is when the selection did not change; cut from the
+        re-rank candidates when they hold every page; read from a memory store's arena in
+        one op without a prefetcher; else whole blocks are read once each and the
+        selected pages cut out of them."""
+        prev = self.idx
+        if prev is not None and prev.shape == idx.shape and torch.equal(prev, idx):
+            return
+        held = self.held_over(idx, reader)  # int8: pages the last working set holds, kept coded
+        if candidates is not None and self._cut_from_candidates(idx, page_tokens_valid, held, candidates, reader):
+            return
+        if reader.direct and self._gather_from_arena(idx, page_tokens_valid, held, reader):
+            return
+        ppb = reader.cfg.pages_per_block
+        if held is not None:  # int8: read and code only the blocks of the pages not held
+            new = ~held[0]
+            need = torch.unique(idx[new] // ppb)
+            if need.numel():
+                k_new, v_new = reader.pages_of_blocks(idx, need, only=new)
+            else:
+                k_new = v_new = self.no_pages()
+            self.merge(idx, held, k_new, v_new, page_tokens_valid)
+            return
+        self._gather_blocks(idx, page_tokens_valid, reader)
+
+    def _gather_blocks(self, idx: torch.Tensor, page_tokens_valid: torch.Tensor, reader: BlockReader) -> None:
+        """Model-dtype working set from whole blocks: a (row, head) keeps the pages it already
+        holds; only the blocks of the others are read."""
+        prev, P, ppb = self.idx, self.page_tokens, reader.cfg.pages_per_block
+        b, h, _ = idx.shape
+        bi = torch.arange(b, device=idx.device)[:, None, None]
+        hi = torch.arange(h, device=idx.device)[None, :, None]
+        if prev is not None and prev.shape[:2] == idx.shape[:2]:
+            match = idx[..., :, None] == prev[..., None, :]  # [b, h, k, k_prev]
+            held = match.any(-1)
+            src = match.to(torch.int8).argmax(-1)
+        else:
+            held = torch.zeros_like(idx, dtype=torch.bool)
+            src = torch.zeros_like(idx)
+        need = torch.unique(idx[~held] // ppb)  # blocks to read
+        if need.numel():
+            new_k, new_v = reader.pages_of_blocks(idx, need)
+        if held.any():
+            assert self.k is not None and self.v is not None  # held: a previous working set exists
+            d = self.k.shape[-1]
+            old_k = self.k.view(b, h, -1, P, d)[bi, hi, src]  # [b, h, k, P, d]
+            old_v = self.v.view(b, h, -1, P, d)[bi, hi, src]
+            if need.numel():
+                keep = held[..., None, None]
+                new_k, new_v = torch.where(keep, old_k, new_k), torch.where(keep, old_v, new_v)
+            else:
+                new_k, new_v = old_k, old_v
+        self.set(idx, new_k, new_v, page_tokens_valid)
+
+    def held_over(self, idx: torch.Tensor, reader: BlockReader) -> Held | None:
+        """For an int8 working set: which of the pages idx [b, h, k] the last step's working
+        set holds (held [b, h, k] bool) and where (src [b, h, k], its page slot), so only the
+        others are read and coded. None: nothing to keep (another codec, no working set, other
+        rows, or a low-rank cold tier read directly: its pages decode at their [b, h, k] places)."""
+        prev, code = self.idx, self.code[0]
+        if prev is None or code is None or len(code) != 2 or prev.shape[:2] != idx.shape[:2] or not prev.shape[-1]:
+            return None
+        if reader.latent is not None and reader.direct:
+            return None
+        src = torch.searchsorted(prev.contiguous(), idx.contiguous()).clamp_max_(prev.shape[-1] - 1)  # both sorted
+        held = prev.gather(-1, src) == idx
+        return (held, src) if bool(held.any()) else None
+
+    def _cut_from_candidates(
+        self,
+        idx: torch.Tensor,
+        page_tokens_valid: torch.Tensor,
+        held: Held | None,
+        candidates: Candidates,
+        reader: BlockReader,
+    ) -> bool:
+        """The working set cut from this step's re-rank candidates, which hold every page
+        idx [b, h, k] names unless a selection hook replaced them. held: `held_over`'s
+        pages, not cut again. False: the candidates do not cover the selection."""
+        cand, ck, cv = candidates.ids, candidates.k, candidates.v
+        pos = torch.searchsorted(cand, idx).clamp_max(cand.shape[-1] - 1)
+        if not torch.equal(cand.gather(-1, pos), idx):
+            return False
+        b, h, k = idx.shape
+        c, P, d = ck.shape[2:]
+        bi = torch.arange(b, device=idx.device)[:, None, None]
+        hi = torch.arange(h, device=idx.device)[None, :, None]
+        rows = ((bi * h + hi) * c + pos).reshape(-1)  # page rows of [b*h*c, P*d]
+        new = None if held is None else ~held[0]
+        if new is not None:
+            rows = rows[new.reshape(-1)]
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            out = t.reshape(-1, P * d).index_select(0, rows)
+            return out.view(-1, P, d) if new is not None else out.view(b, h, k, P, d)
+
+        if cv is not None:
+            v = cut(cv)
+        elif new is not None and not bool(new.any()):
+            v = self.no_pages()
+        else:
+            got = reader.arena_pages(idx, keys=False, only=new)
+            if got is None or got[1] is None:
+                return False
+            v = got[1]
+        if held is None:
+            self.set(idx, cut(ck), v, page_tokens_valid)
+        else:
+            self.merge(idx, held, cut(ck), v, page_tokens_valid)
+        return True
+
+    def _gather_from_arena(
+        self, idx: torch.Tensor, page_tokens_valid: torch.Tensor, held: Held | None, reader: BlockReader
+    ) -> bool:
+        """Without a prefetcher, a store that can cut pages out of many blocks at once
+        (MemoryStore's arena) hands over just the selected pages: one indexing op, no whole
+        blocks stacked. held: `held_over`'s pages, not read again. False: the store cannot."""
+        if held is not None and not bool((~held[0]).any()):
+            self.merge(idx, held, self.no_pages(), self.no_pages(), page_tokens_valid)
+            return True
+        got = reader.arena_pages(idx, only=None if held is None else ~held[0])
+        if got is None:
+            return False
+        assert got[0] is not None and got[1] is not None
+        if held is None:
+            self.set(idx, got[0], got[1], page_tokens_valid)
+        else:
+            self.merge(idx, held, got[0], got[1], page_tokens_valid)
+        return True
