@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import runpy
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -182,3 +184,52 @@ def test_serve_load_small_on_smollm2(tmp_path: Path):
     assert result["error_count"] == 0 and result["errors"] == []
     assert result["server_peak_rss_bytes"] > 0
     assert result["ratio"]["answers_identical"]  # the same question, cold and reused, same answer
+
+
+# ---- the commands the docs quote
+
+
+class _Parsed(Exception):
+    """Raised right after a script's argparse accepted its arguments: nothing runs."""
+
+
+def quoted_commands() -> list[str]:
+    """`python benchmarks/...` commands quoted in the README and the docs (inline code and
+    fenced lines), without placeholders ([--x], ..., $VAR, L, DIR) that no shell would run."""
+    cmds = []
+    for doc in ("README.md", "docs/results.md", "docs/measurements.md"):
+        text = (ROOT / doc).read_text(encoding="utf-8")
+        spans = re.findall(r"`(python benchmarks/[^`]+)`", text)
+        fences = [
+            line
+            for block in re.findall(r"^```\w*\n(.*?)^```", text, flags=re.M | re.S)
+            for line in block.replace("\\\n", " ").splitlines()
+            if line.strip().startswith("python benchmarks/")
+        ]
+        for cmd in spans + fences:
+            cmd = " ".join(cmd.split()).split(" #")[0]
+            if not re.search(r"[\[\]|$]|\.\.\.|\b(L|N|S|DIR|FILE)\b", cmd):
+                cmds.append(cmd)
+    return sorted(set(cmds))
+
+
+def test_docs_quote_commands():
+    assert len(quoted_commands()) >= 20
+
+
+@pytest.mark.parametrize("cmd", quoted_commands())
+def test_quoted_command_parses(cmd: str, monkeypatch):
+    import argparse
+
+    words = shlex.split(cmd)
+    script = ROOT / words[1]
+    assert script.exists(), f"{cmd}: no such script"
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        original(self, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    with pytest.raises(_Parsed):
+        run_script(script, *words[2:])
