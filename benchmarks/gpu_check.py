@@ -319,8 +319,11 @@ def run_length(
     except Exception as exc:
         res["prediction"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(-3)}
     left = deadline - time.perf_counter()
-    if left < args.min_flashmem_s:
-        res["flashmem"] = {"skipped": f"time: {left:.0f} s left of --time-limit"}
+    # the last length's prefill, scaled linearly and doubled, must fit in what is left
+    last = getattr(args, "last_prefill", None)
+    guess = 2 * last[1] * tokens / last[0] if last else 0.0
+    if left < max(args.min_flashmem_s, guess):
+        res["flashmem"] = {"skipped": f"time: {left:.0f} s left of --time-limit, about {guess:.0f} s needed"}
         return res
     cache = None
     try:
@@ -334,6 +337,7 @@ def run_length(
             flashmem.prefill(model, cache, ids, chunk=args.prefill_chunk)
         sync(device)
         prefill_s = time.perf_counter() - t0
+        args.last_prefill = (tokens, prefill_s)
         prefill_peak = peak_bytes(device)
         ms = timed_decode(model, cache, tokens, args.steps, 2, device)
         traffic = traffic_of(cache)

@@ -46,3 +46,15 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+
+def test_gpu_check_skips_lengths_past_its_time_limit(tmp_path):
+    """With no time left the exactness check still runs and every length is marked skipped."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    out = tmp_path / "g.json"
+    code = gpu_check.main(["--device", "cpu", "--smoke", "--out", str(out), "--time-limit", "0"])
+    d = json.loads(out.read_text())
+    assert code == 0 and d["exactness"]["ok"]
+    assert d["lengths"] == [{"tokens": 256, "skipped": "time"}, {"tokens": 512, "skipped": "time"}]
