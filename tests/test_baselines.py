@@ -148,7 +148,7 @@ def test_selected_pages_are_capped_at_long_prompts(tokens, budget):
     """Past SELECTED_TOKENS_CAP the budget is a ceiling: the pages stop at the cap, the
     window stays where the budget put it, and the rest is left unused (not moved into the
     window, which a step attends too)."""
-    from flashmem.memory.budget import SELECTED_TOKENS_CAP
+    from flashmem.recipe import SELECTED_TOKENS_CAP
 
     capped, full = budget_config(budget, tokens), budget_config(budget, tokens, "nocap")
     assert full.lsa_top_k * full.page_tokens > SELECTED_TOKENS_CAP

@@ -8,6 +8,7 @@ Keys follow the vocabulary of docs/design.md. The seed's YAML block
 from __future__ import annotations
 
 import difflib
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -35,6 +36,9 @@ PositionMode = Literal["real", "window"]
 SelectionPool = Literal["mean", "max"]
 ColdLowRank = Literal["none", "keys", "values", "kv"]
 ColdKeyBasis = Literal["attention", "pca"]
+# lsa_layer_shares are relative weights (a layer profile gives 0.1-3): past this they only
+# overflow the split's arithmetic
+MAX_LAYER_SHARE = 1e6
 
 
 class FlashMemoryConfig(BaseModel):
@@ -149,7 +153,7 @@ class FlashMemoryConfig(BaseModel):
     )
     # --- cold tier and prefetch ---------------------------------------------------
     cold_store: ColdStoreKind = Field("memory", description="where exact K/V of sealed blocks live")
-    cold_dir: str | None = Field(None, description="folder of the disk cold tier")
+    cold_dir: str | None = Field(None, description="folder of the disk cold tier (cold stores with files only)")
     cold_codec: ColdCodec = Field("exact", description="coding of K/V in the cold tier")
     working_set_codec: Literal["model", "int8"] = Field(
         "model",
@@ -159,7 +163,7 @@ class FlashMemoryConfig(BaseModel):
     )
     cold_ram_bytes: int = Field(256 * 2**20, ge=0, description="layered store: RAM LRU of blocks in front of the disk")
     prefetch_window: int = Field(16384, ge=0, description="tokens around selected blocks that may be prefetched")
-    prefetch_threads: int = Field(2, ge=0, description="background loader threads (0: off)")
+    prefetch_threads: int = Field(2, ge=0, le=64, description="background loader threads (0: off)")
     persist: bool = Field(False, description="keep the disk cold tier after the cache closes")
     # --- layers and projections -------------------------------------------------
     keep_full_layers: list[int] = Field(
@@ -192,96 +196,134 @@ class FlashMemoryConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> FlashMemoryConfig:
+        problems = self.combination_problems()
+        if problems:
+            raise ValueError(problems[0] + _more(problems[1:]))
+        return self
+
+    def combination_problems(self) -> list[str]:
+        """Every combination of keys that is not allowed, one line each ([] when none)."""
+        out: list[str] = []
         if self.hca_chunk_size % self.csa_chunk_size:
-            raise ValueError(
+            out.append(
                 f"hca_chunk_size: {self.hca_chunk_size} is not a multiple of csa_chunk_size "
                 f"({self.csa_chunk_size}); allowed: a multiple such as "
                 f"{self.csa_chunk_size * max(1, round(self.hca_chunk_size / self.csa_chunk_size))}"
             )
-        page = self.page_tokens
-        if self.hca_chunk_size % page or page % self.csa_chunk_size:
-            raise ValueError(
+        page = self.page_tokens  # the block unless set: then the check above says it
+        if self.lsa_page_tokens is not None and (self.hca_chunk_size % page or page % self.csa_chunk_size):
+            out.append(
                 f"lsa_page_tokens: {page} must divide hca_chunk_size ({self.hca_chunk_size}) and be a "
                 f"multiple of csa_chunk_size ({self.csa_chunk_size}); allowed: e.g. 16 with 64-token blocks"
             )
         if page != self.hca_chunk_size and not policies.SCORERS[self.lsa_scorer].scores_pages:
-            raise ValueError(
+            out.append(
                 f"lsa_page_tokens: {self.lsa_scorer!r} ranks blocks by their HCA entry and cannot score "
                 f"pages; allowed: null (or {self.hca_chunk_size}) with it, or another lsa_scorer"
             )
-        if policies.COLD_STORES[self.cold_store].needs_dir and not self.cold_dir:
-            raise ValueError(
-                f"cold_dir: required when cold_store is {self.cold_store!r}; " "allowed: a writable folder path"
+        store = policies.COLD_STORES[self.cold_store]
+        with_files = ", ".join(repr(n) for n, p in policies.COLD_STORES.items() if p.needs_dir)
+        if store.needs_dir and not self.cold_dir:
+            out.append(f"cold_dir: required when cold_store is {self.cold_store!r}; allowed: a writable folder path")
+        if self.cold_dir is not None and not store.needs_dir:
+            out.append(
+                f"cold_dir: {self.cold_dir[:80]!r} is given, but cold_store {self.cold_store!r} keeps no files; "
+                f"allowed: cold_dir with cold_store {with_files}, or no cold_dir"
             )
-        if self.persist and not policies.COLD_STORES[self.cold_store].needs_dir:
-            with_files = ", ".join(repr(n) for n, p in policies.COLD_STORES.items() if p.needs_dir)
-            raise ValueError(
+        if self.cold_dir is not None and "\x00" in self.cold_dir:
+            out.append("cold_dir: the path contains a NUL byte; allowed: a folder path without NUL bytes")
+        if self.persist and not store.needs_dir:
+            out.append(
                 f"persist: true keeps the cold tier's files, but cold_store {self.cold_store!r} has none; "
                 f"allowed: persist with cold_store {with_files} (and cold_dir), or persist: false"
             )
         if self.position_mode == "window" and self.use_summaries:
-            raise ValueError(
+            out.append(
                 "position_mode: window places selected blocks only (summaries have no place yet); "
                 "allowed: window with use_summaries: false, or position_mode: real"
             )
         if self.position_mode == "window" and self.prefill_exact_tokens:
-            raise ValueError(
+            out.append(
                 "position_mode: window keeps positions inside the trained range, but an exact prefill "
                 "attends every token at its real position; allowed: prefill_exact_tokens: 0 with "
                 "window, or position_mode: real"
             )
         if self.cold_low_rank != "none" and self.low_rank_dim is None:
-            raise ValueError(
+            out.append(
                 f"cold_low_rank: {self.cold_low_rank!r} needs low_rank_dim (coefficients kept per token "
                 "and KV head); allowed: low_rank_dim: 1..head_dim (e.g. 32 of 64), or cold_low_rank: none"
             )
         if isinstance(self.lsa_layer_shares, dict):
-            bad = {i: v for i, v in self.lsa_layer_shares.items() if i < 0 or not 0 <= v < float("inf")}
+            bad = {i: v for i, v in self.lsa_layer_shares.items() if i < 0 or not 0 <= v <= MAX_LAYER_SHARE}
             if bad:
                 i, v = next(iter(bad.items()))
-                raise ValueError(
-                    f"lsa_layer_shares: {{{i}: {v}}}; allowed: layer indices >= 0 mapped to finite shares >= 0"
+                out.append(
+                    f"lsa_layer_shares: {{{i}: {v}}}; allowed: layer indices >= 0 mapped to finite shares >= 0 "
+                    f"and <= {MAX_LAYER_SHARE:g}"
                 )
             if self.lsa_top_k is None:
-                raise ValueError(
+                out.append(
                     "lsa_layer_shares splits lsa_top_k pages over the layers; allowed: set lsa_top_k, "
                     "or lsa_layer_shares: null"
                 )
         if len(set(self.keep_full_layers)) != len(self.keep_full_layers):
-            raise ValueError(f"keep_full_layers: {self.keep_full_layers} repeats a layer; allowed: distinct layers")
-        return self
+            out.append(f"keep_full_layers: {self.keep_full_layers} repeats a layer; allowed: distinct layers")
+        return out
 
     # ------------------------------------------------------------------ loading
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise ConfigError(_one_line(exc, data)) from None
+            if getattr(_RAW, "on", False):  # `problems` wants pydantic's whole report
+                raise
+            problems = type(self).problems(data) or [_one_line(exc, data)]
+            raise ConfigError(problems[0] + _more(problems[1:])) from None
+
+    @classmethod
+    def problems(cls, data: dict[str, Any]) -> list[str]:
+        """Every problem of a mapping of keys, one line each; [] when it is a valid config.
+
+        Each bad key is named (unknown, wrong type, out of range), then the
+        combinations the remaining keys break (`combination_problems`).
+        """
+        try:
+            _validate_raw(cls, data)
+            return []
+        except ValidationError as exc:
+            errors = [e for e in exc.errors() if e.get("loc")]  # bad keys (no loc: a combination)
+        found = _problems(errors, data)
+        bad_keys = {str(e["loc"][0]) for e in errors}
+        good = {k: v for k, v in data.items() if k not in bad_keys}
+        try:
+            _validate_raw(cls, good)
+        except ValidationError as exc:
+            if any(e.get("loc") for e in exc.errors()):  # not expected: the bad keys are out
+                return found or _problems(exc.errors(), good)
+            found += cls.model_construct(**good).combination_problems()
+        return found
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "config") -> FlashMemoryConfig:
         """Build from a mapping; accepts the seed's `flash_memory:` wrapper."""
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"{source}: top level is {type(data).__name__}; allowed: a mapping "
-                "(optionally under 'flash_memory:')"
-            )
-        if "flash_memory" in data:
-            extra = sorted(str(k) for k in data if k != "flash_memory")
-            if extra:
-                raise ConfigError(f"{source}: unknown top-level key {extra[0]!r}; allowed: 'flash_memory'")
-            data = data["flash_memory"] if data["flash_memory"] is not None else {}
-            if not isinstance(data, dict):
-                raise ConfigError(f"{source}: flash_memory is {type(data).__name__}; allowed: a mapping of keys")
-        bad = [k for k in data if not isinstance(k, str)]
-        if bad:
-            raise ConfigError(f"{source}: key {bad[0]!r} is not a name; allowed: {_allowed()}")
+        keys = _unwrap(data, source)
         try:
-            return cls(**data)
+            return cls(**keys)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
+
+    @classmethod
+    def problems_in_yaml(cls, path: str | Path) -> list[str]:
+        """Every problem of a YAML config file, one line each naming the file ([] when it
+        loads): what `flashmem config check` prints."""
+        from flashmem.user_files import MiB, read_user_text
+
+        try:
+            text = read_user_text(Path(path), "config", MiB, ConfigError)
+            data = _unwrap(_parse_yaml(text, str(path)), str(path))
+        except ConfigError as exc:
+            return [str(exc)]
+        return [f"{path}: {p}" for p in cls.problems(data)]
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> FlashMemoryConfig:
@@ -295,16 +337,7 @@ class FlashMemoryConfig(BaseModel):
 
     @classmethod
     def from_yaml_text(cls, text: str, source: str = "config") -> FlashMemoryConfig:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            problem = getattr(exc, "problem", None) or "invalid YAML"
-            raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
-        except Exception as exc:  # PyYAML's constructors raise e.g. IndexError on '!!int'
-            raise ConfigError(f"{source}: not valid YAML: {type(exc).__name__} while reading a tagged value") from None
-        return cls.from_dict(data, source=source)
+        return cls.from_dict(_parse_yaml(text, source), source=source)
 
     @classmethod
     def for_budget(
@@ -319,18 +352,23 @@ class FlashMemoryConfig(BaseModel):
         dtype_bytes: int | None = None,
         **overrides: Any,
     ) -> FlashMemoryConfig:
-        """The best measured recipe at `budget` x the full cache's device-resident KV bytes
-        after `tokens` tokens (0 < budget <= 1): 16-token pages scored by their mean key
-        (int8), 64-token blocks, the selected pages held as int8 on the device, the split
-        of window / selected pages searched to fit. The selected pages stop at 4,096
-        tokens per layer (`flashmem.memory.budget.SELECTED_TOKENS_CAP`): a step attends
-        a bounded number of tokens, so at long prompts (from about 12K tokens at 1/8)
-        the config holds less than `budget`.
+        """The recipe (`flashmem.recipe`) at `budget` x the full cache's device-resident
+        KV bytes after `tokens` tokens (0 < budget <= 1; 1 <= tokens <= 2**27): 16-token
+        pages scored by their mean key (int8), 64-token blocks, the selected pages held as
+        int8 on the device, the split of window / selected pages searched to fit. The
+        selected pages stop at 4,096 tokens per layer (`flashmem.recipe.SELECTED_TOKENS_CAP`):
+        a step attends a bounded number of tokens, so at long prompts (from about 12K
+        tokens at 1/8) the config holds less than `budget`.
 
-        model: a transformers model (or its config) to read the GQA group, head dim and
-        dtype from; without it give group / head_dim / dtype_bytes (defaults 1 / 64 / 4).
-        variant: a recipe of flashmem.memory.budget.VARIANTS; overrides: config keys laid
-        over it. See flashmem.memory.budget.budget_config and docs/measurements.md.
+        model: a transformers model (or its config), or a model the calculator knows
+        (`'llama-3.1-8b'`, `'smollm2'`, an HF folder, a .gguf file: see `flashmem estimate
+        --help`), to read the GQA group, head dim and dtype from (a name: fp32 for the
+        models `flashmem.load_model` loads, else the calculator's dtype); without it give
+        group / head_dim / dtype_bytes (defaults 1 / 64 / 4); given ones win.
+        variant: 'default' (the recipe) or an experiment variant of the evaluation package
+        (`flashmem_eval.variants`); overrides: config keys laid over it. See
+        flashmem.memory.budget.budget_config and docs/measurements.md. Bad arguments raise
+        a one-line FlashMemError.
 
         The recipe splits its pages over the layers by how far each attends
         (`lsa_layer_shares: profile`): `attach` reads the model's layer profile from the
@@ -339,12 +377,10 @@ class FlashMemoryConfig(BaseModel):
         from flashmem.memory.budget import budget_config, model_geometry
 
         geo = model_geometry(model) if model is not None else {}
-        geo = {
-            "group": group or geo.get("group", 1),
-            "head_dim": head_dim or geo.get("head_dim", 64),
-            "dtype_bytes": dtype_bytes or geo.get("dtype_bytes", 4),
-        }
-        return budget_config(budget, tokens, variant, **geo, **overrides)
+        given = {"group": group, "head_dim": head_dim, "dtype_bytes": dtype_bytes}
+        defaults = {"group": 1, "head_dim": 64, "dtype_bytes": 4}
+        sizes = {k: v if v is not None else geo.get(k, defaults[k]) for k, v in given.items()}
+        return budget_config(budget, tokens, variant, **sizes, **overrides)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump({"flash_memory": self.model_dump()}, sort_keys=False)
@@ -424,13 +460,88 @@ class FlashMemoryConfig(BaseModel):
         return max(0, min(num_sealed, max(k, self.lsa_min_blocks)))
 
 
+_RAW = threading.local()
+
+
+def _validate_raw(cls: type[FlashMemoryConfig], data: dict[str, Any]) -> None:
+    """Validate `data`, letting pydantic's ValidationError (every error) through."""
+    before = getattr(_RAW, "on", False)
+    _RAW.on = True
+    try:
+        cls(**data)
+    finally:
+        _RAW.on = before
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    """YAML text -> Python data, or a one-line ConfigError naming the source and line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}") from None
+    except Exception as exc:  # PyYAML's constructors raise e.g. IndexError on '!!int'
+        raise ConfigError(f"{source}: not valid YAML: {type(exc).__name__} while reading a tagged value") from None
+
+
+def _unwrap(data: Any, source: str) -> dict[str, Any]:
+    """The keys of a config mapping (optionally under `flash_memory:`), or a ConfigError."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}: top level is {type(data).__name__}; allowed: a mapping (optionally under 'flash_memory:')"
+        )
+    if "flash_memory" in data:
+        extra = sorted(str(k) for k in data if k != "flash_memory")
+        if extra:
+            raise ConfigError(f"{source}: unknown top-level key {extra[0]!r}; allowed: 'flash_memory'")
+        data = data["flash_memory"] if data["flash_memory"] is not None else {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: flash_memory is {type(data).__name__}; allowed: a mapping of keys")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"{source}: key {bad[0]!r} is not a name; allowed: {_allowed()}")
+    return data
+
+
+def _more(rest: list[str]) -> str:
+    """' (and N more: key, ...)' naming the keys of the problems after the first."""
+    if not rest:
+        return ""
+    keys = []
+    for p in rest:
+        key = p.split("'")[1] if p.startswith("unknown key '") else p.split(":", 1)[0]
+        keys.append(key[:40])
+    return f" (and {len(rest)} more: {', '.join(dict.fromkeys(keys))}; `flashmem config check` lists each)"
+
+
+def _problems(errors: list[Any], data: dict[str, Any]) -> list[str]:
+    """pydantic's errors as one line per bad key (its first error for that key)."""
+    out, seen = [], set()
+    for err in errors:
+        loc = err.get("loc") or ()
+        key = str(loc[0]) if loc else ""
+        if key in seen:
+            continue  # a union reports one error per member: the first names the key
+        seen.add(key)
+        out.append(_error_line(err, data))
+    return out
+
+
 def _allowed() -> str:
     return ", ".join(FlashMemoryConfig.model_fields)
 
 
 def _one_line(exc: ValidationError, data: dict[str, Any]) -> str:
     """Turn pydantic's report into one line naming key, value and what is allowed."""
-    err = exc.errors()[0]
+    return _error_line(exc.errors()[0], data)
+
+
+def _error_line(err: Any, data: dict[str, Any]) -> str:
+    """One pydantic error as one line naming key, value and what is allowed."""
     loc = err.get("loc") or ()
     key = str(loc[0]) if loc else ""
     kind = err.get("type", "")

@@ -10,7 +10,9 @@ from typing import Any
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
-from flashmem.memory.budget import RECIPE, SHAPE, SHAPES, VARIANTS, budget_config, predicted_ratio
+from flashmem.memory.budget import budget_config, predicted_ratio
+from flashmem.recipe import RECIPE, SHAPE
+from flashmem_eval.variants import SHAPES, VARIANTS
 
 __all__ = ["RECIPE", "SHAPE", "SHAPES", "VARIANTS", "attach", "budget_config", "predicted_ratio"]
 

@@ -1,4 +1,5 @@
-"""`flashmem config check FILE [--model M]`: validate a FlashMemoryConfig YAML."""
+"""`flashmem config check FILE [--model M]`: validate a FlashMemoryConfig YAML, naming
+every bad key (one line each), not only the first."""
 
 from __future__ import annotations
 
@@ -25,9 +26,17 @@ def check(
         "(built-in name, HF folder with config.json, or .gguf file)",
     ),
 ) -> None:
-    """Validate FILE; with --model also check it against the model's layer count."""
+    """Validate FILE; with --model also check it against the model's layer count.
+    Every bad key is named, one line each (exit 2)."""
     from flashmem.config import FlashMemoryConfig
 
+    problems = FlashMemoryConfig.problems_in_yaml(file)
+    if problems:
+        for line in problems:
+            typer.echo(f"error: {' '.join(line.split())}", err=True)
+        if len(problems) > 1:
+            typer.echo(f"error: {file}: {len(problems)} problems", err=True)
+        raise typer.Exit(2)
     cfg = FlashMemoryConfig.from_yaml(file)
     where = ""
     if model is not None:

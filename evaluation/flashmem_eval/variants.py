@@ -1,0 +1,102 @@
+"""The experiment variants: what the measurements compared the recipe with.
+
+Each variant is the recipe (`flashmem.recipe.RECIPE`) with a few config keys
+changed, or with another split of the budget (SHAPES) or another cap on a step's
+selected pages (CAPS). The names are the ones in docs/measurements.md and
+results/ (`flashmem:<variant>` in the harness, `--variant` in the benchmarks).
+`FlashMemoryConfig.for_budget(..., variant=name)` and
+`flashmem.memory.budget.budget_config` resolve a name through `variant(name)`;
+the library itself knows only the recipe ('default').
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flashmem.errors import FlashMemError
+from flashmem.recipe import RECIPE, SELECTED_TOKENS_CAP, SHAPE, Variant
+
+__all__ = ["CAPS", "SHAPES", "VARIANTS", "variant"]
+
+# Config keys laid over the budget-mapped default (the recipe).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": dict(RECIPE),
+    "quest": {**RECIPE, "lsa_scorer": "quest"},
+    "gaussian": {**RECIPE, "lsa_scorer": "gaussian"},
+    "raw": {**RECIPE, "fusion_rope": "raw"},
+    "logbias": {**RECIPE, "summary_bias": "log_size"},
+    "keynorm": {**RECIPE, "fusion_rule": "key_norm"},
+    "summaries": {**RECIPE, "use_summaries": True},
+    "nofollow": {**RECIPE, "lsa_follow_pages": 0},
+    "follow": {**RECIPE, "lsa_follow_pages": 1},
+    "max": {**RECIPE, "lsa_pool": "max"},
+    "b32": {**RECIPE, "hca_chunk_size": 32},
+    "rest": {**RECIPE, "rest_entry": True},
+    "sink4": {**RECIPE, "sink_tokens": 4},
+    "shared": {**RECIPE, "lsa_share_heads": True},
+    "norerank": {**RECIPE, "lsa_rerank": 1},
+    "rerank2": {**RECIPE, "lsa_rerank": 2},
+    "rerank8": {**RECIPE, "lsa_rerank": 8},
+    "rerank16": {**RECIPE, "lsa_rerank": 16},
+    # the candidate floor: rrmin0 is the recipe before it, rrmin256 names the recipe in its runs
+    "rrmin0": {**RECIPE, "lsa_rerank_min_pages": 0},
+    "rrmin256": {**RECIPE, "lsa_rerank_min_pages": 256},
+    # the working set in the model's dtype (the recipe until "An int8 working set");
+    # wsint8 names the recipe in that section's runs
+    "wsmodel": {**RECIPE, "working_set_codec": "model"},
+    "wsint8": {**RECIPE, "working_set_codec": "int8"},
+    "restfollow": {**RECIPE, "rest_entry": True, "lsa_follow_pages": 1},
+    "int8": {**RECIPE, "cold_codec": "int8"},
+    "int4": {**RECIPE, "cold_codec": "int4"},
+    "b128": {**RECIPE, "hca_chunk_size": 128},
+    "block": {**RECIPE, "lsa_page_tokens": None, "lsa_index_dtype": "model", "use_summaries": True},
+    "lowrank": {**RECIPE, "lsa_scorer": "lowrank"},
+    "learned": {**RECIPE, "lsa_scorer": "learned"},
+    # a long prefill chunk's selection from 64 of its queries, re-ranked: better SmolLM2 KL at
+    # 8K, 3 of 56 needles lost on Gemma3 (docs/measurements.md, "Prefill: a chunk's selection")
+    "pq64": {**RECIPE, "lsa_prefill_queries": 64},
+    # the prompt attended by its selection (the recipe before "The prompt attended exactly");
+    # exact names the recipe in that section's runs
+    "selprompt": {**RECIPE, "prefill_exact_tokens": 0},
+    "exact": {**RECIPE, "prefill_exact_tokens": 32768},
+    # every layer selects lsa_top_k pages
+    "even": {**RECIPE, "lsa_layer_shares": None},
+    # halfway between the even split and the profile's
+    "half": {**RECIPE, "lsa_layer_profile_weight": 0.5},
+}
+# Variants that change the split of the resident budget (window, selected pages, CSA band)
+# rather than config keys; the recipe's is flashmem.recipe.SHAPE.
+SHAPES: dict[str, tuple[float, float, float]] = {"balanced": (0.4, 0.4, 0.0), "windowed": (0.6, 0.25, 0.0)}
+VARIANTS.update({name: dict(RECIPE) for name in SHAPES})
+# Variants with another cap on a step's selected tokens (None: none, the recipe before the
+# cap); the recipe's is flashmem.recipe.SELECTED_TOKENS_CAP.
+CAPS: dict[str, int | None] = {"nocap": None, "cap8k": 8192}
+VARIANTS.update({name: dict(RECIPE) for name in CAPS})
+# The cold tier in the calibrated low-rank space (`cold_low_rank`; needs the model's
+# calibration, `flashmem calibrate`): lr<parts><rank>, parts kv / k (keys) / v (values);
+# -i8 / -i4: the stored coefficients int8 / int4-coded too (docs/measurements.md, "Low-rank cold tier").
+VARIANTS.update(
+    {
+        f"lr{tag}{r}": {**RECIPE, "cold_low_rank": mode, "low_rank_dim": r}
+        for tag, mode in (("kv", "kv"), ("k", "keys"), ("v", "values"))
+        for r in (16, 32, 48)
+    }
+)
+VARIANTS.update(
+    {
+        f"lr{tag}{r}-i{codec[3:]}": {**RECIPE, "cold_low_rank": mode, "low_rank_dim": r, "cold_codec": codec}
+        for tag, mode in (("kv", "kv"), ("k", "keys"))
+        for r in (32, 48)
+        for codec in ("int8", "int4")
+    }
+)
+# The keys' plain PCA code instead of the attention-weighted one (`cold_key_basis: pca`).
+_LOW_RANK_KEYS = [n for n in VARIANTS if n.startswith("lrk") and "-" not in n]
+VARIANTS.update({f"{n}-pca": {**VARIANTS[n], "cold_key_basis": "pca"} for n in _LOW_RANK_KEYS})
+
+
+def variant(name: str) -> Variant:
+    """The solver's inputs for a variant name: its keys, budget split and cap."""
+    if name not in VARIANTS:
+        raise FlashMemError(f"variant: {name!r} is not known; allowed: {', '.join(VARIANTS)}")
+    return Variant(keys=dict(VARIANTS[name]), shape=SHAPES.get(name, SHAPE), cap=CAPS.get(name, SELECTED_TOKENS_CAP))

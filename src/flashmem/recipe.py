@@ -1,0 +1,169 @@
+"""The recipe: what flashmem does when a user does not say otherwise.
+
+`flashmem.attach(model)` (no config) and `FlashMemoryConfig.for_budget(budget,
+tokens, model)` both build their config from here: RECIPE's keys, with the
+window and the selected pages sized by the budget solver
+(`flashmem.memory.budget.budget_config`) so the device holds about `budget` x
+the full cache's KV bytes after `tokens` tokens. Every key and constant names
+the measurement it came from (docs/measurements.md). `configs/cpu-small.yaml`
+is the recipe at 1/8 of an 8K prompt on SmolLM2-135M in fp32 (checked by
+tests/test_recipe.py).
+
+The experiment variants measured against the recipe (`flashmem:<variant>` in the
+evaluation harness) live in the evaluation package,
+`evaluation/flashmem_eval/variants.py`; `resolve_variant` looks a name up there.
+
+A bare `FlashMemoryConfig()` is not the recipe: it is the seed article's layout
+(CSA/HCA summaries, 128-token blocks, a 32K window), the base that YAML keys lay
+over; below 32K tokens it compresses nothing.
+
+Torch-free and imports nothing of flashmem but its errors, so the config and the
+solver can both read it without an import circle.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashmem.errors import FlashMemError
+
+# The recipe's config keys: 64-token stored blocks, 16-token pages scored by their int8
+# mean key and re-ranked by their exact keys, 20 sink tokens, most of the budget on exact
+# selected pages held as int8 (docs/measurements.md, "Selection by pages"). The solver adds
+# gpu_cache_limit, lsa_top_k, lsa_min_blocks, csa_band_tokens and lsa_follow_pages.
+RECIPE: dict[str, Any] = {
+    "hca_chunk_size": 64,
+    "lsa_scorer": "mean_key",
+    "lsa_page_tokens": 16,
+    "lsa_index_dtype": "int8",
+    "summary_bias": "none",
+    # No CSA/HCA summaries at these budgets: their bytes buy more selected pages,
+    # which measured better on fidelity and as good on retrieval
+    # (docs/measurements.md, "Summaries or more pages").
+    "use_summaries": False,
+    # 20 sink tokens, not StreamingLLM's 4: the index kept spending two of its few pages
+    # on the text right after the 4 sinks (the prompt's opening), so they are kept as
+    # sinks and the pages go to the history the query needs (docs/measurements.md,
+    # "The rest entry, pooling, sinks").
+    "sink_tokens": 20,
+    # The index picks 4x the pages, their exact keys keep the best quarter (decode steps
+    # and short chunks only): SmolLM2 KL at 1/8 and 1/16 about halved, more 2K needles
+    # found (docs/measurements.md, "Re-ranking candidates by their exact keys").
+    "lsa_rerank": 4,
+    # ... and at least 256 candidates (every page up to 4,096 tokens): the layers the profile
+    # gives few pages re-ranked too few, and SmolLM2 at 1/16 lost needles the exact keys of
+    # every page find (docs/measurements.md, "A floor under the re-rank candidates").
+    "lsa_rerank_min_pages": 256,
+    # Pages split over the layers by how far each attends (the model's layer profile, read
+    # or measured at attach): SmolLM2 answers 8K passkeys an even split misses
+    # (docs/measurements.md, "Pages per layer by how far it attends").
+    "lsa_layer_shares": "profile",
+    # The selected pages held on the device as int8 rows: the budget buys ~3.8x the pages
+    # of an fp32 model (~1.9x at bf16); SmolLM2 KL at 1/8 and 1/16 down 2-8x, more needles
+    # found (docs/measurements.md, "An int8 working set").
+    "working_set_codec": "int8",
+    # The prompt attended exactly, as the full cache does, up to 32K tokens of context; pages
+    # are selected from the first generated token. A prompt attended by its selection lost
+    # answers the full cache gives, with the needle's pages selected at the answer (Gemma3 at
+    # 2K and 1/16): what was missing was the prompt's own attention. The device holds the
+    # prompt's K/V until then (docs/measurements.md, "The prompt attended exactly").
+    "prefill_exact_tokens": 32768,
+}
+# From this budget up a selected page brings the page after it (the answer after
+# its cue, `lsa_follow_pages: 1`); below it the pairs halve too few distinct pages
+# and fidelity drops (docs/measurements.md, "Following pages").
+FOLLOW_FROM_BUDGET = 1 / 8
+# Target shares of the resident budget the solver aims at: window, selected pages, CSA band.
+SHAPE: tuple[float, float, float] = (0.08, 0.7, 0.0)
+# Selected pages a step attends, at most this many tokens per layer (on average over the
+# layers), whatever the budget buys: past it a budget is a ceiling, not a target. At 1/8 the
+# int8 working set buys a third of the context, 24K tokens per head at 64K, and decoding them
+# every step made the recipe no faster than DynamicCache there (0.96x; 3.49x with the cap, one
+# run). 4,096 is twice the 2,048 of ShadowKV and DeepSeek-V3.2's indexer and 1.5x what answered
+# every Gemma3 prompt at 16K and 1/16. It binds from about 12K tokens at 1/8 and 25K at 1/16
+# (docs/measurements.md, "A cap on the selected pages").
+SELECTED_TOKENS_CAP: int | None = 4096
+
+# `attach(model)` without a config: the budget, and the prompt length it is sized for
+# when `tokens=` is not given (8K, the length the recipe was measured at most; no more
+# than the model's own context). A longer prompt holds less than the budget (the window
+# and the pages stay as sized; past about 12K tokens the cap above binds anyway); a
+# shorter one holds more, up to everything it has seen.
+DEFAULT_BUDGET = 1 / 8
+DEFAULT_TOKENS = 8192
+# The longest prompt the solver sizes for: 2**27 (134M) tokens, 13x the longest context
+# a released model states (10M). It keeps every answer under a second.
+MAX_TOKENS = 2**27
+
+
+def recipe_keys(budget: float) -> dict[str, Any]:
+    """RECIPE's keys at `budget`: with `lsa_follow_pages` from FOLLOW_FROM_BUDGET."""
+    return {**RECIPE, "lsa_follow_pages": 1 if budget >= FOLLOW_FROM_BUDGET * (1 - 1e-6) else 0}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What the budget solver lays its sizes over: config keys (the recipe's unless a
+    variant changes them), the target split of the resident budget (window, selected
+    pages, CSA band) and the cap on a step's selected tokens (None: no cap)."""
+
+    keys: Mapping[str, Any] = field(default_factory=lambda: dict(RECIPE))
+    shape: tuple[float, float, float] = SHAPE
+    cap: int | None = SELECTED_TOKENS_CAP
+
+
+def resolve_variant(name: str) -> Variant:
+    """'default' is the recipe; any other name is an experiment variant of the
+    evaluation package (`flashmem_eval.variants.VARIANTS`, imported on demand)."""
+    if not isinstance(name, str):
+        raise FlashMemError(f"variant: {name!r} is not allowed; allowed: a variant name such as 'default'")
+    if name == "default":
+        return Variant()
+    try:
+        from flashmem_eval.variants import variant
+    except ImportError:
+        raise FlashMemError(
+            f"variant: {name!r} is an experiment variant of the evaluation package flashmem_eval, which "
+            "is not importable here; allowed: 'default' (the recipe), or install the checkout (pip install -e .)"
+        ) from None
+    return variant(name)
+
+
+def check_budget(budget: Any) -> float:
+    """`budget` as a float in (0, 1], or a one-line FlashMemError."""
+    ok = isinstance(budget, numbers.Real) and not isinstance(budget, bool)
+    value = float(budget) if ok else math.nan
+    if not (ok and math.isfinite(value) and 0 < value <= 1):
+        raise FlashMemError(
+            f"budget: {budget!r} is not allowed; allowed: a number with 0 < budget <= 1 "
+            "(the device-resident fraction of the full cache's KV bytes, e.g. 1/8)"
+        )
+    return value
+
+
+def check_tokens(tokens: Any, name: str = "tokens") -> int:
+    """`tokens` as an int in 1..MAX_TOKENS, or a one-line FlashMemError."""
+    try:
+        value = operator.index(tokens) if not isinstance(tokens, bool) else 0
+    except TypeError:
+        value = 0
+    if not 1 <= value <= MAX_TOKENS:
+        raise FlashMemError(
+            f"{name}: {tokens!r} is not allowed; allowed: an integer from 1 to {MAX_TOKENS:,} "
+            "(the prompt length to size for, e.g. 8192; flashmem.memory.units.parse_tokens reads '8K')"
+        )
+    return value
+
+
+def default_tokens(model_config: Any) -> int:
+    """The prompt length `attach(model)` sizes the recipe for without `tokens=`:
+    DEFAULT_TOKENS, or the model's context (`max_position_embeddings`) when shorter."""
+    ctx = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx >= 1:
+        return min(DEFAULT_TOKENS, ctx)
+    return DEFAULT_TOKENS
