@@ -124,8 +124,9 @@ def test_bench_prefetch_tiny(tmp_path: Path):
 def test_bench_scale_one_child(tmp_path: Path):
     out = tmp_path / "scale.json"
     args = ["--lengths", "2048", "--steps", "1", "--chunk", "1024", "--methods", "flashmem", "--plot", ""]
-    run_script(BENCH / "bench_scale.py", *args, "--dir", str(tmp_path), "--json", str(out))
-    rows = json.loads(out.read_text())["rows"]  # a failed child leaves no row
+    printed = run_script(BENCH / "bench_scale.py", *args, "--dir", str(tmp_path), "--json", str(out))
+    assert out.exists(), f"the child wrote no row: {printed[-3000:]}"  # a failed child prints why
+    rows = json.loads(out.read_text())["rows"]
     assert [(r["method"], r["tokens"]) for r in rows] == [("flashmem", 2048)]
     assert rows[0]["device_resident_bytes"] > 0 and rows[0]["decode_ms_median"] > 0
 
