@@ -193,6 +193,10 @@ def test_packaged_models_assume_load_models_float32(capsys):
     assert code == 0 and "float32, as flashmem.load_model" in out
 
 
+def _recipe(tokens: int, group: int) -> FlashMemoryConfig:
+    return FlashMemoryConfig.for_budget(1 / 16, tokens, group=group, head_dim=128, dtype_bytes=2)
+
+
 def _traffic_file(tmp_path, h2d: int) -> str:
     zero = {"device_read_bytes": 0, "h2d_bytes": 0, "disk_read_bytes": 0, "host_read_bytes": 0}
     report = {
@@ -270,4 +274,8 @@ def test_hardware_needs_params_for_an_unknown_model(capsys):
     code, _, err = run(capsys, *base)
     assert_one_line_error(code, err, "--params")
     code, out, _ = run(capsys, *base, "--params", "1e9", "--json")
-    assert code == 0 and json.loads(out)["hardware_model"]["model_cost"]["params"] == 10**9
+    hm = json.loads(out)["hardware_model"]
+    assert code == 0 and hm["model_cost"]["params"] == 10**9 and "lower bound" in hm["flops_note"]
+    # the flashmem row sizes the model given by dimensions: 4 layers x 8 KV heads x 128
+    flash = estimate(None, tokens=32768, layers=4, kv_heads=8, head_dim=128, config=_recipe(32768, 1)).flashmem
+    assert hm["rows"]["flashmem"]["device_bytes_per_seq"] == flash.device_resident_bytes

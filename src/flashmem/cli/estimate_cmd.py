@@ -139,7 +139,16 @@ def estimate_command(
         )
         a.check()
         hw_model = hardware_model(
-            model, est, hw, a, config=config, budget=budget, params=params, traffic=traffic, host_gib=host_gib
+            model,
+            est,
+            hw,
+            a,
+            config=config,
+            budget=budget,
+            params=params,
+            traffic=traffic,
+            host_gib=host_gib,
+            dims=(layers, kv_heads, head_dim),
         )
     if as_json:
         d = est.to_dict()
@@ -187,12 +196,13 @@ def hardware_model(
     params: float | None,
     traffic: Path | None,
     host_gib: float | None,
+    dims: tuple[int | None, int | None, int | None] = (None, None, None),
 ) -> dict[str, Any]:
     """The three rows (full, offloaded, flashmem) and issue 27's targets, as a dict."""
     from flashmem.config import FlashMemoryConfig
     from flashmem.memory import hardware as hwm
     from flashmem.memory.calculator import estimate
-    from flashmem.memory.specs import FullAttention, resolve_model
+    from flashmem.memory.specs import FullAttention, from_dims, resolve_model
     from flashmem.memory.units import DTYPE_BYTES
 
     if not 0 < budget <= 1:
@@ -201,11 +211,11 @@ def hardware_model(
         raise ConfigError(f"--host-gib: {host_gib!r} is not allowed; allowed: a number > 0")
     host_bytes = int(host_gib * hwm.GiB) if host_gib is not None else None
     eb = DTYPE_BYTES[est.dtype]
-    spec = resolve_model(model) if model is not None else None
+    spec = resolve_model(model) if model is not None else from_dims(*dims)  # type: ignore[arg-type]
     arch = hwm.ARCHS.get(est.model)
     if arch is None and spec is not None and spec.source.endswith(".json"):
         arch = hwm.arch_from_config(json.loads(Path(spec.source).read_text(encoding="utf-8")))
-    first_full = next((x for x in (spec.layers if spec else ()) if isinstance(x, FullAttention)), None)
+    first_full = next((x for x in spec.layers if isinstance(x, FullAttention)), None)
     head_dim = arch.head_dim if arch else (first_full.head_dim if first_full else 128)
     q_width = arch.heads * arch.head_dim if arch else (first_full.kv_heads * head_dim if first_full else head_dim)
     n_params = None
@@ -230,18 +240,14 @@ def hardware_model(
         group = arch.heads // arch.kv_heads if arch else 1
         cfg = FlashMemoryConfig.for_budget(budget, est.tokens, group=group, head_dim=head_dim, dtype_bytes=eb)
         cfg_source = f"the recipe at budget {budget:g} (FlashMemoryConfig.for_budget)"
-    one = estimate(model, tokens=est.tokens, batch=1, dtype=est.dtype, config=cfg) if model is not None else None
-    if one is None:
-        one = estimate(
-            None,
-            tokens=est.tokens,
-            batch=1,
-            dtype=est.dtype,
-            layers=est.layers,
-            kv_heads=first_full.kv_heads if first_full else 1,
-            head_dim=head_dim,
-            config=cfg,
-        )
+    one = estimate(
+        model,
+        tokens=est.tokens,
+        batch=1,
+        dtype=est.dtype,
+        config=cfg,
+        **({} if model is not None else dict(zip(("layers", "kv_heads", "head_dim"), dims, strict=True))),
+    )
     flash = one.flashmem
     assert flash is not None
     if traffic is not None:
@@ -267,6 +273,11 @@ def hardware_model(
     }
     out["tokens"] = est.tokens
     out["batch"] = est.batch
+    out["flops_note"] = (
+        "attention FLOPs from the model's query heads"
+        if arch is not None
+        else "attention FLOPs from KV heads x head_dim (query heads unknown): a lower bound"
+    )
     return out
 
 
@@ -353,7 +364,8 @@ def _print_hardware(d: dict[str, Any]) -> None:
     typer.echo(
         f"weights {fmt_bytes(m['weight_bytes'])} ({m['params']:,} parameters, {m['params_source']}); "
         f"activation allowance {fmt_bytes(a['activation_bytes'])}; "
-        f"{'overlapped (max)' if a['overlap'] else 'serial (sum)'}; flashmem: {d['flashmem_config']}"
+        f"{'overlapped (max)' if a['overlap'] else 'serial (sum)'}; flashmem: {d['flashmem_config']}; "
+        f"{d['flops_note']}"
     )
     typer.echo(f"decode and prefill at {d['tokens']:,} tokens per sequence, batch {d['batch']} and the largest:")
     head = ("cache", "HBM/seq", "max batch", "ms/step@b", "tok/s@b", "ms/step@max", "tok/s@max", "bound@max")
