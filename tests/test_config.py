@@ -224,3 +224,98 @@ def test_keep_full_layers_resolution(layers, n):
         assert not inside and "\n" not in str(exc)
         return
     assert inside and got == frozenset(i % n for i in layers)
+
+
+# ------------------------------------------------------------------ bounds (issue 30)
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        ({"prefetch_threads": 100000}, "prefetch_threads: 100000 is not allowed; allowed: an integer >= 0 and <= 64"),
+        ({"lsa_top_k": 4, "lsa_layer_shares": {0: 1e308}}, "lsa_layer_shares: {0: 1e+308}; allowed:"),
+        ({"lsa_top_k": 4, "lsa_layer_shares": {0: float("nan")}}, "finite shares >= 0 and <= 1e+06"),
+        ({"cold_store": "disk", "cold_dir": "/tmp/a\x00b"}, "cold_dir: the path contains a NUL byte"),
+        ({"cold_dir": "/tmp/x"}, "cold_dir: '/tmp/x' is given, but cold_store 'memory' keeps no files"),
+    ],
+)
+def test_bounds_are_one_line(kw, needle):
+    msg = _err(**kw)
+    assert needle in msg and "allowed" in msg
+
+
+def test_huge_shares_never_overflow_the_split():
+    cfg = FlashMemoryConfig(lsa_top_k=4, lsa_layer_shares={0: 1e6, 1: 0.0})
+    assert cfg.layer_top_k([0, 1, 2]) == {0: 12, 1: 0, 2: 0}
+
+
+def test_every_problem_is_named():
+    """The API's one line names the first problem and the keys of the others; `problems`
+    lists each: bad types and ranges, unknown keys, then the combinations the rest break."""
+    data = {"gpu_cache_limit": 0, "sink_tokens": -3, "hca_chunk_size": 130, "cold_dir": "/x", "lsa_scorr": "q"}
+    problems = FlashMemoryConfig.problems(data)
+    assert [p.split(":")[0] for p in problems] == [
+        "sink_tokens",
+        "gpu_cache_limit",
+        "unknown key 'lsa_scorr'; did you mean 'lsa_scorer'? allowed",
+        "hca_chunk_size",
+        "cold_dir",
+    ]
+    msg = _err(**data)
+    assert msg.startswith("config: sink_tokens: -3 is not allowed")
+    assert "(and 4 more: gpu_cache_limit, lsa_scorr, hca_chunk_size, cold_dir;" in msg
+    assert FlashMemoryConfig.problems({"lsa_top_k": 3}) == []
+
+
+def _check_cli(path: Path) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from flashmem.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        main(["config", "check", str(path)])
+    return exc.value.code, out.getvalue(), err.getvalue()
+
+
+def test_config_check_names_every_bad_key(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(
+        "flash_memory:\n  gpu_cache_limit: 0\n  sink_tokens: -3\n  hca_chunk_size: 130\n"
+        "  cold_dir: /tmp/x\n  prefetch_threads: 1000\n  lsa_scorr: quest\n"
+    )
+    code, _, err = _check_cli(p)
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err
+    named = [line.removeprefix(f"error: {p}: ").split(":")[0] for line in lines]
+    assert named == [
+        "sink_tokens",
+        "gpu_cache_limit",
+        "prefetch_threads",
+        "unknown key 'lsa_scorr'; did you mean 'lsa_scorer'? allowed",
+        "hca_chunk_size",
+        "cold_dir",
+        "6 problems",
+    ]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(_keys, _values, max_size=6))
+def test_config_check_on_random_files_is_ok_or_one_line_per_problem(data):
+    import tempfile
+
+    try:
+        text = yaml.safe_dump({"flash_memory": data})
+    except yaml.YAMLError:
+        return
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "c.yaml"
+        p.write_text(text)
+        code, out, err = _check_cli(p)
+        expected = FlashMemoryConfig.problems_in_yaml(p)
+    assert "Traceback" not in err
+    if code == 0:
+        assert out.startswith("ok: ") and not expected
+    else:
+        lines = err.strip().splitlines()
+        assert code == 2 and all(line.startswith("error: ") for line in lines)
+        assert len(lines) == len(expected) + (len(expected) > 1)

@@ -1,0 +1,171 @@
+"""`FlashMemoryConfig.for_budget` and the budget solver: every bad argument is one line
+(FlashMemError), model names the calculator knows work, the size cap answers fast, and
+the solver's fast ratio is `predicted_ratio` exactly."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flashmem.config import FlashMemoryConfig
+from flashmem.errors import FlashMemError
+from flashmem.memory.budget import _ratio_of, _sized, model_geometry, predicted_ratio
+from flashmem.recipe import MAX_TOKENS, recipe_keys
+
+
+def _one_line(call) -> str:
+    with pytest.raises(FlashMemError) as exc:
+        call()
+    msg = str(exc.value)
+    assert msg and "\n" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [0, math.nan, math.inf, -math.inf, "8K", None, -100, 1.5, 8192.0, True, 10**7 * 100, 10**12, [8192], b"8"],
+)
+def test_bad_tokens_are_one_line(tokens):
+    t0 = time.perf_counter()
+    msg = _one_line(lambda: FlashMemoryConfig.for_budget(1 / 8, tokens))
+    assert msg.startswith(f"tokens: {tokens!r} is not allowed; allowed: an integer from 1 to")
+    assert time.perf_counter() - t0 < 1
+
+
+@pytest.mark.parametrize("budget", [0, -0.1, 1.5, math.nan, math.inf, True, False, "1/8", None, [0.1], 1e309])
+def test_bad_budgets_are_one_line(budget):
+    msg = _one_line(lambda: FlashMemoryConfig.for_budget(budget, 8192))
+    assert msg.startswith(f"budget: {budget!r} is not allowed; allowed: a number with 0 < budget <= 1")
+
+
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        ({"group": 0}, "group: 0"),
+        ({"group": True}, "group: True"),
+        ({"head_dim": 1.5}, "head_dim: 1.5"),
+        ({"head_dim": 10**9}, "head_dim: 1000000000"),
+        ({"dtype_bytes": 3}, "dtype_bytes: 3"),
+        ({"dtype_bytes": math.nan}, "dtype_bytes: nan"),
+        ({"variant": "nosuch"}, "variant: 'nosuch' is not known"),
+        ({"variant": 3}, "variant: 3"),
+        ({"prefetch_threads": 100000}, "prefetch_threads: 100000"),
+        ({"gpu_cache_limt": 3}, "unknown key 'gpu_cache_limt'"),
+    ],
+)
+def test_bad_keywords_are_one_line(kw, needle):
+    assert needle in _one_line(lambda: FlashMemoryConfig.for_budget(1 / 8, 8192, **kw))
+
+
+@pytest.mark.parametrize(
+    "model, needle",
+    [
+        ("nosuch-model", "model: unknown model 'nosuch-model'"),
+        ("deepseek-v3", "no full-attention layers"),
+        (42, "model: a int object is not allowed"),
+        (object(), "model: a object object is not allowed"),
+        ({"model_type": "llama"}, "model: "),
+    ],
+)
+def test_bad_models_are_one_line(model, needle):
+    assert needle in _one_line(lambda: FlashMemoryConfig.for_budget(1 / 8, 8192, model))
+
+
+def test_model_names_the_calculator_knows():
+    """The issue's example, and SmolLM2 by name: its geometry from the built-in facts,
+    fp32 as flashmem.load_model loads it; a hub model in the calculator's bf16."""
+    t0 = time.perf_counter()
+    cfg = FlashMemoryConfig.for_budget(1 / 16, 131072, "llama-3.1-8b")
+    assert time.perf_counter() - t0 < 5
+    assert model_geometry("llama-3.1-8b") == {"group": 1, "head_dim": 128, "dtype_bytes": 2}
+    assert cfg == FlashMemoryConfig.for_budget(1 / 16, 131072, head_dim=128, dtype_bytes=2)
+    assert model_geometry("smollm2") == {"group": 3, "head_dim": 64, "dtype_bytes": 4}
+    assert model_geometry("SmolLM2-135M") == model_geometry("smollm2")  # the calculator's aliases
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2", dtype_bytes=2) == FlashMemoryConfig.for_budget(
+        1 / 8, 8192, group=3, head_dim=64, dtype_bytes=2
+    )
+
+
+def test_the_size_cap_answers_fast():
+    for tokens in (10**7, MAX_TOKENS):
+        t0 = time.perf_counter()
+        cfg = FlashMemoryConfig.for_budget(1 / 8, tokens)
+        # about 0.1 s on the 2-core machine under load; the bound leaves room for a busier one
+        assert time.perf_counter() - t0 < 3, tokens
+        assert cfg.lsa_top_k * cfg.page_tokens == 4096  # the cap binds
+        assert predicted_ratio(cfg, tokens) <= 1 / 8
+    _one_line(lambda: FlashMemoryConfig.for_budget(1 / 8, MAX_TOKENS + 1))
+
+
+def test_tiny_budgets_give_the_closest_config_not_an_overflow():
+    for budget in (1e-300, 5e-324):
+        cfg = FlashMemoryConfig.for_budget(budget, 8192)
+        assert cfg.gpu_cache_limit == 8 and cfg.lsa_top_k == 0
+
+
+@st.composite
+def _solver_points(draw):
+    keys = draw(
+        st.sampled_from(
+            [
+                recipe_keys(1 / 8),
+                {**recipe_keys(1 / 8), "working_set_codec": "model"},
+                {**recipe_keys(1 / 8), "use_summaries": True, "lsa_scorer": "quest"},
+                {**recipe_keys(1 / 8), "rest_entry": True},
+                {**recipe_keys(1 / 8), "lsa_page_tokens": None, "lsa_index_dtype": "model", "use_summaries": True},
+                {**recipe_keys(1 / 8), "lsa_scorer": "lowrank", "low_rank_dim": 16},
+                {"lsa_top_k": 1},  # the bare config's layout
+            ]
+        )
+    )
+    tokens = draw(st.integers(1, 2**20))
+    return (
+        FlashMemoryConfig(**keys),
+        tokens,
+        draw(st.integers(1, tokens + 64)),  # window
+        draw(st.integers(0, 4096)),  # pages
+        draw(st.integers(0, 32)),  # band blocks
+        draw(st.sampled_from([(1, 64, 4), (3, 64, 4), (4, 128, 2), (8, 16, 1)])),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(_solver_points())
+def test_fast_ratio_is_predicted_ratio(point):
+    base, tokens, w, k, band, (group, head_dim, dtype_bytes) = point
+    fast = _ratio_of(base, tokens, group, head_dim, dtype_bytes)(w, k, band)
+    assert fast == predicted_ratio(_sized(base, w, k, band), tokens, group, head_dim, dtype_bytes)
+
+
+_any = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.integers(-10, 70000),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(0, 1),
+    st.text(max_size=10),
+    st.sampled_from(["smollm2", "llama-3.1-8b", "gemma3-270m", "deepseek-v3", "8K", "default", "nocap"]),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    budget=_any,
+    tokens=_any,
+    model=st.one_of(st.none(), _any),
+    extra=st.dictionaries(st.sampled_from(["group", "head_dim", "dtype_bytes", "variant", "prefetch_threads"]), _any),
+)
+def test_any_arguments_give_a_config_or_one_line(budget, tokens, model, extra):
+    t0 = time.perf_counter()
+    try:
+        cfg = FlashMemoryConfig.for_budget(budget, tokens, model, **extra)
+    except FlashMemError as exc:
+        assert str(exc) and "\n" not in str(exc), repr(str(exc))
+    else:
+        assert isinstance(cfg, FlashMemoryConfig) and cfg.gpu_cache_limit >= 1
+    assert time.perf_counter() - t0 < 10
