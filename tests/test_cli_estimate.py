@@ -251,6 +251,11 @@ def test_hardware_model_table_and_overrides(capsys):
     assert hm["flashmem_traffic"]["parts"]["rerank_keys"] == 0
 
 
+def test_hardware_model_when_the_full_cache_does_not_fit(capsys):
+    code, out, _ = run(capsys, "estimate", "-m", "llama-3.1-8b", "-t", "1M", "--hardware", "h100")
+    assert code == 0 and "no fit" in out and "not comparable: the full cache does not fit one sequence" in out
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [

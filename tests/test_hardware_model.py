@@ -203,3 +203,17 @@ def test_the_caches_own_traffic_names_are_accepted(h200):
     hwm.check_traffic(report)
     tr = hwm.counted_traffic(report, 2**30, 0, "cache names")
     assert tr.prefill_link_bytes == 256 * 10**8 and tr.link_bytes == 50 * 10**6
+
+
+def test_a_cache_that_does_not_fit_has_no_ratio():
+    """At 1M tokens Llama-3.1-8B's cache (128 GiB) does not fit an H100 next to its weights:
+    the full row has no batch, and the targets say so instead of printing a ratio."""
+    hw, a = hwm.get_hardware("h100"), hwm.Assumptions()
+    cost = hwm.model_cost("llama-3.1-8b", layers=32, kv_bytes_per_token=KV_TOKEN, dtype_bytes=2, q_width=0)
+    full = hwm.full_row(hw, cost, 2**20, 1, a)
+    assert full.largest_batch == 0 and not full.fits
+    tr = hwm.counted_traffic(synthetic_report(10**9, 10**7, 0, 0), 2**30, 0, "x")
+    flash = hwm.flashmem_row(hw, cost, 2**20, 1, a, tr, KV_TOKEN * 2**20, None)
+    assert flash.fits and flash.largest_batch == (81559 * 2**20 - WEIGHTS - ALLOW) // 2**30
+    tg = hwm.targets(hw, cost, a, full, flash, tr)
+    assert tg["throughput_ratio_at_largest_batch"] is None and "the full cache does not fit" in tg["note"]

@@ -375,10 +375,10 @@ def _print_hardware(d: dict[str, Any]) -> None:
         cells = (
             _gb(r["device_bytes_per_seq"]),
             f"{r['largest_batch']:,}",
-            f"{r['step_s'] * 1e3:,.2f}",
-            f"{r['tokens_per_s']:,.1f}",
-            f"{r['step_s_at_largest'] * 1e3:,.1f}",
-            f"{r['tokens_per_s_at_largest']:,.1f}",
+            f"{r['step_s'] * 1e3:,.2f}" if r["fits"] else "no fit",
+            f"{r['tokens_per_s']:,.1f}" if r["fits"] else "-",
+            f"{r['step_s_at_largest'] * 1e3:,.1f}" if r["largest_batch"] else "-",
+            f"{r['tokens_per_s_at_largest']:,.1f}" if r["largest_batch"] else "-",
         )
         typer.echo(
             f"{r['method']:<10}"
@@ -389,6 +389,9 @@ def _print_hardware(d: dict[str, Any]) -> None:
     parts = ", ".join(f"{k} {fmt_bytes(int(v))}" for k, v in tr["parts"].items() if v)
     typer.echo(f"flashmem link bytes per sequence and step: {tr['source']}" + (f" ({parts})" if parts else ""))
     need = tg["link_bytes_per_seq_step_for_target"]
+    if tg["throughput_ratio_at_largest_batch"] is None:
+        typer.echo(f"issue 27 targets (modelled): not comparable: {tg['note']}")
+        return
     typer.echo(
         f"issue 27 targets (modelled): flashmem tok/s at its largest batch / full cache at its largest: "
         f"{tg['throughput_ratio_at_largest_batch']:.2f}x (target >= {tg['throughput_ratio_target']:g}x: "

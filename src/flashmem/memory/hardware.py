@@ -433,6 +433,11 @@ class Row:
     note: str = ""
 
     @property
+    def fits(self) -> bool:
+        """Whether `batch` sequences fit in HBM."""
+        return self.batch <= self.largest_batch
+
+    @property
     def tokens_per_s(self) -> float:
         return self.batch / self.step_s if self.step_s > 0 else 0.0
 
@@ -442,6 +447,7 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["fits"] = self.fits
         d["tokens_per_s"] = self.tokens_per_s
         d["tokens_per_s_at_largest"] = self.tokens_per_s_at_largest
         return d
@@ -574,12 +580,20 @@ def targets(
 ) -> dict[str, Any]:
     """Issue 27's two modelled targets, and the link bytes per sequence and step at which the
     first would hold. `*_b1` rows are computed at batch 1."""
-    ratio_fill = (
-        flash_b1.tokens_per_s_at_largest / full_b1.tokens_per_s_at_largest if full_b1.tokens_per_s_at_largest else 0.0
-    )
-    ratio_b1 = full_b1.step_s / flash_b1.step_s if flash_b1.step_s else 0.0
-    # largest link bytes/sequence/step at which flashmem's largest batch gives 3x: the step must
-    # take at most B / (3 x full tokens/s); the link then carries B x x in that time
+    if full_b1.largest_batch == 0 or flash_b1.largest_batch == 0:
+        # a cache that does not hold one sequence has no throughput to compare
+        who = "the full cache" if full_b1.largest_batch == 0 else "flashmem"
+        return {
+            "throughput_ratio_at_largest_batch": None,
+            "throughput_ratio_target": TARGET_THROUGHPUT_RATIO,
+            "throughput_target_met": None,
+            "batch1_speed_ratio": None,
+            "batch1_target_met": None,
+            "link_bytes_per_seq_step_for_target": None,
+            "note": f"{who} does not fit one sequence at this length",
+        }
+    ratio_fill = flash_b1.tokens_per_s_at_largest / full_b1.tokens_per_s_at_largest
+    ratio_b1 = full_b1.step_s / flash_b1.step_s
     need: float | None = None
     b = flash_b1.largest_batch
     if b and full_b1.tokens_per_s_at_largest:
