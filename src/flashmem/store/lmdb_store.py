@@ -28,6 +28,7 @@ from flashmem.errors import ChecksumError, ColdStoreError
 from flashmem.store.base import BlockKey
 from flashmem.store.codecs import DTYPE_CODES, DTYPES_BY_CODE, Codec
 from flashmem.store.codecs.base import Shape
+from flashmem.store.disk_io import store_error
 from flashmem.store.format import HEADER_SIZE, RecordHeader, pack_header, unpack_header, xxh64
 from flashmem.store.meta import read_meta, write_meta
 from flashmem.store.private_fs import FILE_MODE, tighten
@@ -78,6 +79,8 @@ class _Core(WriteBehindCore):
         try:
             tighten(folder)  # lmdb's mode goes through the umask
             _check_not_truncated(self.env, folder)
+            if not create:
+                _probe_in_child(folder, map_size)
             sizes, self.problems = self._scan()
         except BaseException:
             self.env.close()
@@ -218,4 +221,54 @@ def _check_not_truncated(env: lmdb.Environment, folder: str) -> None:
         raise ColdStoreError(
             f"cold store {folder}: data.mdb is truncated ({size} bytes, its last page ends at {end}); "
             "allowed: an intact LMDB store"
+        )
+
+
+# Run by `_probe_in_child` in a separate interpreter (lmdb and xxhash only, no torch):
+# every read the store can make of this file (the cursor scan at open, `get` of a
+# listed block), made once where a fault kills only the probe. argv: folder,
+# map_size, path of flashmem/store/format.py.
+_PROBE = """
+import importlib.util, sys
+import lmdb
+spec = importlib.util.spec_from_file_location("flashmem_store_format", sys.argv[3])
+fmt = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = fmt
+spec.loader.exec_module(fmt)
+env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), subdir=True, readonly=True, lock=False, readahead=False)
+with env.begin(buffers=True) as txn:
+    for key, val in txn.cursor():
+        h = fmt.unpack_header(bytes(val[: fmt.HEADER_SIZE]))
+        if h is not None and len(val) == fmt.HEADER_SIZE + h.payload_len:
+            val[len(val) - 1]  # a value is contiguous in the map: if its last byte is in the file, all are
+"""
+
+
+def _probe_in_child(folder: str, map_size: int) -> None:
+    """LMDB maps its file and trusts its own pages: a damaged page can point a read past
+    the end of the file, and the read then kills the process (SIGBUS), with no error to
+    catch. Every read this store will make of a reopened file is made first in a child
+    process; if the child dies by a signal the store is refused in one line, and this
+    process never touches the bad page. A child that fails otherwise (an LMDB error) is
+    ignored: the same error comes back, in one line, from the scan that follows."""
+    import signal
+    import subprocess
+    import sys
+
+    from flashmem.store import format as fmt
+
+    args = [sys.executable, "-c", _PROBE, folder, str(map_size), os.path.abspath(fmt.__file__)]
+    try:
+        proc = subprocess.run(args, capture_output=True, timeout=None, check=False)
+    except OSError as exc:
+        raise store_error(folder, "cannot check data.mdb in a separate process", exc) from None
+    if proc.returncode < 0:
+        try:
+            sig = signal.Signals(-proc.returncode).name
+        except ValueError:
+            sig = f"signal {-proc.returncode}"
+        raise ColdStoreError(
+            f"cold store {folder}: data.mdb is damaged: reading it kills the reader ({sig}; LMDB maps the file "
+            "and does not check its own pages), so it is refused before this process reads it; "
+            "allowed: an intact LMDB store folder"
         )
