@@ -277,4 +277,4 @@ def test_layer_profile_reports_progress_per_layer(tiny_folder, monkeypatch, caps
     prof = measure_layer_profile(model, AutoTokenizer.from_pretrained(tiny_folder), tokens=512, seq_tokens=256)
     layers = model.config.num_hidden_layers
     assert len(seen) == 2 * layers and sum(seen) == pytest.approx(prof["tokens"])  # each layer of each sequence
-    assert "measuring the layer profile (once per model): done, 512 tokens in" in capsys.readouterr().err
+    assert "layer profile (measured once per model): done, 512 tokens in" in capsys.readouterr().err

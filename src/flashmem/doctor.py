@@ -271,6 +271,9 @@ def diagnose(cfg: FlashMemoryConfig, *, model: str = "smollm2", context: int = 8
         cold_have, cold_where = io["disk_free_bytes"], f"disk free under {io['folder']}"
     cr = cold_need / cold_have if cold_have else float("inf")
     f.append(Finding("memory", "bad" if cr > 1 else "warn" if cr > 0.5 else "ok", f"cold tier at {context} tokens: {cold_need / 2**20:.1f} MiB of {cold_have / 2**20:.0f} MiB {cold_where} ({cr:.1%})", ("use cold_store: disk (or layered) with cold_dir on a disk with room, or cold_codec: int8" if cr > 0.5 else ""), cold_need))  # fmt: skip
+    if device["kind"] == "cpu" and cfg.cold_store == "memory" and est.full_cache_bytes:
+        both = dev_need + cold_need  # one RAM holds both tiers
+        f.append(Finding("memory", "bad" if both > mem["ram_available_bytes"] else "ok", f"on a CPU the device tiers and the memory cold tier are the same RAM: {both / 2**20:.1f} MiB together, {both / est.full_cache_bytes:.0%} of the full cache", "the saving is on an accelerator, or with cold_store: disk on a CPU", round(both / est.full_cache_bytes, 4)))  # fmt: skip
     return report
 
 

@@ -23,7 +23,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Step", "enable", "is_enabled", "quiet_bars_in_logs", "step", "stderr_is_tty", "stdout_is_tty"]
+__all__ = [
+    "Step",
+    "enable",
+    "forward_tokens",
+    "is_enabled",
+    "quiet_bars_in_logs",
+    "step",
+    "stderr_is_tty",
+    "stdout_is_tty",
+]
 
 SHOW_AFTER_S = 2.0  # steps quicker than this show nothing (bar rows are removed)
 LOG_EVERY_S = (15.0, 15.0, 30.0, 60.0)  # in a log: gaps between a running step's lines, the last repeated
@@ -151,12 +160,12 @@ def _new_progress() -> Any:
                 return Text("")
             return Text(f"{task.completed:,.0f}/{task.total:,.0f} {unit}".rstrip())
 
-    class Left(ProgressColumn):  # "about 2 min 10 s left" once a known-length step has advanced
+    class Left(ProgressColumn):  # "0:02:10 left" once a known-length step has advanced
         def render(self, task: Any) -> Text:
             if not task.fields.get("known", True) or not task.completed or task.finished or task.total is None:
                 return Text("")
-            elapsed = task.elapsed or 0.0
-            return Text(f"about {_duration(elapsed * (task.total - task.completed) / task.completed)} left")
+            left = int((task.elapsed or 0.0) * (task.total - task.completed) / task.completed)
+            return Text(f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d} left")  # as the elapsed column
 
     return Progress(
         SpinnerColumn(),
@@ -209,3 +218,35 @@ def step(description: str, total: float | None = None, unit: str = "", *, show: 
             logger.join()
             if s._shown:
                 _line(f"{description}: {'done, ' + s.summary() if ok else 'stopped after ' + _duration(s.elapsed)}")
+
+
+@contextmanager
+def forward_tokens(model: Any, shown: Step) -> Iterator[None]:
+    """Advance `shown` by the tokens of each forward of `model` while it runs: T/L as each
+    of its L decoder layers finishes a forward of T tokens (input_ids [b, T]); T at the
+    end of the forward when the layers cannot be found. One forward over a long prompt
+    then moves the bar too."""
+    try:
+        blocks = list(model.get_decoder().layers)
+    except (AttributeError, TypeError):
+        blocks = []
+    tokens = [0]
+
+    def started(_mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = args[0] if args else kwargs.get("input_ids")
+        tokens[0] = int(x.shape[-1]) if x is not None else 0
+
+    def layer_done(*_: Any) -> None:  # returns None: the layer's output is left as it is
+        shown.advance(tokens[0] / len(blocks))
+
+    def model_done(*_: Any) -> None:
+        if not blocks:
+            shown.advance(tokens[0])
+
+    handles = [model.register_forward_pre_hook(started, with_kwargs=True), model.register_forward_hook(model_done)]
+    handles += [b.register_forward_hook(layer_done) for b in blocks]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -21,8 +21,6 @@ import json
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,10 +81,11 @@ def measure_layer_profile(
     device = next(model.parameters()).device
     far: dict[int, list[list[float]]] = {i: [] for i in layers}
     # a minute or more on a busy CPU: progress per decoder layer of each sequence
-    what = "measuring the layer profile (once per model)"
-    with progress.step(what, total=len(sequences) * seq_tokens, unit="tokens") as shown:
+    with progress.step(
+        "layer profile (measured once per model)", total=len(sequences) * seq_tokens, unit="tokens"
+    ) as shown:
         for chunk in sequences:
-            with capture_qk(model, set(layers), keep_values=False) as cap, _per_layer(model, shown, len(chunk)):
+            with capture_qk(model, set(layers), keep_values=False) as cap, progress.forward_tokens(model, shown):
                 model(input_ids=torch.tensor([chunk], device=device), use_cache=False)
             for i in layers:
                 far[i].append(far_shares(cap.queries[i][0], cap.keys[i][0], cap.scaling[i]))
@@ -101,29 +100,6 @@ def measure_layer_profile(
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "seconds": round(time.perf_counter() - t0, 1),
     }
-
-
-@contextmanager
-def _per_layer(model: Any, shown: progress.Step, tokens: int) -> Iterator[None]:
-    """Advance `shown` by tokens/L as each of the model's L decoder layers finishes a
-    forward (by all `tokens` at the end when the layers cannot be found)."""
-    try:
-        blocks = list(model.get_decoder().layers)
-    except (AttributeError, TypeError):
-        blocks = []
-    share = tokens / len(blocks) if blocks else 0.0
-
-    def done(*_: Any) -> None:  # returns None: the layer's output is left as it is
-        shown.advance(share)
-
-    handles = [b.register_forward_hook(done) for b in blocks]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-    if not blocks:
-        shown.advance(tokens)
 
 
 def far_shares(q: torch.Tensor, k: torch.Tensor, scaling: float) -> list[float]:

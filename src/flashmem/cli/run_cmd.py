@@ -260,7 +260,10 @@ def _generate(
     with torch.no_grad():
         t0 = time.perf_counter()
         # model-level chunks: one forward over a long input would allocate activations for all of it
-        with progress.step("prefill", total=int(ids.shape[1]), unit="tokens") as shown, _count_tokens(model, shown):
+        with (
+            progress.step("prefill", total=int(ids.shape[1]), unit="tokens") as shown,
+            progress.forward_tokens(model, shown),
+        ):
             last = flashmem.prefill(model, cache, ids)
         t_prefill = time.perf_counter() - t0
         gen: list[int] = []
@@ -282,25 +285,6 @@ def _generate(
     return gen, logits, t_prefill, t_decode
 
 
-class _count_tokens:  # noqa: N801 - used as a context manager
-    """Advances `shown` by the tokens of each forward of `model` (prefill's chunks)."""
-
-    def __init__(self, model: Any, shown: progress.Step) -> None:
-        self.model, self.shown, self.handle = model, shown, None
-
-    def __enter__(self) -> None:
-        def hook(_mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            x = args[0] if args else kwargs.get("input_ids")
-            if x is not None:
-                self.shown.advance(int(x.shape[-1]))  # input_ids [b, t]
-
-        self.handle = self.model.register_forward_pre_hook(hook, with_kwargs=True)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-
-
 def _compare(model: Any, tok: Any, ids: Any, gen: list[int], logits: list[Any]) -> dict[str, Any]:
     """The full cache's own greedy answer, then flashmem's tokens replayed through it:
     top-1 agreement and KL of the next-token distributions. One prefill serves both."""
@@ -316,8 +300,10 @@ def _compare(model: Any, tok: Any, ids: Any, gen: list[int], logits: list[Any]) 
     try:
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            with progress.step(f"full cache: prefill ({ids.shape[1]:,} tokens, one forward)"):
-                out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+            n = int(ids.shape[1])
+            with progress.step("full cache: prefill", total=n, unit="tokens") as shown:
+                with progress.forward_tokens(model, shown):
+                    out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
             first = out.logits[0, -1].float()
             full_gen = [int(first.argmax())]
             stream.add(full_gen[-1])
