@@ -22,27 +22,76 @@ def _prompt_logits(model, cache, ids, mask=None):
         return model(ids, cache=cache, use_cache=True, attention_mask=mask, position_ids=pos).logits
 
 
+@pytest.mark.parametrize("codec", ["exact", "int8"])  # exact: streamed from the tiers; int8: a held buffer
 @pytest.mark.parametrize("arch", sorted(MODELS))
-def test_an_exact_prompt_equals_the_full_caches_and_the_selection_starts_after_it(arch):
+def test_an_exact_prompt_equals_the_full_caches_and_the_selection_starts_after_it(arch, codec):
     model = MODELS[arch]()
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
     model.set_attn_implementation("sdpa")
     ref = _prompt_logits(model, DynamicCache(config=model.config), ids)
     sparse = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE))
     assert (_prompt_logits(model, sparse, ids) - ref).abs().max() > 1e-2  # selection alone differs
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=4096))
+    cfg = flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=4096, cold_codec=codec)
+    cache = flashmem.attach(model, cfg)
     assert (_prompt_logits(model, cache, ids) - ref).abs().max() <= 1e-4  # every position
     held = cache.memory_report()["tiers"]["prefill_kv"]
-    assert held > 0 and cache.memory_report()["sealed_blocks"] > 0  # the tiers filled as usual
-    assert cache.memory_report()["peak_managed_resident_bytes"] >= held
+    assert cache.memory_report()["sealed_blocks"] > 0  # the tiers filled as usual
+    if codec == "exact":  # streamed: nothing of the prompt held beyond the tiers
+        assert held == 0
+        assert cache.memory_report()["peak_managed_resident_bytes"] <= sparse.memory_report()["peak_managed_resident_bytes"]
+        assert cache.traffic_report()["totals"]["h2d_bytes"] > 0  # the sealed blocks were read back
+    else:  # a lossy cold tier: the prompt's K/V held on the device until the first generated token
+        assert held > 0 and cache.memory_report()["peak_managed_resident_bytes"] >= held
     with torch.no_grad():  # the first generated token: selection, the prompt's K/V dropped
         model(torch.tensor([[5]]), cache=cache, use_cache=True)
     assert cache.memory_report()["tiers"]["prefill_kv"] == 0
     resident = sparse.memory_report()["managed_resident_bytes"]
     with torch.no_grad():
         model(torch.tensor([[5]]), cache=sparse, use_cache=True)
-    assert cache.memory_report()["managed_resident_bytes"] == sparse.memory_report()["managed_resident_bytes"]
+    if codec == "exact":
+        assert cache.memory_report()["managed_resident_bytes"] == sparse.memory_report()["managed_resident_bytes"]
     assert resident > 0
+
+
+def _buffered(monkeypatch):
+    """The exact prompt as before streaming: the prompt's K/V held in a device buffer."""
+    from flashmem.cache import flash_layer, exact_prompt
+
+    monkeypatch.setattr(flash_layer, "ExactPrompt", lambda cap, streamed: exact_prompt.ExactPrompt(cap, False))
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 100])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_the_streamed_prompt_equals_the_buffered_one_at_every_chunk_size_with_padding(monkeypatch, arch, chunk):
+    """The prompt read back from the tiers (sealed blocks from the cold tier in runs, merged by
+    an online softmax) gives the logits of the prompt held on the device, for several chunk
+    sizes, padded rows included, and decoding after it goes on the same."""
+    model = MODELS[arch]()
+    ids = torch.randint(0, 128, (2, 260), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    cfg = flashmem.FlashMemoryConfig(**dict(SPARSE, prefill_chunk=chunk), prefill_exact_tokens=4096)
+    streamed = run(model, flashmem.attach(model, cfg), ids, 6, mask)
+    _buffered(monkeypatch)
+    held = run(model, flashmem.attach(model, cfg), ids, 6, mask)
+    assert (streamed - held).abs().max() <= 1e-4
+
+
+def test_a_streamed_prompt_reads_the_cold_tier_once_per_chunk_and_layer():
+    """Traffic of a streamed prompt: each chunk after the first reads every block sealed before
+    it, once per managed layer, from the cold tier (h2d_bytes), and nothing is held."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(9))
+    kw = dict(SPARSE, prefill_chunk=64, prefill_split_tail=False, gpu_cache_limit=16, sink_tokens=4)
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**kw, prefill_exact_tokens=4096))
+    _prompt_logits(model, cache, ids)
+    B, layers = kw["hca_chunk_size"], len(cache.flash_layers)
+    per_token = 2 * cache.flash_layers[0].sink_k.shape[1] * cache.flash_layers[0].sink_k.shape[-1] * 4
+    # blocks sealed before each chunk starts: after c chunks of 64, (64 c - sinks - window) // B
+    sealed_before = [max(0, (64 * c - 4 - 16) // B) for c in range(4)]
+    expected = sum(n * B * per_token for n in sealed_before) * layers
+    assert cache.traffic_report()["totals"]["h2d_bytes"] == expected
+    assert cache.memory_report()["tiers"]["prefill_kv"] == 0
 
 
 def test_padded_batches_and_decoding_after_an_exact_prompt_match_the_full_cache_when_all_fits():
@@ -63,7 +112,8 @@ def test_a_prompt_past_the_cap_goes_on_by_selection_and_drops_the_prompts_kv():
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(3))
     model.set_attn_implementation("sdpa")
     full = DynamicCache(config=model.config)
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=250))
+    cfg = flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=250, cold_codec="int8")  # held
+    cache = flashmem.attach(model, cfg)
     for a in (0, 100):  # within the cap: exact, the prompt's K/V kept
         ref = _prompt_logits(model, full, ids[:, a : a + 100])
         assert (_prompt_logits(model, cache, ids[:, a : a + 100]) - ref).abs().max() <= 1e-4
@@ -87,10 +137,11 @@ def test_a_one_shot_prompt_holds_exactly_its_kv_and_a_fed_one_never_more_than_th
     per_token = sum(  # K and V of one token, every managed layer
         2 * layer.k_proj.out_features * 4 for layer in (blk.self_attn for blk in model.model.layers)
     )
-    one = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=4096))
+    held = dict(SPARSE, cold_codec="int8")  # a lossy cold tier: the prompt is held, not streamed
+    one = flashmem.attach(model, flashmem.FlashMemoryConfig(**held, prefill_exact_tokens=4096))
     _prompt_logits(model, one, ids)
     assert one.memory_report()["tiers"]["prefill_kv"] == 300 * per_token
-    fed = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=310))
+    fed = flashmem.attach(model, flashmem.FlashMemoryConfig(**held, prefill_exact_tokens=310))
     for a in range(0, 300, 30):
         _prompt_logits(model, fed, ids[:, a : a + 30])
         assert fed.memory_report()["tiers"]["prefill_kv"] <= 310 * per_token

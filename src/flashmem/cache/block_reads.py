@@ -15,6 +15,7 @@ moves (`Traffic`). Tensor shapes: a block is [b, h, B, d]; pages [b, h, k, P, d]
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,6 +114,50 @@ class BlockReader:
         slot = torch.searchsorted(need, idx // ppb).clamp_max(len(need_ids) - 1)  # [b, h, k]
         return cut_pages(pool_k, slot, idx % ppb, ppb, only), cut_pages(pool_v, slot, idx % ppb, ppb, only)
 
+    # ------------------------------------------------------------------ runs of blocks
+    def stream_runs(self, num_sealed: int, run_blocks: int) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Every sealed block, in runs of `run_blocks` consecutive blocks: (start, stop, k, v)
+        with k, v [b, h, (stop-start)*B, d] on the device, each run dropped by the caller
+        before the next but one is read. A memory store hands a run over as one contiguous
+        host slice (pinned with a GPU): on CUDA the next run's copy is issued on a copy stream
+        before the current one is used, so the link works while attention does. Otherwise the
+        blocks are read one by one (through the prefetcher, the run queued as urgent)."""
+        cuda = self.device.type == "cuda"
+        copy_stream = torch.cuda.Stream(self.device) if cuda else None
+
+        def issue(j0: int) -> tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.cuda.Event | None]:
+            j1 = min(num_sealed, j0 + run_blocks)
+            host = None if not self.direct or self.latent is not None else self.store.block_run(self.layer_idx, j0, j1)
+            if host is None:
+                return j0, j1, self._read_blocks(j0, j1), None
+            self._count_sync(j1 - j0, time.perf_counter())
+            self.traffic.cold_read(self.store, self.device, 2 * host[0].nbytes)
+            if copy_stream is None:
+                return j0, j1, _as_tokens(*host, self.device), None
+            with torch.cuda.stream(copy_stream):
+                kv = _as_tokens(*host, self.device)
+                done = torch.cuda.Event()
+                done.record(copy_stream)
+            return j0, j1, kv, done
+
+        pending = issue(0) if num_sealed > 0 else None
+        while pending is not None:
+            j0, j1, (k, v), done = pending
+            pending = issue(j1) if j1 < num_sealed else None  # the next run's copy starts now
+            if done is not None:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(done)
+                k.record_stream(current)  # made on the copy stream, used on this one
+                v.record_stream(current)
+            yield j0, j1, k, v
+
+    def _read_blocks(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks start..stop-1 read one by one -> k, v [b, h, n*B, d] on the device."""
+        if self.prefetcher is not None and self.demand_batch:
+            self.prefetcher.request([(self.layer_idx, j) for j in range(start, stop)], urgent=True)
+        blocks = [self.fetch_block(j) for j in range(start, stop)]
+        return torch.cat([bk for bk, _ in blocks], dim=-2), torch.cat([bv for _, bv in blocks], dim=-2)
+
     # ------------------------------------------------------------------ the arena
     def arena_pages(
         self, idx: torch.Tensor, keys: bool = True, values: bool = True, only: torch.Tensor | None = None
@@ -191,3 +236,14 @@ class BlockReader:
         if counts is not None:
             counts["misses"] += blocks
             counts["stall_s"] += time.perf_counter() - t0
+
+
+def _as_tokens(k: torch.Tensor, v: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run of blocks k, v [n, b, h, B, d] (host) -> [b, h, n*B, d] on `device` (one copy each)."""
+    n, b, h, B, d = k.shape
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device, non_blocking=t.is_pinned())
+        return t.permute(1, 2, 0, 3, 4).reshape(b, h, n * B, d)
+
+    return move(k), move(v)

@@ -2,40 +2,61 @@
 
 While the context, with the forward, is within `prefill_exact_tokens`, a prompt
 forward (more than one token, before the first one-token forward) attends every
-earlier token exactly instead of its selection. The layer keeps the prompt's
-K/V in a growing buffer; the tiers fill as usual. The buffer is dropped for good
-at the first one-token forward, or when the context passes the cap: from there
-on every chunk attends its selection.
+earlier token exactly instead of its selection. From the first one-token forward,
+or once the context passes the cap, every chunk attends its selection.
 
-Shapes: the buffer is [b, h, capacity, d]; queries [b, Hq, m, d].
+Two ways to do it, the same attention within float tolerance:
+
+- **streamed** (`attend_streamed`, used whenever the cold tier gives exact blocks back:
+  `cold_codec: exact`, no `cold_low_rank`): the earlier prompt's K/V is read from the
+  tiers (sinks, every sealed block from the cold tier in runs of about one
+  `prefill_chunk`, the open block, the window) and the partial attentions are merged
+  with an online softmax (running max and sum, as FlashAttention does). Nothing of the
+  prompt is held on the device beyond the budget's tiers and one run in flight, so the
+  budget holds through the prompt too; the price is the cold tier read once per chunk
+  and layer (counted as `h2d_bytes` in `traffic_report()`; on a GPU a prompt is
+  compute-bound, docs/accelerator.md).
+- **buffered** (`ExactPrompt.attend`, for a lossy cold tier): the layer keeps the
+  prompt's K/V on the device in a growing buffer until the prompt ends (the
+  `prefill_kv` tier of `memory_report()`, up to the full cache's bytes).
+
+Shapes: queries [b, Hq, m, d]; K/V parts [b, h, n, d]; validity [b, n].
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from flashmem.cache.assembly import step_scratch
 
+if TYPE_CHECKING:
+    from flashmem.cache.flash_layer import FlashLayer
+
 
 class ExactPrompt:
-    def __init__(self, cap_tokens: int) -> None:
+    """Whether a forward attends the whole prompt, and (buffered) the prompt's K/V."""
+
+    def __init__(self, cap_tokens: int, streamed: bool) -> None:
         self.cap = cap_tokens
+        self.streamed = streamed
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.length = 0  # tokens in the buffer
         self.want = 0  # tokens the current prompt forward brings the buffer to
         self.open = cap_tokens > 0
+        self.peak_transient_bytes = 0  # streamed: the largest run and its scores, one layer
 
     def admits(self, q: int, seen: int) -> bool:
         """Whether a forward of q new tokens after `seen` tokens attends every earlier token.
         Otherwise the prompt's K/V is dropped for good."""
         if not self.open:
             return False
-        if q > 1 and seen + q <= self.cap and self.length == seen:
+        if q > 1 and seen + q <= self.cap and (self.streamed or self.length == seen):
             self.want = seen + q
             return True
         self.open = False
@@ -43,10 +64,10 @@ class ExactPrompt:
         return False
 
     def resume(self, seen: int, every_token: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """After a restored state (serve's prefix reuse): rebuild the prompt's K/V from the
-        tiers (`every_token()`: every token's K/V in order, [b, h, seen, d] each), so an exact
-        prompt goes on as a fresh prefill would. Nothing to do when closed or past the cap."""
-        if not self.open or seen > self.cap or seen == self.length:
+        """After a restored state (serve's prefix reuse), buffered: rebuild the prompt's K/V
+        from the tiers (`every_token()`: every token's K/V in order, [b, h, seen, d] each), so
+        an exact prompt goes on as a fresh prefill would. Streamed, it reads the tiers anyway."""
+        if self.streamed or not self.open or seen > self.cap or seen == self.length:
             return
         k, v = every_token()
         assert k.shape[-2] == seen, "the tiers hold every token seen"
@@ -57,7 +78,7 @@ class ExactPrompt:
         return sum(t.nbytes for t in (self.k, self.v) if t is not None)
 
     def read_bytes(self) -> int:
-        """Bytes of the K/V an attention over the whole prompt so far reads."""
+        """Bytes of the K/V an attention over the whole (buffered) prompt so far reads."""
         if self.k is None:
             return 0
         return 2 * self.k[:, :, : self.length].nbytes
@@ -65,8 +86,8 @@ class ExactPrompt:
     def attend(
         self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, valid: torch.Tensor, scaling: float
     ) -> torch.Tensor:
-        """A prompt chunk q [b, Hq, m, d] over every earlier token and itself, causal, as the
-        full cache attends -> [b, Hq, m, d]. The chunk joins the prompt's K/V first.
+        """Buffered: a prompt chunk q [b, Hq, m, d] over every earlier token and itself, causal,
+        as the full cache attends -> [b, Hq, m, d]. The chunk joins the prompt's K/V first.
         valid: [b, T + m] validity of every earlier position and the chunk's."""
         b, hkv, m, d = k_new.shape
         T = self.length
@@ -91,3 +112,78 @@ class ExactPrompt:
         mask.zero_().masked_fill_(~allowed[:, None], -math.inf)
         K, V = self.k[:, :, :need], self.v[:, :, :need]
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] > hkv)
+
+
+class OnlineSoftmax:
+    """Attention of queries q [b, Hq, m, d] over key/value parts added one at a time, merged
+    exactly: a running max M, sum L and weighted values O per query (fp32), as FlashAttention
+    merges its tiles. `add` takes a part k, v [b, h, n, d] and which keys each query may see."""
+
+    def __init__(self, q: torch.Tensor, hkv: int, scaling: float) -> None:
+        b, hq, m, d = q.shape
+        self.shape = (b, hq, m)
+        self.group = hq // hkv
+        self.q = q.reshape(b, hkv, self.group * m, d)  # query head h*group + g pairs KV head h
+        self.scaling = scaling
+        rows = (b, hkv, self.group * m, 1)
+        self.M = torch.full(rows, -math.inf, dtype=torch.float32, device=q.device)
+        self.L = torch.zeros(rows, dtype=torch.float32, device=q.device)
+        self.O: torch.Tensor | None = None
+        self.peak_bytes = 0
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> None:
+        """k, v: [b, h, n, d]; allowed: [b, 1 or m, n] bool (a key each query may attend)."""
+        n = k.shape[-2]
+        if n == 0:
+            return
+        b, hq, m = self.shape
+        hkv = k.shape[1]
+        s = torch.matmul(self.q, k.transpose(-1, -2)).float().mul_(self.scaling)  # [b, h, group*m, n]
+        s = s.view(b, hkv, self.group, m, n).masked_fill_(~allowed[:, None, None], -math.inf).view(b, hkv, -1, n)
+        top = torch.maximum(self.M, s.amax(-1, keepdim=True))
+        safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows that saw nothing yet
+        alpha = torch.exp(self.M - safe)
+        p = torch.exp(s.sub_(safe))
+        self.L = self.L * alpha + p.sum(-1, keepdim=True)
+        pv = torch.matmul(p, v.float())  # [b, h, group*m, d]
+        self.O = pv if self.O is None else self.O.mul_(alpha).add_(pv)
+        self.M = top
+        self.peak_bytes = max(self.peak_bytes, s.nbytes + k.nbytes + v.nbytes + pv.nbytes)
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        """-> [b, Hq, m, d] in `dtype`."""
+        assert self.O is not None, "at least one part with a key every query sees"
+        b, hq, m = self.shape
+        return (self.O / self.L).view(b, hq, m, -1).to(dtype)
+
+
+def attend_streamed(
+    layer: FlashLayer,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    valid_new: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """A prompt chunk q [b, Hq, m, d] over every earlier token, read from the layer's tiers
+    (sealed blocks streamed from the cold tier in runs), and over itself, causal -> [b, Hq, m, d].
+    k_new, v_new: [b, h, m, d]; valid_new: [b, m]."""
+    b, hkv, m, _ = k_new.shape
+    acc = OnlineSoftmax(q, hkv, scaling)
+    valid = layer.valid
+    S = layer.block_start
+    acc.add(layer.sink_k, layer.sink_v, valid[:, None, :S])
+    B = layer.cfg.hca_chunk_size
+    run_blocks = max(1, -(-layer.cfg.prefill_chunk // B))  # about one chunk's tokens per run
+    for j0, j1, k, v in layer.reader.stream_runs(layer.num_sealed, run_blocks):
+        acc.add(k, v, valid[:, None, S + j0 * B : S + j1 * B])
+        del k, v  # the run leaves the device before the next but one arrives
+    o0 = S + layer.num_sealed * B
+    o1 = o0 + layer.open_k.shape[-2]
+    acc.add(layer.open_k, layer.open_v, valid[:, None, o0:o1])
+    acc.add(layer.win_k, layer.win_v, valid[:, None, o1:])
+    causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(m, dtype=torch.bool, device=q.device)  # each sees itself, so no row is empty
+    acc.add(k_new, v_new, (causal[None] & valid_new[:, None, :]) | eye[None])
+    layer.exact.peak_transient_bytes = max(layer.exact.peak_transient_bytes, acc.peak_bytes)
+    return acc.result(q.dtype)

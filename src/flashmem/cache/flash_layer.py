@@ -30,7 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from flashmem.cache import layer_state
 from flashmem.cache.block_reads import BlockReader
-from flashmem.cache.exact_prompt import ExactPrompt
+from flashmem.cache.exact_prompt import ExactPrompt, attend_streamed
 from flashmem.cache.ranking import CandidateRanker, SelectionHook
 from flashmem.cache.summaries import SummaryTiers
 from flashmem.cache.tiered_attention import attend, group_queries
@@ -157,7 +157,9 @@ class FlashLayer(CacheLayerMixin):
         self.reader.bind((b, h, d), dev, dt, self.cfg.sink_tokens)
         self.ranker = CandidateRanker(self.layer_idx, self.cfg, self.scorer, self.reader, self.index)
         self.working_set = WorkingSet(self.cfg.working_set_codec, self.cfg.page_tokens, dt)
-        self.exact = ExactPrompt(self.cfg.prefill_exact_tokens)
+        # streamed from the tiers when the cold tier gives exact blocks back, else held
+        streamed = self.cfg.cold_codec == "exact" and self.cfg.cold_low_rank == "none"
+        self.exact = ExactPrompt(self.cfg.prefill_exact_tokens, streamed)
         self.is_initialized = True
 
     # The working set's page ids [b, h, k], K/V [b, h, k*P, d] (model dtype) and validity.
@@ -258,7 +260,11 @@ class FlashLayer(CacheLayerMixin):
         self.scaling = scaling
         group = query.shape[1] // k.shape[1]
         qg = group_queries(query, group)
-        if exact:
+        if exact and self.exact.streamed:
+            out = attend_streamed(self, query, k, v, valid, scaling)
+            tiers = self.resident_bytes()
+            read = tiers["sinks"] + tiers["open_block"] + tiers["window"] + 2 * k.nbytes
+        elif exact:
             out = self.exact.attend(query, k, v, torch.cat([self.valid, valid], dim=-1), scaling)
             read = self.exact.read_bytes()
         else:

@@ -34,11 +34,13 @@ class Scratch:
     `take` of the same slot (the caller uses it within one attention call)."""
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._bufs: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
     def take(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         n = math.prod(shape)
-        key = (slot, dtype, torch.device(device))
+        # a buffer made under torch.inference_mode() cannot be written outside it (and the
+        # other way round would leak an inference tensor into autograd): one set per mode
+        key = (slot, dtype, torch.device(device), torch.is_inference_mode_enabled())
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < n:
             # a quarter to spare: the working set grows a page at a time as the context does

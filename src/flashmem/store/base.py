@@ -86,6 +86,12 @@ class ColdStore(ABC):
         `device`, without a copy, or None where the store cannot (the default)."""
         return None
 
+    def block_run(self, layer_idx: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Blocks start..stop-1 of a layer as one contiguous run, k, v [n, b, h, B, d] in host
+        memory without a copy, or None where the store cannot (the default: the caller reads
+        the blocks one by one). MemoryStore's arena can; a streamed exact prompt uses it."""
+        return None
+
     @abstractmethod
     def __contains__(self, key: BlockKey) -> bool: ...
 

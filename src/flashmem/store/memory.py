@@ -189,6 +189,19 @@ class MemoryStore(ColdStore):
             self.stats.bytes_read += keys.numel() * keys.element_size()
         return keys
 
+    def block_run(self, layer_idx: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Blocks start..stop-1 of a layer as the arena holds them (host memory, pinned when a
+        GPU is present): k, v [n, b, h, B, d] views, no copy (read-only); None where a block is
+        missing from the arena or the blocks are coded."""
+        got = self._arena(layer_idx)
+        if got is None or not 0 <= start < stop <= got[2].numel() or not bool(got[2][start:stop].all()):
+            return None
+        k, v = got[0][start:stop], got[1][start:stop]
+        with self._lock:
+            self.stats.gets += 1
+            self.stats.bytes_read += 2 * k.numel() * k.element_size()
+        return k, v
+
     def _arena(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A layer's arena tensors k, v [slots, b, h, B, d] and present [slots], taken together
         under the lock (a put growing the arena swaps all three), or None (coded blocks)."""
