@@ -211,6 +211,29 @@ def test_conversion_shows_progress_once(fake_gguf, cache_dir, monkeypatch, capsy
     assert conv.calls == 1 and "converting" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("load,warned", [(8.0, True), (0.2, False)])
+def test_busy_cpu_warns_with_the_thread_count_to_set(fake_gguf, cache_dir, monkeypatch, load, warned):
+    import warnings
+
+    from flashmem import doctor
+
+    path, _ = fake_gguf
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(doctor, "cpu_load", lambda: (2, load))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_model(path)
+    finally:
+        torch.set_num_threads(before)
+    spin = [w for w in caught if "threads" in str(w.message)]
+    assert bool(spin) == warned
+    if warned:
+        assert "torch.set_num_threads(1)" in str(spin[0].message) and spin[0].category is RuntimeWarning
+
+
 def test_dtype_is_applied(fake_gguf, cache_dir):
     path, _ = fake_gguf
     m, _ = load_model(path, dtype=torch.bfloat16)

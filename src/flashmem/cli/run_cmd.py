@@ -165,6 +165,9 @@ def _set_threads(threads: int | None, console: Any) -> None:
 
     if threads:
         torch.set_num_threads(threads)
+        import warnings
+
+        warnings.filterwarnings("ignore", message="torch uses .* threads")  # load_model's advice: chosen
         return
     if os.environ.get("OMP_NUM_THREADS"):
         return

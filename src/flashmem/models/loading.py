@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -265,6 +266,28 @@ def _check_dtype_device(dtype: Any, device: Any) -> Any:
     return dev
 
 
+def _warn_if_threads_spin(device: Any) -> None:
+    """A CPU model on a busy machine: torch's threads spin while other jobs hold the cores
+    (a SmolLM2 chunk ~9x slower at load 8 on 2 cores with 2 threads, flashmem.doctor).
+    Warn with the number to set, as `flashmem doctor` advises; OMP_NUM_THREADS set means
+    the user chose."""
+    import torch
+
+    if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return
+    from flashmem.doctor import cpu_load, suggest_threads
+
+    cores, load1 = cpu_load()
+    n, t = suggest_threads(cores, load1), torch.get_num_threads()
+    if n < t:
+        warnings.warn(
+            f"torch uses {t} threads on {cores} cores with a load average of {load1:.1f}: waiting threads "
+            f"spin and slow every forward; call torch.set_num_threads({n}) (one per idle core) or set OMP_NUM_THREADS",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def load_model(
     name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
     *,
@@ -282,6 +305,7 @@ def load_model(
         dtype = torch.float32
     device = _check_dtype_device(dtype, device)
     src = resolve(name_or_path)
+    _warn_if_threads_spin(device)
     if src.kind == "folder":
         assert src.path is not None
         has_weights = any(src.path.glob("*.safetensors")) or any(src.path.glob("*.bin"))
