@@ -229,6 +229,21 @@ def test_10mb_body_is_413_at_once_and_memory_comes_back(server) -> None:
     assert _rss_mb() - before < 64
 
 
+def test_chunked_body_over_the_limit_is_413(server) -> None:
+    """No Content-Length (chunked upload): counted as it arrives, dropped, 413."""
+    _, url = server
+    head = b'{"model": "tiny", "prompt": "'
+
+    def body():
+        yield head
+        for _ in range(80):
+            yield b"x" * 2**17  # 10 MiB in all
+
+    r = httpx.post(url + "/v1/completions", content=body(), headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
 def test_multi_mb_prompt_is_refused_before_tokenizing(server) -> None:
     """3 MB of prompt text (under the body limit) cannot fit 4096 tokens: 400 at once."""
     engine, url = server
