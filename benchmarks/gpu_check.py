@@ -19,6 +19,9 @@
      and cold blocks are built only that way.
    - The layer profile (`lsa_layer_shares: profile`) needs a tokenizer and text, so the
      random model splits pages evenly (`lsa_layer_shares: null`).
+   On CUDA also transformers' offloaded cache (`DynamicCache(offloading=True)`, filled the
+   same way). Before the lengths, the model's constants are measured: a device copy, host to
+   device from pinned and from pageable memory, device to host pinned (1 GiB each).
 3. **The hardware model's prediction** (flashmem.memory.hardware, the same module as
    `flashmem estimate --hardware`) beside each measured figure: the device is read from
    `torch.cuda.get_device_name` (H100, H200, A100, L4) or given with --hardware. DynamicCache
@@ -42,6 +45,7 @@ import statistics
 import sys
 import time
 import traceback
+from functools import partial
 from typing import Any
 
 import torch
@@ -175,6 +179,43 @@ def check_exactness(device: torch.device, prompt: int = 200, steps: int = 32) ->
     return out
 
 
+def _rate(fn: Any, nbytes: int, reps: int, device: torch.device) -> float:
+    """Bytes per second of `fn()` moving `nbytes`, median of `reps` after one warm-up."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+def measure_constants(device: torch.device, nbytes: int, hw: hwm.Hardware) -> dict[str, Any]:
+    """The model's bandwidth constants, measured: a device copy (bytes read + written, as
+    KINDS.md counts it), host to device from pinned and from pageable memory (transformers'
+    offloaded cache copies pageable tensors), device to host pinned. CPU: the copy alone."""
+    out: dict[str, Any] = {
+        "bytes": nbytes,
+        "model": {"hbm_bytes_per_s": hw.hbm_bytes_per_s, "link": hw.link_bytes_per_s},
+    }
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    out["device_copy_bytes_per_s"] = _rate(partial(b.copy_, a), 2 * nbytes, 5, device)
+    if device.type != "cuda":
+        out["link"] = "n/a (no CUDA device)"
+        return out
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    out["h2d_pinned_bytes_per_s"] = _rate(partial(a.copy_, pinned, non_blocking=True), nbytes, 5, device)
+    out["h2d_pageable_bytes_per_s"] = _rate(partial(a.copy_, pageable), nbytes, 3, device)
+    out["d2h_pinned_bytes_per_s"] = _rate(partial(pinned.copy_, a, non_blocking=True), nbytes, 5, device)
+    del a, b, pinned, pageable
+    torch.cuda.empty_cache()
+    return out
+
+
 def hardware_for(device: torch.device, given: str | None) -> hwm.Hardware:
     if given:
         return hwm.get_hardware(given)
@@ -251,6 +292,7 @@ def predictions(hw: hwm.Hardware, model: Any, tokens: int, cfg: Any, traffic: di
     )
     a = hwm.Assumptions()
     dyn = hwm.full_row(hw, cost, tokens, 1, a, kv_passes=3, method="DynamicCache")
+    off = hwm.offloaded_row(hw, cost, tokens, 1, a, None)
     ideal = hwm.full_row(hw, cost, tokens, 1, a)
     dtype = {4: "float32", 2: "bfloat16"}[eb]
     est = estimate(
@@ -267,6 +309,7 @@ def predictions(hw: hwm.Hardware, model: Any, tokens: int, cfg: Any, traffic: di
         "weight_bytes": cost.weight_bytes,
         "dynamic_decode_ms": dyn.step_s * 1e3,
         "ideal_full_decode_ms": ideal.step_s * 1e3,
+        "offloaded_decode_ms": off.step_s * 1e3,
         "dynamic_peak_bytes": cost.weight_bytes + tokens * kv_tok + tokens * kv_tok / c.num_hidden_layers,
         "flashmem_decode_ms": fm.step_s * 1e3,
         "flashmem_bound": fm.bound,
@@ -310,6 +353,31 @@ def run_length(
         del cache
     except Exception as exc:
         res["dynamic"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(-3)}
+    # transformers' offloaded cache (CUDA only: it copies on a CUDA stream), filled directly
+    if device.type == "cuda":
+        try:
+            from transformers import DynamicCache
+
+            reset_peak(device)
+            c = model.config
+            off = DynamicCache(config=c, offloading=True)
+            g = torch.Generator(device=device).manual_seed(0)
+            shape = (1, c.num_key_value_heads, tokens, c.head_dim)
+            for layer in range(c.num_hidden_layers):
+                k = torch.randn(shape, generator=g, device=device, dtype=model.dtype)
+                off.update(k, torch.randn(shape, generator=g, device=device, dtype=model.dtype), layer)
+            del k
+            ms = timed_decode(model, off, tokens, max(4, args.steps // 4), 1, device)
+            res["offloaded"] = {
+                "decode_ms_median": statistics.median(ms),
+                "decode_ms": ms,
+                "max_memory_allocated": peak_bytes(device),
+            }
+            del off
+        except Exception as exc:
+            res["offloaded"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(-3)}
+    else:
+        res["offloaded"] = "n/a (transformers offloads on CUDA only)"
     # flashmem: the recipe, cold tier in host memory, prefetch on
     cfg = flashmem.FlashMemoryConfig.for_budget(
         args.budget, tokens, model, lsa_layer_shares=None, cold_store="memory", prefetch_threads=2
@@ -371,6 +439,12 @@ def run_length(
 
 def summary_lines(results: dict[str, Any]) -> list[str]:
     lines = [f"exactness: {'ok' if results['exactness'].get('ok') else 'FAILED'}"]
+    k = results.get("constants", {})
+    rates = {n: v for n, v in k.items() if n.endswith("_bytes_per_s")}
+    if rates:
+        lines.append(
+            "measured: " + ", ".join(f"{n[: -len('_bytes_per_s')]} {v / 1e9:.1f} GB/s" for n, v in rates.items())
+        )
     for r in results.get("lengths", []):
         p = r.get("prediction", {})
         d, f = r.get("dynamic", {}), r.get("flashmem", {})
@@ -378,6 +452,12 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         def ms(x: Any) -> str:
             return f"{x:.3g}" if isinstance(x, int | float) else "n/a"
 
+        o = r.get("offloaded")
+        if isinstance(o, dict):
+            lines.append(
+                f"{r['tokens']:>7} tokens: offloaded {ms(o.get('decode_ms_median'))} ms/step "
+                f"(modelled {ms(p.get('offloaded_decode_ms'))})" + (f"; {o['error']}" if "error" in o else "")
+            )
         lines.append(
             f"{r['tokens']:>7} tokens: DynamicCache {ms(d.get('decode_ms_median'))} ms/step "
             f"(modelled {ms(p.get('dynamic_decode_ms'))}); flashmem {ms(f.get('decode_ms_median'))} ms/step "
@@ -437,6 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # pragma: no cover
         pass
     results["exactness"] = check_exactness(device, *((120, 8) if smoke else (200, 32)))
+    try:
+        results["constants"] = measure_constants(device, (16 if smoke else 1024) * 2**20, hw)
+    except Exception as exc:
+        results["constants"] = {"error": f"{type(exc).__name__}: {exc}"}
     results["lengths"] = []
     try:
         model = build_llama(SMOKE if smoke else LLAMA_8B, args.layers, torch.bfloat16, device)

@@ -23,6 +23,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     ex = d["exactness"]
     assert ex["ok"] and ex["blocks"]["max_abs_diff"] <= 1e-3 and ex["pages_rerank_prefetch"]["max_abs_diff"] <= 1e-3
     assert ex["blocks"]["sealed_blocks"] > 0 and ex["blocks"]["cold_bytes"] > 0  # the cold tier was used
+    assert d["constants"]["device_copy_bytes_per_s"] > 0 and d["constants"]["link"].startswith("n/a")
     assert [r["tokens"] for r in d["lengths"]] == [256, 512]
     for r in d["lengths"]:
         assert r["dynamic"]["decode_ms_median"] > 0 and len(r["dynamic"]["decode_ms"]) == 3
@@ -30,6 +31,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
         assert r["flashmem"]["cold_bytes"] > 0
         p = r["prediction"]
         assert p["label"] == "modelled, not measured" and p["dynamic_decode_ms"] > p["ideal_full_decode_ms"] > 0
+        assert p["offloaded_decode_ms"] > 0 and r["offloaded"].startswith("n/a")  # transformers offloads on CUDA
         # the model's weights: the smoke Llama's real parameter count x 2 bytes (bf16)
         from transformers import LlamaConfig, LlamaForCausalLM
 
