@@ -18,6 +18,7 @@ __all__ = [
     "estimate",
     "load_model",
     "prefill",
+    "register",
 ]
 
 # Heavy modules (torch models, transformers) load on first use.
@@ -28,6 +29,7 @@ _LAZY = {
     "calibrate": ("flashmem.calibration", "calibrate"),
     "load_model": ("flashmem.models.loading", "load_model"),
     "prefill": ("flashmem.cache.prefill", "prefill"),
+    "register": ("flashmem.cache.attach", "register"),
 }
 
 

@@ -9,7 +9,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flashmem import policies
-from flashmem.cache import attention
+from flashmem.cache import attention, generation
 from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
@@ -19,13 +19,15 @@ from flashmem.rope import RopeRotator, find_rotator
 
 
 def register() -> None:
-    """Make 'tiered_kv' (attention.NAME) a valid attn_implementation (idempotent).
+    """Make 'tiered_kv' (attention.NAME) a valid attn_implementation and "flashmem" a valid
+    generate(cache_implementation=...) (cache/generation.py) (idempotent).
 
     Masks are SDPA's boolean masks: unmanaged layers use them as is, managed
     layers read padding from them.
     """
     AttentionInterface.register(attention.NAME, attention.flashmem_attention)
     AttentionMaskInterface.register(attention.NAME, sdpa_mask)
+    generation.register_cache_implementation()  # generate(cache_implementation="flashmem")
 
 
 def attach(
@@ -64,6 +66,8 @@ def attach(
     if cfg is None:
         size = default_tokens(text_cfg) if tokens is None else tokens
         cfg = FlashMemoryConfig.for_budget(DEFAULT_BUDGET if budget is None else budget, size, model, **overrides)
+        if overrides:  # keys the solver sizes (window, pages) stay as the caller set them
+            cfg = FlashMemoryConfig(**{**cfg.model_dump(), **overrides})
     elif not isinstance(cfg, FlashMemoryConfig):
         raise FlashMemError(
             f"cfg: a {type(cfg).__name__} is not allowed; allowed: a FlashMemoryConfig "

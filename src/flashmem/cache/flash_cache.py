@@ -24,6 +24,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from flashmem.cache import generation
 from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
 from flashmem.cache.guard import StepGuard
 from flashmem.cache.latent import make_latent
@@ -301,6 +302,30 @@ class FlashMemoryCache(Cache):
             raise
         finally:
             self._guard.leave(layer_idx)
+
+    # ------------------------------------------------------------ generate() (cache/generation.py)
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the newest -tokens_to_remove tokens from every layer (assisted and prompt-lookup
+        decoding), all or nothing: a crop past any managed layer's exact resident tail is
+        refused with one line before a layer changes."""
+        n = generation.crop_count(tokens_to_remove)
+        for layer in self.flash_layers:
+            if layer.is_initialized and n:
+                generation.check_crop(layer, n)
+        super().crop(tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._rows_changed()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._rows_changed()
+
+    def _rows_changed(self) -> None:
+        """The next step's batch size is the layers' new row count (the guard checks it)."""
+        rows = next((layer.sink_k.shape[0] for layer in self.flash_layers if layer.is_initialized), None)
+        self._guard.batch = rows
 
     def _layer_lengths(self) -> list[int]:
         """Tokens each layer holds (the guard compares them before every step)."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from flashmem.cache import layer_state
+from flashmem.cache import generation, layer_state
 from flashmem.cache.block_reads import BlockReader
 from flashmem.cache.exact_prompt import ExactPrompt, attend_streamed
 from flashmem.cache.ranking import CandidateRanker, SelectionHook
@@ -59,7 +59,7 @@ class FlashLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # crop(-n) within the exact tail; beyond it one line (cache/generation.py)
     selection_hook: SelectionHook | None = None
     # The cache's StepGuard (None for a layer used alone): told when a step fails half-way.
     guard: StepGuard | None = None
@@ -213,17 +213,22 @@ class FlashLayer(CacheLayerMixin):
         if self.prefetcher is not None:
             self.prefetcher.new_sequence(self.layer_idx)
 
+    # generate()'s features (cache/generation.py): crop within the exact resident tail
+    # (assisted and prompt-lookup decoding), and row changes with a shared cold tier.
     def crop(self, tokens_to_remove: int) -> None:
-        raise FlashMemError("flashmem cache cannot be cropped (assisted decoding is not supported)")
+        """Remove the newest -tokens_to_remove tokens: at most the window, open block (and
+        sinks while nothing is sealed); a crop into sealed blocks is one FlashMemError."""
+        generation.crop(self, tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise FlashMemError("flashmem cache does not support beam search; use greedy or sampling")
+        """Beam search: new row r is old row beam_idx[r]."""
+        generation.select_rows(self, beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise FlashMemError("flashmem cache does not support num_return_sequences > 1")
+        generation.repeat(self, repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise FlashMemError("flashmem cache does not support batch selection")
+        generation.select(self, indices)
 
     # ------------------------------------------------------------ server state
     def state_mark(self) -> layer_state.LayerMark:

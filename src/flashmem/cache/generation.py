@@ -1,0 +1,339 @@
+"""generate() features on a FlashLayer: crop (assisted and prompt-lookup decoding) and
+changes of the batch rows (beam search, num_return_sequences, batch selection).
+
+Crop. Assisted decoding runs the target over a draft and then removes the tokens it
+rejected (`Cache.crop(-n)`). A FlashLayer keeps the newest tokens resident and exact:
+the window (the last `gpu_cache_limit` tokens), the open block, and, while nothing is
+sealed, the sinks. A crop of up to that many tokens cuts them off the end and refills
+the window from the open block, so the tiers hold what they would have held had the
+rejected tokens never come (unless the draft sealed a block: then the accepted tokens
+sit in that block instead of the window, the same tokens in the same order). Sealed
+blocks never change (their summaries, index pages and the rest entry's value sum were
+computed from them), so a crop that reaches into them is refused with one line.
+Also cut: the validity of positions, tokens_seen, and a buffered exact prompt's K/V.
+Not undone: the fusion rule's recent queries (`use_summaries` only) keep the rejected
+tokens' queries, and the working set keeps its pages (re-selected every step anyway).
+
+Rows. Beam search reorders rows after every step (`reorder_cache(beam_idx)`), and
+`batch_repeat_interleave` / `batch_select_indices` repeat or drop them: each is
+"new row r is old row src[r]" (`select_rows`). Every device tensor of the layer is
+indexed on its batch dim. The cold tier is not copied: a sealed block never changes
+and the store holds all of its rows, so the rows stay shared and each layer keeps a
+row map [sealed blocks, rows] -> the stored row a row reads (`RowMap`); successive
+changes compose (map[:, src]), and blocks sealed later are stored in the new row order
+(an identity map). Reads of a mapped block go through `RowMappedStore` /
+`RowMappedPrefetcher`, which pick the rows of each block read (`index_select`, one copy
+of the block, as any read makes); the paths that cut pages out of many blocks at once
+(a memory store's arena: `gather_pages`, `block_keys`, `block_run`) decline while a
+non-identity map is in force, and the reader falls back to whole blocks. Copy-on-write
+is then unnecessary: a diverging beam writes its own new blocks, and the old blocks'
+rows it shares are never written again.
+
+Shapes: layer tensors [b, h, n, d]; a row map [n_mapped_blocks, b] (long); src [b_new].
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from flashmem.errors import FlashMemError
+from flashmem.store.base import ColdStore
+
+if TYPE_CHECKING:
+    from flashmem.cache.flash_layer import FlashLayer
+    from flashmem.store.base import BlockKey
+    from flashmem.store.prefetch import Prefetcher
+
+__all__ = [
+    "RowMap",
+    "crop",
+    "croppable_tokens",
+    "crop_count",
+    "repeat",
+    "select",
+    "select_rows",
+]
+
+
+# ---------------------------------------------------------------------------- crop
+def crop_count(tokens_to_remove: int) -> int:
+    """Tokens a `crop(tokens_to_remove)` removes: transformers passes -n to remove n (0:
+    nothing). A positive value (the legacy "keep this many") is refused, as DynamicLayer does."""
+    if tokens_to_remove > 0:
+        raise FlashMemError(
+            f"crop({tokens_to_remove}): a positive count is not allowed; allowed: crop(-n) to remove the last n tokens"
+        )
+    return -tokens_to_remove
+
+
+def croppable_tokens(layer: FlashLayer) -> int:
+    """How many of the newest tokens a crop can remove: the window and the open block (and
+    the sinks while no block is sealed), which hold them exact and resident."""
+    if not layer.is_initialized:
+        return 0
+    tail = layer.win_k.shape[-2] + layer.open_k.shape[-2]
+    return tail + (layer.sink_k.shape[-2] if layer.sealed == 0 else 0)
+
+
+def check_crop(layer: FlashLayer, n: int) -> None:
+    """Raise one line unless the layer can remove its newest n tokens now."""
+    if layer._pending is not None:
+        raise FlashMemError(
+            f"layer {layer.layer_idx}: crop in the middle of a forward; allowed: crop between model forwards"
+        )
+    room = croppable_tokens(layer)
+    if n > room:
+        raise FlashMemError(
+            f"crop of {n} tokens reaches into sealed history (layer {layer.layer_idx} holds its last {room} "
+            f"exact); allowed: at most {room} (the window keeps the last gpu_cache_limit="
+            f"{layer.cfg.gpu_cache_limit} tokens croppable)"
+        )
+
+
+def crop(layer: FlashLayer, tokens_to_remove: int) -> None:
+    """`CacheLayerMixin.crop`: remove the newest tokens (see the module docstring)."""
+    if not layer.is_initialized:
+        return
+    n = crop_count(tokens_to_remove)
+    if n == 0:
+        return
+    check_crop(layer, n)
+    for name in ("win", "open", "sink"):
+        k, v = getattr(layer, f"{name}_k"), getattr(layer, f"{name}_v")
+        take = min(n, k.shape[-2])
+        if take:
+            setattr(layer, f"{name}_k", k[:, :, : k.shape[-2] - take])
+            setattr(layer, f"{name}_v", v[:, :, : v.shape[-2] - take])
+            n -= take
+    # Refill the window from the open block's tail: what it held before the draft pushed it.
+    gap = min(layer.cfg.gpu_cache_limit - layer.win_k.shape[-2], layer.open_k.shape[-2])
+    if gap > 0:
+        cut = layer.open_k.shape[-2] - gap
+        layer.win_k = torch.cat([layer.open_k[:, :, cut:], layer.win_k], dim=-2)
+        layer.win_v = torch.cat([layer.open_v[:, :, cut:], layer.win_v], dim=-2)
+        layer.open_k, layer.open_v = layer.open_k[:, :, :cut], layer.open_v[:, :, :cut]
+    removed = -tokens_to_remove
+    layer.tokens_seen -= removed
+    layer._valid_len -= removed  # the buffer keeps its capacity: the next append overwrites
+    exact = layer.exact
+    if exact.k is not None and exact.length > layer._valid_len:  # a buffered exact prompt
+        exact.length = layer._valid_len
+
+
+# ---------------------------------------------------------------------------- rows
+class RowMap:
+    """For each block sealed before the last row change: which stored row each current row
+    reads ([n, b] long). Blocks from `n` on are stored in the current row order."""
+
+    def __init__(self, rows: torch.Tensor, owner: object) -> None:
+        self.rows = rows
+        # The layer's index object when the map was made: a reset layer builds a new one,
+        # and its blocks are stored in its own row order (the map no longer applies).
+        self.owner = owner
+        # every block read as stored: the fast paths (arena, in-place keys) stay open
+        self.identity = rows.numel() == 0 or bool((rows == torch.arange(rows.shape[1], device=rows.device)).all())
+
+    @property
+    def blocks(self) -> int:
+        return self.rows.shape[0]
+
+    def rows_of(self, block: int) -> torch.Tensor | None:
+        """Stored rows of `block` for the current rows, or None (stored as they are)."""
+        return self.rows[block] if 0 <= block < self.blocks else None
+
+
+def _map_of(layer: FlashLayer) -> RowMap | None:
+    store = layer.reader.store
+    if isinstance(store, RowMappedStore) and store.map.owner is layer.index:
+        return store.map
+    return None
+
+
+class RowMappedStore:
+    """A layer's view of the shared cold store through its row map (reads only; puts and
+    everything else go to the store as they are)."""
+
+    def __init__(self, inner: ColdStore, layer_idx: int, row_map: RowMap, layer: FlashLayer) -> None:
+        self.inner, self.layer_idx, self.map, self._layer = inner, layer_idx, row_map, layer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _live(self) -> RowMap | None:
+        m = self.map
+        return m if m.owner is self._layer.index and not m.identity else None
+
+    def get(self, key: BlockKey, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _pick(self._live(), key, self.inner.get(key, device))
+
+    def gather_pages(self, *args: Any, **kwargs: Any) -> Any:
+        return None if self._live() is not None else self.inner.gather_pages(*args, **kwargs)
+
+    def block_keys(self, layer_idx: int, n: int, device: torch.device | str) -> torch.Tensor | None:
+        return None if self._live() is not None else self.inner.block_keys(layer_idx, n, device)
+
+    def block_run(self, layer_idx: int, start: int, stop: int) -> Any:
+        return None if self._live() is not None else self.inner.block_run(layer_idx, start, stop)
+
+
+class RowMappedPrefetcher:
+    """The prefetcher as the layer reads it: each block handed out in the layer's row order."""
+
+    def __init__(self, inner: Prefetcher, store: RowMappedStore) -> None:
+        self.inner, self.store = inner, store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def get(self, key: BlockKey, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _pick(self.store._live(), key, self.inner.get(key, device))
+
+
+def _pick(m: RowMap | None, key: BlockKey, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = None if m is None else m.rows_of(int(key[1]))
+    if rows is None:
+        return kv
+    k, v = kv
+    return k.index_select(0, rows.to(k.device)), v.index_select(0, rows.to(v.device))
+
+
+def _remap_cold(layer: FlashLayer, src: torch.Tensor) -> None:
+    """Compose the layer's row map with src and route its reads through it."""
+    old = _map_of(layer)
+    n = layer.sealed
+    dev = src.device
+    if old is None:
+        rows = src.expand(n, -1)
+    else:
+        fresh = src.expand(n - old.blocks, -1)  # sealed since the last change: stored in that row order
+        rows = torch.cat([old.rows.index_select(1, src), fresh])
+    row_map = RowMap(rows.to(dev).contiguous(), layer.index)
+    reader = layer.reader
+    inner = reader.store.inner if isinstance(reader.store, RowMappedStore) else reader.store
+    view = RowMappedStore(inner, layer.layer_idx, row_map, layer)
+    reader.store = cast(ColdStore, view)
+    pf = reader.prefetcher
+    if pf is not None:
+        raw = cast(RowMappedPrefetcher, pf).inner if isinstance(pf, RowMappedPrefetcher) else pf
+        reader.prefetcher = cast("Prefetcher", RowMappedPrefetcher(raw, view))
+
+
+def select_rows(layer: FlashLayer, src: torch.Tensor) -> None:
+    """New row r of the layer is old row src[r] (src [b_new] long): every device tier
+    indexed on its batch dim, the cold tier through the row map (no block copied)."""
+    if not layer.is_initialized:
+        return
+    src = src.to(device=layer.device, dtype=torch.long)
+    b_old = layer.sink_k.shape[0]
+    if src.dim() != 1 or (src.numel() and (int(src.min()) < 0 or int(src.max()) >= b_old)):
+        raise FlashMemError(
+            f"batch rows {src.tolist()} do not fit the cache's {b_old} rows; allowed: row indices 0..{b_old - 1}"
+        )
+    if src.numel() == b_old and bool((src == torch.arange(b_old, device=src.device)).all()):
+        return  # beam search's first steps keep every row where it is
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, src.to(t.device))
+
+    for name in ("sink_k", "sink_v", "win_k", "win_v", "open_k", "open_v", "v_sum"):
+        setattr(layer, name, pick(getattr(layer, name)))
+    layer._valid_buf = pick(layer._valid_buf)
+    summ = layer.summaries
+    summ.hca_k, summ.hca_v, summ.hca_cnt = pick(summ.hca_k), pick(summ.hca_v), pick(summ.hca_cnt)
+    summ.csa_blocks = deque((bid, pick(k), pick(v), pick(c)) for bid, k, v, c in summ.csa_blocks)
+    if summ.recent_q is not None:
+        summ.recent_q = pick(summ.recent_q)
+    summ.rebuild_band()
+    index = layer.index
+    index.codes = pick(index.codes)
+    if index.scales is not None:
+        index.scales = pick(index.scales)
+    ws = layer.working_set
+    ws.code = [None if c is None else tuple(pick(t) for t in c) for c in ws.code]
+    ws.plain = [None if p is None else pick(p) for p in ws.plain]
+    ws.idx = None if ws.idx is None else pick(ws.idx)
+    ws.valid = None if ws.valid is None else pick(ws.valid)
+    exact = layer.exact
+    if exact.k is not None and exact.v is not None:
+        exact.k, exact.v = pick(exact.k), pick(exact.v)
+    _remap_cold(layer, src)
+    if src.numel() != b_old:
+        _, h, _, d = layer.sink_k.shape
+        layer.reader.bind((src.numel(), h, d), layer.device, layer.dtype, layer.cfg.sink_tokens)
+
+
+def repeat(layer: FlashLayer, repeats: int) -> None:
+    """`batch_repeat_interleave(repeats)`: rows 0, 0, .., 1, 1, .. (each `repeats` times)."""
+    if repeats < 1:
+        raise FlashMemError(f"batch_repeat_interleave({repeats}): allowed: a repeat count of 1 or more")
+    if layer.is_initialized:
+        select_rows(layer, torch.arange(layer.sink_k.shape[0], device=layer.device).repeat_interleave(repeats))
+
+
+def select(layer: FlashLayer, indices: torch.Tensor) -> None:
+    """`batch_select_indices(indices)`: keep the rows `indices` names (row ids or a bool mask)."""
+    if not layer.is_initialized:
+        return
+    idx = torch.as_tensor(indices, device=layer.device)
+    if idx.dtype == torch.bool:
+        idx = idx.nonzero().flatten()
+    select_rows(layer, idx.reshape(-1))
+
+
+# ---------------------------------------------------------------------------- cache_implementation
+CACHE_IMPLEMENTATION = "flashmem"
+
+
+def register_cache_implementation() -> None:
+    """Make `model.generate(..., cache_implementation="flashmem")` build a FlashMemoryCache
+    (idempotent). transformers 5.24 has no registry for cache implementations: the names
+    `GenerationConfig.validate` accepts are a module tuple (`ALL_CACHE_IMPLEMENTATIONS`),
+    and `GenerationMixin._prepare_cache_for_generation` builds a DynamicCache for any name
+    it does not know. So the name is added to that tuple, and the method is wrapped to
+    build the cache with `flashmem.attach(model, ...)` from `cache_config`: None (the
+    recipe), a FlashMemoryConfig, a YAML path, or a dict of attach's keywords (budget,
+    tokens, config keys). Every other name goes to transformers unchanged."""
+    from transformers.generation import configuration_utils, utils
+
+    names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    if CACHE_IMPLEMENTATION not in names:
+        # the module's tuple is read by GenerationConfig.validate at every call
+        configuration_utils.ALL_CACHE_IMPLEMENTATIONS = (*names, CACHE_IMPLEMENTATION)  # type: ignore[assignment]
+    mixin = utils.GenerationMixin
+    prepare = mixin._prepare_cache_for_generation
+    if getattr(prepare, "_flashmem", False):
+        return
+
+    def prepare_cache(self: Any, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+        if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
+            return prepare(self, generation_config, model_kwargs, *args, **kwargs)
+        if model_kwargs.get("cache") is not None:
+            raise FlashMemError('cache_implementation="flashmem" and a cache were both given; allowed: one of them')
+        if generation_config.use_cache is not False:
+            model_kwargs["cache"] = cache_for(self, generation_config.cache_config)
+        return None
+
+    prepare_cache._flashmem = True  # type: ignore[attr-defined]
+    mixin._prepare_cache_for_generation = prepare_cache  # type: ignore[method-assign]
+
+
+def cache_for(model: Any, cache_config: Any) -> Any:
+    """The FlashMemoryCache `cache_implementation="flashmem"` builds for `model`."""
+    from flashmem.cache.attach import attach
+    from flashmem.config import FlashMemoryConfig
+
+    if cache_config is None:
+        return attach(model)
+    if isinstance(cache_config, FlashMemoryConfig):
+        return attach(model, cache_config)
+    if isinstance(cache_config, str):
+        return attach(model, FlashMemoryConfig.from_yaml(cache_config))
+    if isinstance(cache_config, dict):
+        return attach(model, **cache_config)
+    raise FlashMemError(
+        f'cache_config: a {type(cache_config).__name__} is not allowed with cache_implementation="flashmem"; '
+        "allowed: None (the recipe), a FlashMemoryConfig, a YAML path, or a dict of attach() keywords"
+    )

@@ -1,0 +1,319 @@
+"""generate() features through flashmem (cache/generation.py), each against DynamicCache.
+
+With a config that keeps everything exact (every sealed page selected) flashmem
+computes what DynamicCache does, so a crop that left a stale token, a row change
+that read another beam's history from the cold tier, or a step on the wrong rows
+shows up as different logits or different generated tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import flashmem
+from flashmem.cache import generation
+from flashmem.cache.flash_layer import FlashLayer
+from flashmem.cache.generation import RowMappedPrefetcher, RowMappedStore
+from flashmem.errors import FlashMemError
+from test_cache import ALL_EXACT
+from tiny_models import tiny_llama
+
+# Window 32, blocks of 16: a 100-token sequence has sealed blocks, an open block and a full window.
+EXACT = dict(ALL_EXACT, gpu_cache_limit=32)
+GEN = dict(do_sample=False, pad_token_id=0)
+
+
+def exact_cfg(tmp_path=None, **extra) -> flashmem.FlashMemoryConfig:
+    return flashmem.FlashMemoryConfig(**{**EXACT, **extra})
+
+
+# The cold-tier read paths a row map must cover: a memory store read in place (its arena),
+# and a disk store read through the prefetcher.
+def cold_tiers(tmp_path) -> dict[str, dict]:
+    return {
+        "memory": {},
+        "disk+prefetch": dict(cold_store="disk", cold_dir=str(tmp_path), prefetch_threads=2),
+    }
+
+
+class Pair:
+    """A model run with flashmem and with DynamicCache side by side, forward by forward."""
+
+    def __init__(self, model, cfg: flashmem.FlashMemoryConfig) -> None:
+        self.model = model
+        self.cache = flashmem.attach(model, cfg)
+        self.ref = DynamicCache(config=model.config)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [b, q, vocab] of both caches for the next tokens ids [b, q]."""
+        with torch.no_grad():
+            out = self.model(ids, cache=self.cache, use_cache=True).logits
+            self.model.set_attn_implementation("sdpa")
+            try:
+                ref = self.model(ids, cache=self.ref, use_cache=True).logits
+            finally:
+                self.model.set_attn_implementation("tiered_kv")
+        return out, ref
+
+    def check(self, ids: torch.Tensor) -> None:
+        out, ref = self.forward(ids)
+        assert out.shape == ref.shape
+        assert (out - ref).abs().max() <= 1e-4
+
+    def both(self, method: str, *args) -> None:
+        getattr(self.cache, method)(*args)
+        getattr(self.ref, method)(*args)
+        assert self.cache.get_seq_length() == self.ref.get_seq_length()
+
+
+def flash_layers(cache) -> list[FlashLayer]:
+    return cache.flash_layers
+
+
+# ---------------------------------------------------------------------------- crop
+@pytest.mark.parametrize("tier", ["memory", "disk+prefetch"])
+def test_crop_then_decode_equals_dynamic_cache(tier, tmp_path):
+    """Draft-verify-crop cycles as assisted decoding makes them: a multi-token forward,
+    then the rejected tail cropped (inside the window, and into the open block)."""
+    torch.manual_seed(0)
+    pair = Pair(tiny_llama(), exact_cfg(**cold_tiers(tmp_path)[tier]))
+    pair.check(torch.randint(0, 128, (1, 100)))
+    layer = flash_layers(pair.cache)[0]
+    assert layer.sealed > 0 and layer.open_k.shape[-2] > 0
+    for draft, reject in [(6, 5), (1, 0), (9, 9), (4, 1), (12, 3)]:
+        pair.check(torch.randint(0, 128, (1, draft)))
+        pair.both("crop", -reject)
+        pair.check(torch.randint(0, 128, (1, 1)))
+    # a crop of the whole window and part of the open block: the window refills from it
+    open_before = layer.open_k.shape[-2]
+    n = layer.win_k.shape[-2] + min(3, open_before)
+    pair.both("crop", -n)
+    assert layer.win_k.shape[-2] == min(32, layer.tokens_seen - layer.sink_k.shape[-2] - 16 * layer.sealed)
+    for _ in range(3):
+        pair.check(torch.randint(0, 128, (1, 2)))
+
+
+def test_crop_during_buffered_exact_prompt_equals_dynamic_cache():
+    """Multi-token forwards within prefill_exact_tokens attend the exact prompt buffer (a lossy
+    cold tier keeps the prompt's K/V on the device): a crop shortens the buffer too."""
+    torch.manual_seed(1)
+    pair = Pair(tiny_llama(), exact_cfg(prefill_exact_tokens=4096, cold_codec="int8"))
+    pair.check(torch.randint(0, 128, (1, 90)))
+    exact = flash_layers(pair.cache)[0].exact
+    assert exact.k is not None and not exact.streamed
+    for draft, reject in [(5, 3), (8, 8), (3, 0), (6, 2)]:
+        pair.check(torch.randint(0, 128, (1, draft)))
+        pair.both("crop", -reject)
+        assert exact.length == pair.cache.get_seq_length()
+
+
+def test_crop_into_sealed_history_is_refused_and_changes_nothing():
+    torch.manual_seed(2)
+    pair = Pair(tiny_llama(), exact_cfg())
+    pair.check(torch.randint(0, 128, (1, 100)))
+    layer = flash_layers(pair.cache)[0]
+    room = generation.croppable_tokens(layer)
+    assert room == layer.win_k.shape[-2] + layer.open_k.shape[-2] >= 32
+    seen = pair.cache.get_seq_length()
+    with pytest.raises(FlashMemError, match=rf"crop of {room + 1} tokens reaches into sealed history.*at most {room}"):
+        pair.cache.crop(-(room + 1))
+    assert [lay.get_seq_length() for lay in pair.cache.layers] == [seen, seen]  # all or nothing
+    with pytest.raises(FlashMemError, match=r"crop\(3\): a positive count is not allowed"):
+        pair.cache.crop(3)
+    pair.both("crop", -room)  # the whole exact tail is allowed
+    pair.check(torch.randint(0, 128, (1, 3)))
+
+
+def test_crop_before_anything_is_sealed_reaches_the_sinks():
+    pair = Pair(tiny_llama(), exact_cfg())
+    pair.check(torch.randint(0, 128, (1, 10)))
+    pair.both("crop", -9)  # 8 window tokens and one of the 2 sinks
+    assert flash_layers(pair.cache)[0].sink_k.shape[-2] == 1
+    pair.check(torch.randint(0, 128, (1, 40)))
+
+
+def _count_crops(monkeypatch) -> list[int]:
+    seen: list[int] = []
+    real = generation.crop
+
+    def spy(layer, n):
+        seen.append(n)
+        return real(layer, n)
+
+    monkeypatch.setattr(generation, "crop", spy)
+    return seen
+
+
+def _reference(model, ids, **kw) -> torch.Tensor:
+    model.set_attn_implementation("sdpa")
+    return model.generate(ids, cache=DynamicCache(config=model.config), **kw)
+
+
+def test_assisted_generation_equals_dynamic_cache(monkeypatch):
+    """A tiny target and a tiny draft model of the same vocabulary; the draft proposes 6
+    tokens at a time, the target verifies them through flashmem and crops the rejected."""
+    torch.manual_seed(3)
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=1)
+    ids = torch.randint(0, 128, (1, 70))
+    kw = dict(GEN, max_new_tokens=40, assistant_model=draft)
+    draft.generation_config.num_assistant_tokens = 6
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    ref = _reference(target, ids, **kw)
+    crops = _count_crops(monkeypatch)
+    out = target.generate(ids, cache=flashmem.attach(target, exact_cfg()), **kw)
+    assert torch.equal(out, ref)
+    assert torch.equal(out, _reference(target, ids, **GEN, max_new_tokens=40))  # greedy's tokens
+    assert any(n <= -5 for n in crops), crops  # whole drafts were rejected and cropped
+
+
+def test_prompt_lookup_decoding_equals_dynamic_cache(monkeypatch):
+    torch.manual_seed(4)
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 12)).repeat(1, 6)  # repeats: the lookup finds drafts
+    kw = dict(GEN, max_new_tokens=40, prompt_lookup_num_tokens=5)
+    ref = _reference(model, ids, **kw)
+    crops = _count_crops(monkeypatch)
+    out = model.generate(ids, cache=flashmem.attach(model, exact_cfg()), **kw)
+    assert torch.equal(out, ref)
+    assert any(n < 0 for n in crops)
+
+
+# ---------------------------------------------------------------------------- rows
+def forget_working_sets(cache) -> None:
+    """As a step that selects other pages: the next one reads every selected page from the
+    cold tier again (an exact config selects the same pages each step, and the working set,
+    whose rows move with the rows, would otherwise serve them all)."""
+    for layer in flash_layers(cache):
+        layer.working_set.clear()
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk+prefetch"])
+def test_reorder_repeat_select_rows_equal_dynamic_cache(tier, tmp_path):
+    """Rows of different histories reordered, repeated and selected; each later step reads
+    the sealed blocks of the row it now continues (through the row map)."""
+    torch.manual_seed(5)
+    pair = Pair(tiny_llama(), exact_cfg(**cold_tiers(tmp_path)[tier]))
+    pair.check(torch.randint(0, 128, (3, 100)))
+    pair.both("reorder_cache", torch.tensor([2, 0, 0]))
+    layer = flash_layers(pair.cache)[0]
+    sealed_then = layer.sealed
+    assert isinstance(layer.reader.store, RowMappedStore)
+    if tier == "disk+prefetch":
+        assert isinstance(layer.reader.prefetcher, RowMappedPrefetcher)
+    for step in range(20):  # enough to seal more blocks in the new row order
+        if step % 5 == 0:
+            forget_working_sets(pair.cache)
+        pair.check(torch.randint(0, 128, (3, 1)))
+    pair.both("reorder_cache", torch.tensor([1, 2, 1]))  # composed with the first map
+    forget_working_sets(pair.cache)
+    pair.check(torch.randint(0, 128, (3, 4)))
+    pair.both("batch_repeat_interleave", 2)
+    forget_working_sets(pair.cache)
+    pair.check(torch.randint(0, 128, (6, 1)))
+    pair.both("batch_select_indices", torch.tensor([5, 0]))
+    for _ in range(18):
+        forget_working_sets(pair.cache)
+        pair.check(torch.randint(0, 128, (2, 1)))
+    assert layer.sealed > sealed_then + 1  # blocks sealed in each row order are read back
+
+
+def test_rows_change_during_a_streamed_exact_prompt():
+    """An exact prompt streamed from the tiers (prefill_exact_tokens, exact cold tier) reads
+    every sealed block each forward: after a row change it reads them through the row map."""
+    torch.manual_seed(8)
+    pair = Pair(tiny_llama(), exact_cfg(prefill_exact_tokens=4096))
+    pair.check(torch.randint(0, 128, (3, 90)))
+    assert flash_layers(pair.cache)[0].exact.streamed
+    pair.both("reorder_cache", torch.tensor([1, 0, 1]))
+    pair.check(torch.randint(0, 128, (3, 20)))
+    pair.both("batch_select_indices", torch.tensor([False, True, True]))
+    pair.check(torch.randint(0, 128, (2, 20)))
+
+
+def test_identity_reorder_keeps_the_fast_reads():
+    pair = Pair(tiny_llama(), exact_cfg())
+    pair.check(torch.randint(0, 128, (2, 60)))
+    pair.both("reorder_cache", torch.tensor([0, 1]))
+    assert not isinstance(flash_layers(pair.cache)[0].reader.store, RowMappedStore)
+    pair.check(torch.randint(0, 128, (2, 1)))
+
+
+def test_rows_out_of_range_are_refused():
+    pair = Pair(tiny_llama(), exact_cfg())
+    pair.check(torch.randint(0, 128, (2, 40)))
+    with pytest.raises(FlashMemError, match=r"batch rows \[0, 2\] do not fit the cache's 2 rows"):
+        pair.cache.reorder_cache(torch.tensor([0, 2]))
+    with pytest.raises(FlashMemError, match=r"batch_repeat_interleave\(0\)"):
+        pair.cache.batch_repeat_interleave(0)
+
+
+def test_reset_after_beams_reads_the_new_sequence_as_stored():
+    model = tiny_llama()
+    cache = flashmem.attach(model, exact_cfg())
+    ids = torch.randint(0, 128, (1, 60))
+    with torch.no_grad():
+        model(torch.randint(0, 128, (2, 80)), cache=cache, use_cache=True)
+        cache.reorder_cache(torch.tensor([1, 1]))
+        cache.reset()
+        out = model(ids, cache=cache, use_cache=True).logits
+        nxt = model(ids[:, :5], cache=cache, use_cache=True).logits
+    pair = Pair(model, exact_cfg())
+    ref_out, ref_nxt = pair.forward(ids)[1], pair.forward(ids[:, :5])[1]
+    assert (out - ref_out).abs().max() <= 1e-4 and (nxt - ref_nxt).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("beams", [2, 3, 4])
+def test_beam_search_equals_dynamic_cache(beams):
+    torch.manual_seed(6)
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 80))
+    kw = dict(GEN, max_new_tokens=30, num_beams=beams, num_return_sequences=min(beams, 2))
+    ref = _reference(model, ids, **kw)
+    cache = flashmem.attach(model, exact_cfg())
+    out = model.generate(ids, cache=cache, **kw)
+    assert torch.equal(out, ref)
+    assert isinstance(flash_layers(cache)[0].reader.store, RowMappedStore)  # beams did diverge
+
+
+def test_sampling_with_several_return_sequences_equals_dynamic_cache():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 50))
+    kw = dict(do_sample=True, max_new_tokens=25, num_return_sequences=3, pad_token_id=0)
+    torch.manual_seed(7)
+    ref = _reference(model, ids, **kw)
+    torch.manual_seed(7)
+    out = model.generate(ids, cache=flashmem.attach(model, exact_cfg()), **kw)
+    assert out.shape[0] == 6 and torch.equal(out, ref)
+
+
+# ---------------------------------------------------------------------------- cache_implementation
+def test_cache_implementation_name_builds_a_flashmem_cache():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 60))
+    ref = _reference(model, ids, **GEN, max_new_tokens=20)
+    flashmem.register()
+    out = model.generate(
+        ids,
+        cache_implementation="flashmem",
+        cache_config=exact_cfg(),
+        return_dict_in_generate=True,
+        **GEN,
+        max_new_tokens=20,
+    )
+    assert type(out.past_key_values).__name__ == "FlashMemoryCache"
+    assert out.past_key_values.flash_layers[0].sealed > 0
+    assert torch.equal(out.sequences, ref)
+    # other names are transformers' own
+    model.set_attn_implementation("sdpa")
+    dyn = model.generate(ids, cache_implementation="dynamic", return_dict_in_generate=True, **GEN, max_new_tokens=5)
+    assert type(dyn.past_key_values) is DynamicCache
+
+
+def test_cache_implementation_rejects_a_bad_cache_config():
+    flashmem.register()
+    model = tiny_llama()
+    with pytest.raises(FlashMemError, match="cache_config: a int is not allowed"):
+        model.generate(torch.randint(0, 128, (1, 8)), cache_implementation="flashmem", cache_config=3, **GEN)
