@@ -267,6 +267,11 @@ def test_hardware_model_when_the_full_cache_does_not_fit(capsys):
         (["--hardware", "h100", "--rerank-keys", "disk"], "--rerank-keys"),
         (["--hardware", "h100", "--traffic", "/nonexistent.json"], "no such file"),
         (["--hardware", "h100", "--budget", "0"], "--budget"),
+        (
+            ["--hardware", "h100", "--budget", "0.1", "-c", str(ROOT / "configs" / "cpu-small.yaml")],
+            "not allowed together with --config",
+        ),
+        (["--budget", "0.1"], "only with --hardware"),
     ],
 )
 def test_hardware_mistakes_are_one_line(capsys, args, needle):

@@ -72,8 +72,8 @@ def estimate_command(
     traffic: Path | None = typer.Option(
         None, "--traffic", help="cache.traffic_report() JSON: flashmem's counted bytes per step"
     ),
-    budget: float = typer.Option(
-        1 / 16, "--budget", help="without --config: flashmem's recipe at this budget (for_budget)"
+    budget: float | None = typer.Option(
+        None, "--budget", help="without --config: flashmem's recipe at this budget (for_budget; default 1/16)"
     ),
     new_page_fraction: float = typer.Option(
         0.4, "--new-page-fraction", help="share of selected pages newly fetched per step (default: ShadowKV's 0.4)"
@@ -101,6 +101,7 @@ def estimate_command(
             "--traffic": traffic,
             "--params": params,
             "--host-gib": host_gib,
+            "--budget": budget,
         }
         for flag, v in given.items():
             if v is not None:
@@ -192,7 +193,7 @@ def hardware_model(
     a: Any,
     *,
     config: Path | None,
-    budget: float,
+    budget: float | None,
     params: float | None,
     traffic: Path | None,
     host_gib: float | None,
@@ -205,6 +206,9 @@ def hardware_model(
     from flashmem.memory.specs import FullAttention, from_dims, resolve_model
     from flashmem.memory.units import DTYPE_BYTES
 
+    if budget is not None and config is not None:
+        raise ConfigError("--budget: not allowed together with --config; allowed: one of them")
+    budget = 1 / 16 if budget is None else budget
     if not 0 < budget <= 1:
         raise ConfigError(f"--budget: {budget!r} is not allowed; allowed: above 0, up to 1")
     if host_gib is not None and not host_gib > 0:
