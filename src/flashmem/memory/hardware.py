@@ -311,7 +311,7 @@ def predicted_traffic(flash: Any, cfg: Any, tokens: int, a: Assumptions) -> Flas
     chunk = max(1, int(cfg.prefill_chunk))
     resident_tok = int(counts["sinks"]) + int(counts["window"])
     n_chunks = -(-tokens // chunk)
-    behind = sum(max(0, j * chunk - resident_tok) for j in range(n_chunks))
+    behind = _tokens_behind(n_chunks, chunk, resident_tok)
     attended = int(counts["sinks"]) + int(counts["window"]) + int(counts["open_block"]) + selected_tokens
     return FlashTraffic(
         resident_bytes=int(flash.device_resident_bytes),
@@ -328,6 +328,15 @@ def predicted_traffic(flash: Any, cfg: Any, tokens: int, a: Assumptions) -> Flas
         ),
         parts={"new_pages": new_pages, "rerank_keys": rerank},
     )
+
+
+def _tokens_behind(n_chunks: int, chunk: int, resident: int) -> int:
+    """sum over j < n_chunks of max(0, j * chunk - resident), in closed form (any length)."""
+    first = resident // chunk + 1  # the first chunk with cold tokens behind it
+    if first >= n_chunks:
+        return 0
+    count = n_chunks - first
+    return chunk * (first + n_chunks - 1) * count // 2 - resident * count
 
 
 TRAFFIC_KEYS = ("device_read_bytes", "h2d_bytes", "disk_read_bytes", "host_read_bytes")
