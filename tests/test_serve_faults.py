@@ -375,6 +375,7 @@ def test_penalties_change_a_repetitive_answer(server) -> None:
     [
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"logprobs": 0}, "logprobs"),
         ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),

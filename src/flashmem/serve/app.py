@@ -447,8 +447,8 @@ def _refuse_unsupported(body: BaseModel) -> None:
         if name not in extra:
             continue
         v = extra[name]
-        if v is None or v is False or (name in ("logprobs", "top_logprobs") and v == 0):
-            continue  # the default: nothing asked
+        if v is None or v is False or (name == "top_logprobs" and v == 0):
+            continue  # the default: nothing asked (a completion's logprobs: 0 still asks for the chosen tokens')
         if name == "best_of" and v == 1 or name == "suffix" and v == "" or name in ("tools", "functions") and not v:
             continue
         if name == "response_format" and isinstance(v, dict) and v.get("type") == "text":
