@@ -30,7 +30,10 @@ STEPS = 24
 
 def cfg(tmp_path, **kw) -> flashmem.FlashMemoryConfig:
     base = dict(ALL_EXACT, cold_store="disk", cold_dir=str(tmp_path), prefetch_threads=2, prefetch_window=1024)
-    return flashmem.FlashMemoryConfig(**{**base, **kw})
+    merged = {**base, **kw}
+    if merged["cold_store"] == "memory":  # a folder with a memory store is refused (no files to put there)
+        merged.pop("cold_dir")
+    return flashmem.FlashMemoryConfig(**merged)
 
 
 def folders(tmp_path) -> list[str]:

@@ -43,6 +43,10 @@ class BlockReader:
     # A step's missing blocks are queued to the prefetcher together, so its threads read them
     # in parallel instead of one synchronous read at a time (docs/measurements.md, "Scale").
     demand_batch: bool = True
+    # Re-rank candidates are scored where a host-memory cold tier holds their keys, and only
+    # the chosen pages cross to the device (`host_ranking`). On by itself when the compute
+    # device is not the CPU; True forces it on a CPU too (tests of that path).
+    rank_on_host: bool | None = None
 
     def __init__(
         self,
@@ -74,6 +78,16 @@ class BlockReader:
         """The layer's geometry for a new sequence: (b, h, d), device, dtype, first sealed position."""
         self._shape, self.device, self.dtype, self.block_start = shape, device, dtype, block_start
         self._block_bytes = None
+
+    @property
+    def host_ranking(self) -> bool:
+        """Candidates are scored on the host, next to their keys: reads go straight to an exact
+        host-memory store (its arena), and the device is another one (or `rank_on_host`).
+        Then a step moves query rows and page ids across the link, and the chosen pages: not
+        the candidates' keys (1 GiB a step at 128K for Llama-3.1-8B's shape at 1/16)."""
+        if not self.direct or self.latent is not None or self.store.codec.name != "exact":
+            return False
+        return self.device.type != "cpu" if self.rank_on_host is None else self.rank_on_host
 
     @property
     def direct(self) -> bool:
@@ -160,12 +174,19 @@ class BlockReader:
 
     # ------------------------------------------------------------------ the arena
     def arena_pages(
-        self, idx: torch.Tensor, keys: bool = True, values: bool = True, only: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        keys: bool = True,
+        values: bool = True,
+        only: torch.Tensor | None = None,
+        on_host: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """Pages idx [b, h, k] from the store's `gather_pages` (k, v [b, h, k, P, d], a part
         not asked for None; with `only` [b, h, k] bool just those, flat [n, P, d]), counted
         as synchronous reads (one per block touched, as fetch_block counts); None without a
-        prefetcher-free path or when the store declines."""
+        prefetcher-free path or when the store declines. on_host: left where the store holds
+        them (read by host compute, nothing copied to the device). The pages arrive as one
+        contiguous buffer: one copy across the link, not one per 16-token page."""
         if self.prefetcher is not None:
             return None
         ppb = self.cfg.pages_per_block
@@ -174,22 +195,25 @@ class BlockReader:
             return None
         slots = (keys, values) if lat is None else lat.slots(keys, values)  # store slots holding them
         t0 = time.perf_counter()
-        got = self.store.gather_pages(self.layer_idx, idx // ppb, idx % ppb, ppb, self.device, *slots, only=only)
+        where = "cpu" if on_host else self.device
+        got = self.store.gather_pages(self.layer_idx, idx // ppb, idx % ppb, ppb, where, *slots, only=only)
         if got is not None:
             self._count_sync(int(torch.unique(idx // ppb if only is None else (idx // ppb)[only]).numel()), t0)
-            self.traffic.cold_read(self.store, self.device, sum(t.nbytes for t in got if t is not None))
+            nbytes = sum(t.nbytes for t in got if t is not None)
+            self.traffic.cold_read(self.store, self.device, nbytes, in_place=on_host)
         if got is not None and lat is not None:  # coefficients -> K/V, keys rotated at their positions
             got = lat.decode_pages(got[0], got[1], idx, self.block_start, keys, values)
         return got
 
     def block_keys(self, num_sealed: int) -> torch.Tensor | None:
-        """Every sealed block's keys where the store holds them on the compute device
-        ([n, b, h, B, d], read-only, no copy), or None where it cannot (a prefetcher, a
-        latent tier, coded blocks, another device). Counted as a read of every block."""
+        """Every sealed block's keys where the store holds them ([n, b, h, B, d], read-only, no
+        copy): on the compute device, or on the host with `host_ranking`; None where it
+        cannot (a prefetcher, a latent tier, coded blocks, another device). Counted as a read
+        of every block by compute where they lie."""
         if self.prefetcher is not None or self.latent is not None:
             return None
         t0 = time.perf_counter()
-        keys = self.store.block_keys(self.layer_idx, num_sealed, self.device)
+        keys = self.store.block_keys(self.layer_idx, num_sealed, "cpu" if self.host_ranking else self.device)
         if keys is not None:
             self._count_sync(num_sealed, t0)
             self.traffic.cold_read(self.store, self.device, keys.nbytes, in_place=True)

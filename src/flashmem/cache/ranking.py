@@ -126,16 +126,28 @@ class CandidateRanker:
         the choice, for this step's working set."""
         cfg = self.cfg
         b, h, c = cand.shape
-        ck, cv = self._read_candidates(cand)  # [b, h, c, P, d]; cv None: read for the winners only
         bi = torch.arange(b, device=cand.device)[:, None, None]
         cvalid = page_tokens_valid[bi, cand]  # [b, h, c, P]
+        if self.reader.host_ranking:  # scored next to the keys; only ids cross back
+            got = self.reader.arena_pages(cand, values=False, on_host=True)
+            if got is not None and got[0] is not None:
+                ck = got[0]
+                mass = exact_page_mass(
+                    qg.to(ck.device), ck, cvalid.to(ck.device), scaling, cfg.lsa_pool, cfg.lsa_share_heads
+                ).to(cand.device)
+                return Selection(self._top(cand, mass, page_tokens_valid, k_sel))
+        ck, cv = self._read_candidates(cand)  # [b, h, c, P, d]; cv None: read for the winners only
         mass = exact_page_mass(qg, ck, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)  # [b, h, c]
+        return Selection(self._top(cand, mass, page_tokens_valid, k_sel), Candidates(cand, ck, cv))
+
+    def _top(self, cand: torch.Tensor, mass: torch.Tensor, page_tokens_valid: torch.Tensor, k_sel: int) -> torch.Tensor:
+        """The k_sel candidates cand [b, h, c] with the most mass [b, h, c] -> page ids [b, h, k_sel]."""
+        b, h, _ = cand.shape
         n_pages = page_tokens_valid.shape[1]
         dense = torch.full((b, h, n_pages), -1.0, device=cand.device).scatter(-1, cand, mass)
         allowed = torch.zeros(b, h, n_pages, dtype=torch.bool, device=cand.device).scatter(-1, cand, True)
         allowed &= page_tokens_valid.any(-1)[:, None, :]
-        idx = top_pages(dense, allowed, k_sel, cfg.lsa_follow_pages)
-        return Selection(idx, Candidates(cand, ck, cv))
+        return top_pages(dense, allowed, k_sel, self.cfg.lsa_follow_pages)
 
     def rerank_in_place(
         self,
@@ -162,10 +174,11 @@ class CandidateRanker:
             chosen = torch.zeros(b, h, n_pages, dtype=torch.bool, device=cand.device).scatter_(-1, cand, True)
             allowed = allowed & chosen
             valid = valid & chosen[..., None]
+        where = block_k.device  # the compute device, or the host (`host_ranking`): only ids cross back
         mass = exact_block_mass(
-            qg, block_k, valid.flatten(-2), P, scaling, cfg.lsa_pool, cfg.lsa_share_heads
+            qg.to(where), block_k, valid.flatten(-2).to(where), P, scaling, cfg.lsa_pool, cfg.lsa_share_heads
         )  # [b, h, pages]
-        return Selection(top_pages(mass, allowed, k_sel, cfg.lsa_follow_pages))
+        return Selection(top_pages(mass.to(qg.device), allowed, k_sel, cfg.lsa_follow_pages))
 
     def _read_candidates(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Exact keys of pages idx [b, h, c] -> k [b, h, c, P, d] and v: from the memory

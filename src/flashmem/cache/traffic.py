@@ -40,6 +40,9 @@ class StepTraffic:
     tokens_before: int  # tokens the cache held when the step began
     queries: int
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
+    # selected pages the device already held from the step before (hits) and pages read (misses)
+    page_hits: int = 0
+    page_misses: int = 0
     full_cache_bytes: int = 0  # what a full cache reads for the same step
 
 
@@ -67,6 +70,12 @@ class Traffic:
         if self.steps:
             self.steps[-1].counts[path] += int(nbytes)
 
+    def pages(self, hits: int, misses: int) -> None:
+        """A working set gathered: `hits` selected pages were held already, `misses` were read."""
+        if self.steps:
+            self.steps[-1].page_hits += int(hits)
+            self.steps[-1].page_misses += int(misses)
+
     def cold_read(self, store: ColdStore, device: torch.device, nbytes: int, in_place: bool = False) -> None:
         """`nbytes` of K/V read from the cold tier for `device`: copied to the device, or
         read where the store holds them (in_place: scored on the host, nothing copied)."""
@@ -86,6 +95,14 @@ class Traffic:
             },
             "totals": {p: sum(s.counts[p] for s in self.steps) for p in PATHS},
             "full_cache_bytes": sum(s.full_cache_bytes for s in self.steps),
+        }
+        decode = [s for s in self.steps if s.kind == "decode"]
+        hits, misses = sum(s.page_hits for s in decode), sum(s.page_misses for s in decode)
+        # the working set as a device-side page cache: pages a decode step found held
+        out["page_cache"] = {
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         }
         for kind, name in (("decode", "per_decode_step_median"), ("prefill", "per_prefill_forward_median")):
             steps = [s for s in self.steps if s.kind == kind]

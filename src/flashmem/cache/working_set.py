@@ -99,9 +99,9 @@ class WorkingSet:
     def merge(
         self, idx: torch.Tensor, held: Held, k_new: torch.Tensor, v_new: torch.Tensor, page_tokens_valid: torch.Tensor
     ) -> None:
-        """An int8 working set of pages idx [b, h, k]: the pages `held` keep their codes
-        from the last step's; the others' K/V k_new, v_new [n_new, P, d] (in (b, h, k)
-        order) are coded now."""
+        """The working set of pages idx [b, h, k]: the pages `held` keep their rows (int8:
+        their codes) from the last step's; the others' K/V k_new, v_new [n_new, P, d] (in
+        (b, h, k) order) are added (int8: coded now)."""
         keep, src = held
         b, h, k = idx.shape
         assert self.idx is not None
@@ -116,9 +116,13 @@ class WorkingSet:
         P = self.page_tokens
         for slot, fresh in ((0, k_new), (1, v_new)):
             code = self.code[slot]
-            assert code is not None and len(code) == 2
+            assert code is not None
+            d = code[0].shape[-1]
+            if len(code) == 1:  # the model's dtype: rows kept as they are
+                out = torch.cat([code[0].reshape(-1, P * d), fresh.reshape(-1, P * d)]).index_select(0, pick)
+                self.code[slot] = (out.view(b, h, k * P, d),)
+                continue
             codes, scale = code
-            d = codes.shape[-1]
             new_c, new_s = page_code.encode(fresh)  # [n_new, P, d], [n_new, P, 1]
             out_c = torch.cat([codes.view(-1, P * d), new_c.view(-1, P * d)]).index_select(0, pick)
             out_s = torch.cat([scale.view(-1, P), new_s.view(-1, P)]).index_select(0, pick)
@@ -147,15 +151,16 @@ class WorkingSet:
         one op without a prefetcher; else whole blocks are read once each and the
         selected pages cut out of them."""
         prev = self.idx
+        reader.traffic.pages(*_held_count(prev, idx))
         if prev is not None and prev.shape == idx.shape and torch.equal(prev, idx):
             return
-        held = self.held_over(idx, reader)  # int8: pages the last working set holds, kept coded
+        held = self.held_over(idx, reader)  # pages the last working set holds, kept as they are
         if candidates is not None and self._cut_from_candidates(idx, page_tokens_valid, held, candidates, reader):
             return
         if reader.direct and self._gather_from_arena(idx, page_tokens_valid, held, reader):
             return
         ppb = reader.cfg.pages_per_block
-        if held is not None:  # int8: read and code only the blocks of the pages not held
+        if held is not None:  # read (and, int8, code) only the blocks of the pages not held
             new = ~held[0]
             need = torch.unique(idx[new] // ppb)
             if need.numel():
@@ -196,12 +201,13 @@ class WorkingSet:
         self.set(idx, new_k, new_v, page_tokens_valid)
 
     def held_over(self, idx: torch.Tensor, reader: BlockReader) -> Held | None:
-        """For an int8 working set: which of the pages idx [b, h, k] the last step's working
-        set holds (held [b, h, k] bool) and where (src [b, h, k], its page slot), so only the
-        others are read and coded. None: nothing to keep (another codec, no working set, other
-        rows, or a low-rank cold tier read directly: its pages decode at their [b, h, k] places)."""
+        """Which of the pages idx [b, h, k] the last step's working set holds (held [b, h, k]
+        bool) and where (src [b, h, k], its page slot), so only the others are read (and, int8,
+        coded): the working set is the device's cache of recently selected pages. None: nothing
+        to keep (no working set, other rows, or a low-rank cold tier read directly: its pages
+        decode at their [b, h, k] places)."""
         prev, code = self.idx, self.code[0]
-        if prev is None or code is None or len(code) != 2 or prev.shape[:2] != idx.shape[:2] or not prev.shape[-1]:
+        if prev is None or code is None or prev.shape[:2] != idx.shape[:2] or not prev.shape[-1]:
             return None
         if reader.latent is not None and reader.direct:
             return None
@@ -270,3 +276,13 @@ class WorkingSet:
         else:
             self.merge(idx, held, got[0], got[1], page_tokens_valid)
         return True
+
+
+def _held_count(prev: torch.Tensor | None, idx: torch.Tensor) -> tuple[int, int]:
+    """(pages of idx [b, h, k] the last selection prev [b, h, k'] holds, pages it does not);
+    both sorted per row and head."""
+    if prev is None or prev.shape[:2] != idx.shape[:2] or not prev.shape[-1]:
+        return 0, idx.numel()
+    src = torch.searchsorted(prev.contiguous(), idx.contiguous()).clamp_max_(prev.shape[-1] - 1)
+    hits = int((prev.gather(-1, src) == idx).sum())
+    return hits, idx.numel() - hits

@@ -1,0 +1,122 @@
+"""Traffic counted per forward (cache/traffic.py), and selection that moves across the link
+only what a step newly attends (`BlockReader.host_ranking`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashmem
+from flashmem.cache.block_reads import BlockReader
+from test_cache import SMALL
+from tiny_models import tiny_llama
+
+RERANKED = dict(
+    SMALL,
+    use_summaries=False,
+    lsa_scorer="mean_key",
+    lsa_page_tokens=4,
+    lsa_index_dtype="int8",
+    lsa_top_k=6,
+    lsa_rerank=4,
+    prefetch_threads=0,
+)
+
+
+def _decode(model, cache, ids, steps):
+    """Prompt ids[:, :-steps], then `steps` one-token forwards; -> logits, selections per step."""
+    sels = []
+    with torch.no_grad():
+        out = [model(ids[:, :-steps], cache=cache, use_cache=True).logits[:, -1]]
+        for t in range(ids.shape[1] - steps, ids.shape[1]):
+            out.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
+            sels.append([layer.ws_idx.clone() for layer in cache.flash_layers])
+    return torch.cat(out), sels
+
+
+def test_decode_traffic_matches_bytes_worked_out_by_hand():
+    """Every page selected, no re-rank: a decode step reads every resident tier of every
+    layer and the new token (device), and copies from the cold tier only pages it did not
+    hold the step before (none once the selection is stable); a full cache reads every token."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
+    cfg = flashmem.FlashMemoryConfig(**SMALL, use_summaries=False, lsa_keep_ratio=1.0, prefetch_threads=0)
+    cache = flashmem.attach(model, cfg)
+    with torch.no_grad():
+        model(ids[:, :100], cache=cache, use_cache=True)
+        model(ids[:, 100:101], cache=cache, use_cache=True)  # selects every page: reads them all
+        before = cache.traffic_report()["totals"]
+        model(ids[:, 101:102], cache=cache, use_cache=True)  # the same pages: held, nothing copied
+    after = cache.traffic_report()
+    layers = cache.flash_layers
+    h, d = layers[0].sink_k.shape[1], layers[0].sink_k.shape[-1]
+    per_token = 2 * h * d * 4  # K and V, fp32, one layer
+    resident = sum(sum(n for k, n in layer.resident_bytes().items() if k != "prefill_kv") for layer in layers)
+    device = after["totals"]["device_read_bytes"] - before["device_read_bytes"]
+    assert device == resident  # = the tiers during the step (101 tokens) + the new token's K/V
+    assert after["totals"]["h2d_bytes"] == before["h2d_bytes"]  # every page held over
+    assert after["per_decode_step_median"]["full_cache_bytes"] > 0
+    assert after["steps"] == {"prefill_forwards": 1, "decode_steps": 2}
+    # a full cache reads all 102 tokens in every layer at the last step
+    assert cache.full_cache_bytes(102) == 102 * per_token * len(model.model.layers)
+    assert after["page_cache"]["hits"] > 0
+
+
+def test_a_decode_step_copies_exactly_the_pages_it_did_not_hold():
+    """The working set is the device's page cache: a step reads from the cold tier only the
+    selected pages the last step's working set did not hold, K and V, in the model's dtype."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 140), generator=torch.Generator().manual_seed(2))
+    cfg = flashmem.FlashMemoryConfig(**SMALL, use_summaries=False, lsa_top_k=3, lsa_page_tokens=4, prefetch_threads=0)
+    cache = flashmem.attach(model, cfg)
+    layers = cache.flash_layers
+    moved = []
+    with torch.no_grad():
+        model(ids[:, :100], cache=cache, use_cache=True)
+        page_bytes = 2 * 4 * layers[0].sink_k.shape[-1] * 4  # K and V of a 4-token page of one head, fp32
+        for t in range(100, 140):
+            prev = [layer.ws_idx.clone() for layer in layers]
+            h2d = cache.traffic_report()["totals"]["h2d_bytes"]
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
+            new = sum(
+                int((~(layer.ws_idx[..., :, None] == p[..., None, :]).any(-1)).sum()) for layer, p in zip(layers, prev)
+            )
+            total = sum(layer.ws_idx.numel() for layer in layers)
+            moved.append((new, total, cache.traffic_report()["totals"]["h2d_bytes"] - h2d))
+    assert any(new for new, _, _ in moved) and any(new < total for new, total, _ in moved)  # some held over
+    assert all(copied == new * page_bytes for new, _, copied in moved)
+
+
+@pytest.mark.parametrize("floor", [0, 10_000])
+def test_candidates_ranked_on_the_host_choose_the_same_and_copy_only_new_pages(monkeypatch, floor):
+    """`host_ranking` (on by itself on an accelerator; forced here on the CPU): the re-rank reads
+    candidates' keys where the cold tier holds them, so the choice and the logits are those of
+    the default path, and what is copied to the device per decode step is the pages that newly
+    enter the working set (at most 1.5x their bytes), not the candidates."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(6))
+    cfg = flashmem.FlashMemoryConfig(**RERANKED, lsa_rerank_min_pages=floor)
+    ref_out, ref_sel = _decode(model, flashmem.attach(model, cfg), ids, 8)
+    monkeypatch.setattr(BlockReader, "rank_on_host", True)
+    cache = flashmem.attach(model, cfg)
+    steps = []
+    with torch.no_grad():
+        out = [model(ids[:, :-8], cache=cache, use_cache=True).logits[:, -1]]
+        for t in range(ids.shape[1] - 8, ids.shape[1]):
+            prev = [layer.ws_idx.clone() for layer in cache.flash_layers]
+            h2d = cache.traffic_report()["totals"]["h2d_bytes"]
+            out.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
+            new = sum(
+                int((~(layer.ws_idx[..., :, None] == p[..., None, :]).any(-1)).sum())
+                for layer, p in zip(cache.flash_layers, prev)
+            )
+            steps.append((new, cache.traffic_report()["totals"]["h2d_bytes"] - h2d))
+    assert torch.allclose(torch.cat(out), ref_out, atol=1e-5)
+    layer = cache.flash_layers[0]
+    page_bytes = 2 * 4 * layer.sink_k.shape[-1] * 4  # K and V of one 4-token page of one head, fp32
+    assert any(new > 0 for new, _ in steps)
+    for new, copied in steps:
+        assert copied <= 1.5 * new * page_bytes
+    report = cache.traffic_report()
+    assert report["per_decode_step_median"]["host_read_bytes"] > 0  # the candidates, read where they lie
+    assert 0 < report["page_cache"]["hit_rate"] < 1
