@@ -382,14 +382,17 @@ def memory_rows(r: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str]]:
     peak = mem["peak_managed_resident_bytes"] + mem["full_layer_bytes"] + mem["sliding_layer_bytes"]
     if peak > device:
         rows.append(("peak (any step)", int(peak)))
-        exact = int(r["config"].get("prefill_exact_tokens") or 0)
-        if r["context_tokens"] <= exact:
+        cfg = r["config"]
+        exact = int(cfg.get("prefill_exact_tokens") or 0)
+        lossy = cfg.get("cold_codec", "exact") != "exact" or bool(cfg.get("cold_low_rank"))
+        if r["context_tokens"] <= exact and lossy:  # the buffered exact prompt (cache/exact_prompt.py)
             notes.append(
-                f"peak: the prompt is attended exactly (prefill_exact_tokens: {exact:,}), so the cache held "
-                "the prompt's full K/V until the first generated token, then only the device-resident tiers"
+                f"peak: the prompt is attended exactly (prefill_exact_tokens: {exact:,}) and the cold tier is "
+                "lossy, so the cache held the prompt's K/V until the first generated token, then only the "
+                "device-resident tiers"
             )
         else:
-            notes.append("peak: the most the cache's device tiers held at any step")
+            notes.append("peak: the most the cache's device tiers held at any step (the prompt's included)")
     cold = int(mem["cold_bytes"])
     rows.append(("cold tier", cold))
     rows.append(("full cache (DynamicCache)", full))
