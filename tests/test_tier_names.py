@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 import torch
 
 import flashmem
@@ -39,8 +38,8 @@ def test_a_layer_measures_and_the_cache_reports_exactly_the_layer_tiers():
     assert tuple(cache.memory_report()["tiers"]) == tier_names.LAYER_TIERS
 
 
-@pytest.mark.xfail(strict=True, reason="memory/calculator.py TIER_KEYS to be switched to tier_names.TIERS (issue 28)")
 def test_the_calculator_predicts_every_tier_by_the_same_names():
-    from flashmem.memory.calculator import TIER_KEYS
+    from flashmem.memory.calculator import estimate
 
-    assert tuple(TIER_KEYS) == tier_names.TIERS
+    est = estimate("smollm2", tokens=8192, config=flashmem.FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2"))
+    assert est.flashmem is not None and tuple(est.flashmem.tiers) == tier_names.TIERS

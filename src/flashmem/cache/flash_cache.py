@@ -24,6 +24,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from flashmem import tier_names
 from flashmem.cache import generation
 from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
 from flashmem.cache.guard import StepGuard
@@ -38,19 +39,6 @@ from flashmem.models import geometry
 from flashmem.rope import RopeRotator
 from flashmem.store.base import ColdStore
 from flashmem.store.prefetch import Prefetcher
-
-TIERS = (
-    "sinks",
-    "window",
-    "open_block",
-    "csa_entries",
-    "hca_entries",
-    "index",
-    "working_set",
-    "query_buffer",
-    "rest_entry",
-    "prefill_kv",
-)
 
 
 class FlashMemoryCache(Cache):
@@ -171,6 +159,7 @@ class FlashMemoryCache(Cache):
         is a synchronous miss, counted in `sync_reads()`). For A/B measurements."""
         for layer in self.flash_layers:
             layer.prefetcher = self.prefetcher if on else None
+            generation.route_reads(layer)  # rows changed by beam search read through their map
 
     def sync_reads(self) -> dict[str, float]:
         """Counters of block reads that went straight to the store: misses, stall_s."""
@@ -188,7 +177,7 @@ class FlashMemoryCache(Cache):
         the FlashMemory tiers, the working set of selected blocks, plain full
         layers and sliding-window layers. `cold_bytes` is what the cold tier holds.
         """
-        tiers = dict.fromkeys(TIERS, 0)
+        tiers = tier_names.zeros(tier_names.LAYER_TIERS)
         for layer in self.flash_layers:
             if layer.is_initialized:
                 for name, nbytes in layer.resident_bytes().items():

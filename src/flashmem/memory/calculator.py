@@ -16,6 +16,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from flashmem import tier_names
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
 from flashmem.memory.specs import MLA, FullAttention, ModelSpec, from_dims, resolve_model
@@ -47,19 +48,6 @@ ACCELERATORS: dict[str, int] = {
     "80 GB (A100 / H100)": 81559 * 2**20,
     "141 GB (H200)": 143771 * 2**20,
 }
-
-TIER_KEYS = (
-    "sinks",
-    "window",
-    "open_block",
-    "csa_entries",
-    "hca_entries",
-    "index",
-    "working_set",
-    "full_layers",
-    "sliding_layers",
-    "native_compressed_layers",
-)
 
 
 class ManagedLayers:
@@ -282,7 +270,7 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
     full_idx = cfg.resolve_full_layers(spec.num_layers)
     counts = tier_counts(cfg, tokens)
     cold_eb = codec_bytes_per_element(cfg.cold_codec, eb)
-    tiers = {k: 0 for k in TIER_KEYS}
+    tiers = tier_names.zeros()  # the same rows a cache's memory_report() measures
     cold = Fraction(0)
     cold_per_token = Fraction(0)  # one sequence, every managed layer
     prompt_kv = 0
