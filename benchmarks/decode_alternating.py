@@ -120,6 +120,9 @@ def main() -> None:
                 row["resident_fraction"] = rep["peak_managed_resident_bytes"] / full  # the exact prompt's K/V too
                 row["decode_resident_fraction"] = rep["managed_resident_bytes"] / full  # what decoding holds
                 row["prefill_s"] = prefill_s[name]
+                # bytes a decode step moved, by path, beside what the full cache reads for it
+                step = caches[name].traffic_report()["per_decode_step_median"]
+                row["traffic_per_decode_step"] = {k: step[k] for k in step}
                 row["config"] = {
                     k: getattr(configs[name], k)
                     for k in ("gpu_cache_limit", "lsa_top_k", "lsa_page_tokens", "lsa_rerank", "working_set_codec")

@@ -212,6 +212,10 @@ class FlashMemoryCache(Cache):
             # attention's keys, values and mask are assembled in buffers this thread's caches
             # share and reuse (a transient like the activations, kept: cache/scratch.py)
             "scratch_bytes": thread_scratch().nbytes(),
+            # the streamed exact prompt's largest run in flight and its scores (one layer at a time)
+            "prompt_stream_bytes": max(
+                (layer.exact.peak_transient_bytes for layer in self.flash_layers if layer.is_initialized), default=0
+            ),
             "sealed_blocks": sum(layer.num_sealed for layer in self.flash_layers if layer.is_initialized),
         }
 
