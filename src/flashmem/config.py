@@ -203,6 +203,16 @@ class FlashMemoryConfig(BaseModel):
 
     def combination_problems(self) -> list[str]:
         """Every combination of keys that is not allowed, one line each ([] when none)."""
+        out = [*self._block_problems(), *self._cold_store_problems(), *self._position_problems()]
+        if self.cold_low_rank != "none" and self.low_rank_dim is None:
+            out.append(
+                f"cold_low_rank: {self.cold_low_rank!r} needs low_rank_dim (coefficients kept per token "
+                "and KV head); allowed: low_rank_dim: 1..head_dim (e.g. 32 of 64), or cold_low_rank: none"
+            )
+        return out + self._layer_problems()
+
+    def _block_problems(self) -> list[str]:
+        """Block, page and scorer sizes that do not fit together."""
         out: list[str] = []
         if self.hca_chunk_size % self.csa_chunk_size:
             out.append(
@@ -221,6 +231,11 @@ class FlashMemoryConfig(BaseModel):
                 f"lsa_page_tokens: {self.lsa_scorer!r} ranks blocks by their HCA entry and cannot score "
                 f"pages; allowed: null (or {self.hca_chunk_size}) with it, or another lsa_scorer"
             )
+        return out
+
+    def _cold_store_problems(self) -> list[str]:
+        """cold_dir and persist set against a cold_store that does (not) keep files."""
+        out: list[str] = []
         store = policies.COLD_STORES[self.cold_store]
         with_files = ", ".join(repr(n) for n, p in policies.COLD_STORES.items() if p.needs_dir)
         if store.needs_dir and not self.cold_dir:
@@ -237,6 +252,11 @@ class FlashMemoryConfig(BaseModel):
                 f"persist: true keeps the cold tier's files, but cold_store {self.cold_store!r} has none; "
                 f"allowed: persist with cold_store {with_files} (and cold_dir), or persist: false"
             )
+        return out
+
+    def _position_problems(self) -> list[str]:
+        """What position_mode: window cannot place."""
+        out: list[str] = []
         if self.position_mode == "window" and self.use_summaries:
             out.append(
                 "position_mode: window places selected blocks only (summaries have no place yet); "
@@ -248,11 +268,11 @@ class FlashMemoryConfig(BaseModel):
                 "attends every token at its real position; allowed: prefill_exact_tokens: 0 with "
                 "window, or position_mode: real"
             )
-        if self.cold_low_rank != "none" and self.low_rank_dim is None:
-            out.append(
-                f"cold_low_rank: {self.cold_low_rank!r} needs low_rank_dim (coefficients kept per token "
-                "and KV head); allowed: low_rank_dim: 1..head_dim (e.g. 32 of 64), or cold_low_rank: none"
-            )
+        return out
+
+    def _layer_problems(self) -> list[str]:
+        """Per-layer shares and full layers that are not allowed."""
+        out: list[str] = []
         if isinstance(self.lsa_layer_shares, dict):
             bad = {i: v for i, v in self.lsa_layer_shares.items() if i < 0 or not 0 <= v <= MAX_LAYER_SHARE}
             if bad:
