@@ -208,6 +208,10 @@ def test_reorder_repeat_select_rows_equal_dynamic_cache(tier, tmp_path):
             forget_working_sets(pair.cache)
         pair.check(torch.randint(0, 128, (3, 1)))
     pair.both("reorder_cache", torch.tensor([1, 2, 1]))  # composed with the first map
+    if tier == "disk+prefetch":  # the prefetcher handed back keeps reading through the map
+        pair.cache.use_prefetcher(False)
+        pair.cache.use_prefetcher(True)
+        assert isinstance(layer.reader.prefetcher, RowMappedPrefetcher)
     forget_working_sets(pair.cache)
     pair.check(torch.randint(0, 128, (3, 4)))
     pair.both("batch_repeat_interleave", 2)

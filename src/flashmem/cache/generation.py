@@ -215,10 +215,18 @@ def _remap_cold(layer: FlashLayer, src: torch.Tensor) -> None:
     inner = reader.store.inner if isinstance(reader.store, RowMappedStore) else reader.store
     view = RowMappedStore(inner, layer.layer_idx, row_map, layer)
     reader.store = cast(ColdStore, view)
-    pf = reader.prefetcher
-    if pf is not None:
-        raw = cast(RowMappedPrefetcher, pf).inner if isinstance(pf, RowMappedPrefetcher) else pf
-        reader.prefetcher = cast("Prefetcher", RowMappedPrefetcher(raw, view))
+    route_reads(layer)
+
+
+def route_reads(layer: FlashLayer) -> None:
+    """Send the layer's prefetcher reads through its row map, if it has one (after a row
+    change, or after `FlashMemoryCache.use_prefetcher` handed it the cache's prefetcher)."""
+    reader = layer.reader
+    view, pf = reader.store, reader.prefetcher
+    if pf is None or not isinstance(view, RowMappedStore):
+        return
+    raw = cast(RowMappedPrefetcher, pf).inner if isinstance(pf, RowMappedPrefetcher) else pf
+    reader.prefetcher = cast("Prefetcher", RowMappedPrefetcher(raw, view))
 
 
 def select_rows(layer: FlashLayer, src: torch.Tensor) -> None:
