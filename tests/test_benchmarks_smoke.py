@@ -31,6 +31,7 @@ MAINTAINED = [
     "bench_prefetch.py",
     "bench_scale.py",
     "bench_target_8k.py",
+    "budget_peak.py",
     "decode_alternating.py",
     "needle_selected.py",
     "page_retrieval.py",
@@ -234,3 +235,12 @@ def test_quoted_command_parses(cmd: str, monkeypatch):
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     with pytest.raises(_Parsed):
         run_script(script, *words[2:])
+
+
+def test_budget_peak_tiny(tmp_path: Path):
+    """The streamed prompt keeps the peak at the budget; the held one (a lossy cold tier) does not."""
+    out = tmp_path / "peak.jsonl"
+    run_script(BENCH / "budget_peak.py", "--lengths", "2048", "--budget", "0.25", "--steps", "2", "--out", str(out))
+    rows = {r["cold_codec"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["exact"]["peak_over_budget"] < 1.2 < rows["int8"]["peak_over_budget"]
+    assert rows["exact"]["prompt_h2d_bytes"] > 0 and rows["exact"]["decode_full_cache_read"] > 0
