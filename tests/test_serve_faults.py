@@ -469,3 +469,23 @@ def test_absurd_sizes_are_one_line_exit_2(tmp_path, capsys, value) -> None:
     assert "--cold-quota" in err and "allowed:" in err
     err = _cli(["--max-request-bytes", value, "--prefix-dir", str(tmp_path / "p")], capsys)
     assert "--max-request-bytes" in err
+
+
+def test_a_tokenizer_that_cannot_be_copied_is_shared_under_a_lock() -> None:
+    import asyncio
+
+    from flashmem.serve.app import Tokenizing
+
+    class Tok:
+        def __deepcopy__(self, memo):
+            raise TypeError("not copyable")
+
+        def __call__(self, text: str) -> list[int]:
+            return [len(text)]
+
+    tokenize = Tokenizing(Tok())
+    try:
+        got = asyncio.run(tokenize.run(lambda tok: tok("abcd")))
+    finally:
+        tokenize.close()
+    assert got == [4]

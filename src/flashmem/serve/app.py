@@ -425,16 +425,28 @@ class Tokenizing:
         self.tokenizer = tokenizer
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flashmem-tokenize")
+        self._shared = threading.Lock()  # for a tokenizer that cannot be copied
 
     def _own(self) -> Any:
         tok = getattr(self._local, "tokenizer", None)
         if tok is None:
-            tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+            try:
+                tok = copy.deepcopy(self.tokenizer)
+            except Exception:  # noqa: BLE001 - not copyable: the shared one, one thread at a time
+                tok = False
+            self._local.tokenizer = tok
         return tok
+
+    def _call(self, fn: Callable[[Any], list[int]]) -> list[int]:
+        tok = self._own()
+        if tok is False:
+            with self._shared:
+                return fn(self.tokenizer)
+        return fn(tok)
 
     async def run(self, fn: Callable[[Any], list[int]]) -> list[int]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(self._own()))
+        return await loop.run_in_executor(self._pool, self._call, fn)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
