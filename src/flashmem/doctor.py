@@ -214,9 +214,17 @@ def diagnose(cfg: FlashMemoryConfig, *, model: str = "smollm2", context: int = 8
         threads=threads,
         device=device,
     )
-    f = report.findings
+    report.findings += _accuracy_findings(cfg, context, layers, selected_blocks)
+    report.findings += _slow_findings(cfg, io, threads, device, reads_per_step=selected_blocks * managed)
+    report.findings += _memory_findings(
+        cfg, context, io, mem, device, est.full_cache_bytes, fe.device_resident_bytes, fe.cold_bytes
+    )
+    return report
 
-    # ---- accuracy drop
+
+def _accuracy_findings(cfg: FlashMemoryConfig, context: int, layers: int, selected_blocks: int) -> list[Finding]:
+    """Accuracy drop: full layers, the window against the context, the share attended exactly, the codec."""
+    f: list[Finding] = []
     n_full = len(cfg.resolve_full_layers(layers))
     if n_full == 0 and cfg.lsa_layer_shares is None:
         f.append(Finding("accuracy", "warn", "keep_full_layers is empty and every layer selects the same pages: every layer is compressed alike", "split pages by layer (lsa_layer_shares: profile, as configs/cpu-small.yaml) or keep one or two layers full (keep_full_layers: [0] or [-1])", 0))  # fmt: skip
@@ -234,9 +242,13 @@ def diagnose(cfg: FlashMemoryConfig, *, model: str = "smollm2", context: int = 8
     f.append(Finding("accuracy", level, f"each step attends {exact} of {context} tokens exactly ({share:.1%}): sinks, window {cfg.gpu_cache_limit}, {selected_blocks} selected blocks of {cfg.hca_chunk_size}", "raise lsa_top_k (or lsa_keep_ratio) or the window if answers drift from the full cache" if level != "ok" else "", round(share, 4)))  # fmt: skip
     if cfg.cold_codec != "exact":
         f.append(Finding("accuracy", "warn", f"cold_codec {cfg.cold_codec}: selected blocks come back approximated", "use cold_codec: exact if accuracy drops", cfg.cold_codec))  # fmt: skip
+    return f
 
-    # ---- slow
-    reads_per_step = selected_blocks * managed  # blocks per decode step when nothing is prefetched
+
+def _slow_findings(cfg: FlashMemoryConfig, io: dict[str, Any], threads: dict[str, Any], device: dict[str, Any],
+                   *, reads_per_step: int) -> list[Finding]:  # fmt: skip
+    """Slow: cold-folder reads per decode step (`reads_per_step` blocks, nothing prefetched), threads, device."""
+    f: list[Finding] = []
     step_ms = reads_per_step / io["iops"] * 1e3 if io["iops"] else float("inf")
     disk = cfg.cold_store in ("disk", "layered", "lmdb")
     f.append(Finding("slow", "warn" if disk and step_ms > 50 else "ok", f"cold folder {io['folder']}: {io['iops']:.0f} random reads/s of {io['block_bytes']} B ({io['read_mb_per_s']:.0f} MB/s; page cache {'dropped' if io['page_cache_dropped'] else 'NOT dropped'}); {reads_per_step} block reads per decode step would take {step_ms:.1f} ms unprefetched", ("keep prefetch_threads > 0, use the layered store (RAM in front), or a faster disk" if disk and step_ms > 50 else ""), round(step_ms, 2)))  # fmt: skip
@@ -257,24 +269,27 @@ def diagnose(cfg: FlashMemoryConfig, *, model: str = "smollm2", context: int = 8
         f.append(Finding("slow", "ok", f"torch threads {t} on {c} usable cores; prefetch threads {cfg.prefetch_threads}", "", t))  # fmt: skip
     if device["kind"] == "cpu":
         f.append(Finding("slow", "ok", "no CUDA device: attention runs on the CPU", "a GPU serves long contexts much faster", "cpu"))  # fmt: skip
+    return f
 
-    # ---- out of memory
-    dev_need = fe.device_resident_bytes
+
+def _memory_findings(cfg: FlashMemoryConfig, context: int, io: dict[str, Any], mem: dict[str, Any],
+                     device: dict[str, Any], full_bytes: int, dev_need: int, cold_need: int) -> list[Finding]:  # fmt: skip
+    """Out of memory: device-resident and cold bytes against what the machine has (`full_bytes`: the full cache)."""
+    f: list[Finding] = []
     dev_have = device.get("free_bytes", mem["ram_available_bytes"])
     where = "GPU free" if device["kind"] == "cuda" else "RAM available"
     ratio = dev_need / dev_have if dev_have else float("inf")
-    f.append(Finding("memory", "bad" if ratio > 1 else "warn" if ratio > 0.5 else "ok", f"device-resident KV at {context} tokens: {dev_need / 2**20:.1f} MiB of {dev_have / 2**20:.0f} MiB {where} ({ratio:.1%}); the full cache would be {est.full_cache_bytes / 2**20:.1f} MiB", "lower gpu_cache_limit, lsa_top_k or the context; weights are not counted here" if ratio > 0.5 else "", dev_need))  # fmt: skip
-    cold_need = fe.cold_bytes
+    f.append(Finding("memory", "bad" if ratio > 1 else "warn" if ratio > 0.5 else "ok", f"device-resident KV at {context} tokens: {dev_need / 2**20:.1f} MiB of {dev_have / 2**20:.0f} MiB {where} ({ratio:.1%}); the full cache would be {full_bytes / 2**20:.1f} MiB", "lower gpu_cache_limit, lsa_top_k or the context; weights are not counted here" if ratio > 0.5 else "", dev_need))  # fmt: skip
     if cfg.cold_store == "memory":
         cold_have, cold_where = mem["ram_available_bytes"], "RAM available (cold_store memory)"
     else:
         cold_have, cold_where = io["disk_free_bytes"], f"disk free under {io['folder']}"
     cr = cold_need / cold_have if cold_have else float("inf")
     f.append(Finding("memory", "bad" if cr > 1 else "warn" if cr > 0.5 else "ok", f"cold tier at {context} tokens: {cold_need / 2**20:.1f} MiB of {cold_have / 2**20:.0f} MiB {cold_where} ({cr:.1%})", ("use cold_store: disk (or layered) with cold_dir on a disk with room, or cold_codec: int8" if cr > 0.5 else ""), cold_need))  # fmt: skip
-    if device["kind"] == "cpu" and cfg.cold_store == "memory" and est.full_cache_bytes:
+    if device["kind"] == "cpu" and cfg.cold_store == "memory" and full_bytes:
         both = dev_need + cold_need  # one RAM holds both tiers
-        f.append(Finding("memory", "bad" if both > mem["ram_available_bytes"] else "ok", f"on a CPU the device tiers and the memory cold tier are the same RAM: {both / 2**20:.1f} MiB together, {both / est.full_cache_bytes:.0%} of the full cache", "the saving is on an accelerator, or with cold_store: disk on a CPU", round(both / est.full_cache_bytes, 4)))  # fmt: skip
-    return report
+        f.append(Finding("memory", "bad" if both > mem["ram_available_bytes"] else "ok", f"on a CPU the device tiers and the memory cold tier are the same RAM: {both / 2**20:.1f} MiB together, {both / full_bytes:.0%} of the full cache", "the saving is on an accelerator, or with cold_store: disk on a CPU", round(both / full_bytes, 4)))  # fmt: skip
+    return f
 
 
 def format_report(r: Report) -> str:
