@@ -95,18 +95,25 @@ def test_crop_then_decode_equals_dynamic_cache(tier, tmp_path):
         pair.check(torch.randint(0, 128, (1, 2)))
 
 
-def test_crop_during_buffered_exact_prompt_equals_dynamic_cache():
-    """Multi-token forwards within prefill_exact_tokens attend the exact prompt buffer (a lossy
-    cold tier keeps the prompt's K/V on the device): a crop shortens the buffer too."""
+@pytest.mark.parametrize("codec", ["exact", "int8"])
+def test_a_crop_ends_the_exact_prompt(codec):
+    """Verify forwards carry several tokens: the exact prompt (streamed for an exact cold
+    tier, buffered on the device for a lossy one) ends at the first crop, as at a one-token
+    forward, and its buffer is released; later forwards select (all pages here: exact)."""
     torch.manual_seed(1)
-    pair = Pair(tiny_llama(), exact_cfg(prefill_exact_tokens=4096, cold_codec="int8"))
+    pair = Pair(tiny_llama(), exact_cfg(prefill_exact_tokens=4096, cold_codec=codec))
     pair.check(torch.randint(0, 128, (1, 90)))
-    exact = flash_layers(pair.cache)[0].exact
-    assert exact.k is not None and not exact.streamed
-    for draft, reject in [(5, 3), (8, 8), (3, 0), (6, 2)]:
-        pair.check(torch.randint(0, 128, (1, draft)))
-        pair.both("crop", -reject)
-        assert exact.length == pair.cache.get_seq_length()
+    pair.check(torch.randint(0, 128, (1, 6)))  # a draft: still the exact prompt
+    layer = flash_layers(pair.cache)[0]
+    assert layer.exact_prompt(5) and layer.exact.streamed == (codec == "exact")
+    assert (layer.exact.nbytes() > 0) == (codec == "int8")
+    pair.both("crop", 0)
+    assert not layer.exact_prompt(5) and layer.exact.nbytes() == 0
+    assert pair.cache.memory_report()["tiers"]["prefill_kv"] == 0
+    if codec == "exact":
+        for draft, reject in [(5, 3), (8, 8), (3, 0)]:
+            pair.check(torch.randint(0, 128, (1, draft)))
+            pair.both("crop", -reject)
 
 
 def test_crop_into_sealed_history_is_refused_and_changes_nothing():

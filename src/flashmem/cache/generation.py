@@ -10,8 +10,9 @@ rejected tokens never come (unless the draft sealed a block: then the accepted t
 sit in that block instead of the window, the same tokens in the same order). Sealed
 blocks never change (their summaries, index pages and the rest entry's value sum were
 computed from them), so a crop that reaches into them is refused with one line.
-Also cut: the validity of positions, tokens_seen, and a buffered exact prompt's K/V.
-Not undone: the fusion rule's recent queries (`use_summaries` only) keep the rejected
+Also cut: the validity of positions and tokens_seen. A crop (even of 0 tokens) ends an
+exact prompt (`end_exact_prompt`): the prompt and the first draft attend exactly, the
+later verify forwards select, as decode steps do. Not undone: the fusion rule's recent queries (`use_summaries` only) keep the rejected
 tokens' queries, and the working set keeps its pages (re-selected every step anyway).
 
 Rows. Beam search reorders rows after every step (`reorder_cache(beam_idx)`), and
@@ -98,9 +99,11 @@ def crop(layer: FlashLayer, tokens_to_remove: int) -> None:
     if not layer.is_initialized:
         return
     n = crop_count(tokens_to_remove)
+    if n:
+        check_crop(layer, n)
+    end_exact_prompt(layer)
     if n == 0:
         return
-    check_crop(layer, n)
     for name in ("win", "open", "sink"):
         k, v = getattr(layer, f"{name}_k"), getattr(layer, f"{name}_v")
         take = min(n, k.shape[-2])
@@ -118,9 +121,17 @@ def crop(layer: FlashLayer, tokens_to_remove: int) -> None:
     removed = -tokens_to_remove
     layer.tokens_seen -= removed
     layer._valid_len -= removed  # the buffer keeps its capacity: the next append overwrites
+
+
+def end_exact_prompt(layer: FlashLayer) -> None:
+    """A crop means the model is verifying drafts: decoding has begun, so the exact prompt
+    (`prefill_exact_tokens`) ends as at a one-token forward. Verify forwards carry several
+    tokens and there may never be a one-token forward: kept open, every one of them would
+    attend the whole context exactly (streamed: the cold tier read again per forward;
+    buffered: the prompt's K/V held on the device, growing with every accepted token)."""
     exact = layer.exact
-    if exact.k is not None and exact.length > layer._valid_len:  # a buffered exact prompt
-        exact.length = layer._valid_len
+    exact.open = False
+    exact.k = exact.v = None
 
 
 # ---------------------------------------------------------------------------- rows
