@@ -154,10 +154,14 @@ def test_entry_point_subprocess():
 
 
 def test_an_exact_prompt_shows_its_peak_and_fits_by_it(capsys, tmp_path):
-    """The recipe's exact prompt holds the prompt's K/V until the first token: the estimate
-    adds it (min(tokens, cap) tokens of the managed layers) and judges the fit by that peak."""
+    """An exact prompt over a lossy cold tier holds the prompt's K/V until the first token: the
+    estimate adds it (min(tokens, cap) tokens of the managed layers) and judges the fit by that
+    peak. Over an exact cold tier the prompt is streamed from the tiers: nothing is added."""
     cfg = tmp_path / "c.yaml"
-    base = "flash_memory:\n  gpu_cache_limit: 1024\n  lsa_top_k: 8\n"
+    cfg.write_text("flash_memory:\n  gpu_cache_limit: 1024\n  lsa_top_k: 8\n  prefill_exact_tokens: 16384\n")
+    code, out, _ = run(capsys, "estimate", "-m", "smollm2", "-t", "8K", "-c", str(cfg), "--json")
+    assert code == 0 and json.loads(out)["flashmem"]["prompt_kv_bytes"] == 0  # streamed
+    base = "flash_memory:\n  gpu_cache_limit: 1024\n  lsa_top_k: 8\n  cold_codec: int8\n"
     cfg.write_text(base + "  prefill_exact_tokens: 16384\n")
     code, out, _ = run(capsys, "estimate", "-m", "smollm2", "-t", "8K", "-c", str(cfg), "--json")
     d = json.loads(out)
@@ -243,7 +247,7 @@ def test_hardware_model_table_and_overrides(capsys):
     args = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200")
     code, out, _ = run(capsys, *args)
     assert code == 0 and "MODELLED, not measured" in out and "offloaded" in out
-    assert "issue 27 targets (modelled)" in out and "re-rank keys over the link" in out
+    assert "issue 27 targets (modelled)" in out and "re-rank keys read on the host" in out
     code, out, _ = run(capsys, *args, "--json", "--hbm-gib", "1000", "--link-gbps", "110", "--rerank-keys", "device")
     hm = json.loads(out)["hardware_model"]
     assert hm["hardware"]["hbm_bytes"] == 1000 * 2**30 and hm["hardware"]["link_bytes_per_s"] == 110e9

@@ -120,12 +120,17 @@ def test_flashmem_row_from_a_counted_traffic_report(h200):
 
 def test_flashmem_row_predicted_from_the_recipe(h200):
     """The recipe at 1/16 and 128K (issue 27): 4,096 selected tokens per layer, 1,024 re-rank
-    candidate pages of 16 tokens whose keys (half of K+V) come over the link: 1 GiB."""
+    candidate pages of 16 tokens whose keys (half of K+V) come over the link: 1 GiB (a disk
+    tier, or --rerank-keys link); with a memory cold tier (the default) they are read on the
+    host and only the new pages cross."""
     hw, cost, _ = h200
     cfg = FlashMemoryConfig.for_budget(1 / 16, TOKENS, group=4, head_dim=128, dtype_bytes=2)
     flash = estimate("llama-3.1-8b", tokens=TOKENS, config=cfg).flashmem
     assert flash is not None and flash.tier_counts["working_set"] == 4096
-    a = hwm.Assumptions()
+    host = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions())
+    assert host.parts["rerank_keys"] == 0 and host.host_read_bytes == 1024 * 16 * KV_TOKEN / 2
+    assert host.link_bytes == pytest.approx(0.4 * 4096 * KV_TOKEN)
+    a = hwm.Assumptions(rerank_keys="link")
     tr = hwm.predicted_traffic(flash, cfg, TOKENS, a)
     assert tr.parts["rerank_keys"] == 1024 * 16 * KV_TOKEN / 2 == 2**30
     assert tr.parts["new_pages"] == pytest.approx(0.4 * 4096 * KV_TOKEN)

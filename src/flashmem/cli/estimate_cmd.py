@@ -79,7 +79,10 @@ def estimate_command(
         0.4, "--new-page-fraction", help="share of selected pages newly fetched per step (default: ShadowKV's 0.4)"
     ),
     rerank_keys: str = typer.Option(
-        "link", "--rerank-keys", help="where the re-rank reads candidate keys: link (today) or device"
+        "host",
+        "--rerank-keys",
+        help="where the re-rank reads candidate keys: host (scored next to a memory cold tier, the code on CUDA), "
+        "link (copied to the device: disk tiers) or device (not built)",
     ),
     activation_gib: float = typer.Option(2.0, "--activation-gib", help="HBM set aside beyond weights and KV, GiB"),
     flops_fraction: float = typer.Option(0.5, "--flops-fraction", help="fraction of peak FLOP/s reached"),

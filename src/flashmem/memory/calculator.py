@@ -92,8 +92,9 @@ class FlashEstimate:
     fits: dict[str, bool] = field(default_factory=dict)  # device bytes (the prompt peak) vs accelerators
     cold_layout: str = "exact"  # "exact" or the cold_low_rank layout, e.g. "kv r=32"
     cold_bytes_per_token: float = 0.0  # cold-tier bytes per sealed token, one sequence, all managed layers
-    # An exact prompt (prefill_exact_tokens): its K/V, held on the device until the first
-    # generated token, for min(tokens, cap) tokens of the managed layers, whole batch
+    # An exact prompt (prefill_exact_tokens) with a lossy cold tier: its K/V, held on the device
+    # until the first generated token, for min(tokens, cap) tokens of the managed layers, whole
+    # batch (0 when the prompt is streamed from an exact cold tier)
     prompt_kv_bytes: int = 0
 
     @property
@@ -274,7 +275,10 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
     cold = Fraction(0)
     cold_per_token = Fraction(0)  # one sequence, every managed layer
     prompt_kv = 0
-    prompt_tokens = min(tokens, cfg.prefill_exact_tokens)
+    # an exact prompt is streamed from the tiers when the cold tier is exact (nothing held); a
+    # lossy cold tier keeps the prompt's K/V on the device until the first generated token
+    held = cfg.cold_codec != "exact" or cfg.cold_low_rank != "none"
+    prompt_tokens = min(tokens, cfg.prefill_exact_tokens) if held else 0
     managed: list[range] = []
     n_managed = 0
     for layer, where in spec.layer_positions():  # arithmetic per layer kind, not per layer

@@ -257,9 +257,12 @@ class Assumptions:
     # of the pages a flashmem step selects, the share not already on the device (ShadowKV's
     # cache of recently fetched chunks cut its fetches by about 60%, so 0.4)
     new_page_fraction: float = 0.4
-    # where a re-ranking config reads its candidates' exact keys: "link" (from the cold tier,
-    # as the code does today on CUDA) or "device" (ranked on device-resident data, issue 27)
-    rerank_keys: str = "link"
+    # where a re-ranking config reads its candidates' exact keys: "host" (scored by host compute
+    # where a memory cold tier holds them, only page ids cross: the code on CUDA with
+    # cold_store: memory, `BlockReader.host_ranking`), "link" (copied from the cold tier to the
+    # device: a disk or layered tier read through the prefetcher) or "device" (ranked on
+    # device-resident data: not built)
+    rerank_keys: str = "host"
 
     def check(self) -> None:
         if not 0 <= self.new_page_fraction <= 1:
@@ -268,8 +271,8 @@ class Assumptions:
             raise ConfigError(f"--flops-fraction: {self.flops_fraction!r} is not allowed; allowed: above 0, up to 1")
         if self.activation_bytes < 0:
             raise ConfigError(f"--activation-gib: {self.activation_bytes / GiB!r} is not allowed; allowed: >= 0")
-        if self.rerank_keys not in ("link", "device"):
-            raise ConfigError(f"--rerank-keys: {self.rerank_keys!r} is not allowed; allowed: link, device")
+        if self.rerank_keys not in ("host", "link", "device"):
+            raise ConfigError(f"--rerank-keys: {self.rerank_keys!r} is not allowed; allowed: host, link, device")
 
 
 # ----------------------------------------------------------------------------- flashmem's traffic
@@ -298,12 +301,14 @@ def predicted_traffic(flash: Any, cfg: Any, tokens: int, a: Assumptions) -> Flas
     sealed_pages = int(counts["sealed_blocks"]) * int(cfg.pages_per_block)
     selected_tokens = int(counts["working_set"])
     new_pages = a.new_page_fraction * selected_tokens * cold_tok
-    rerank = 0.0
-    if int(cfg.lsa_rerank) > 1 and a.rerank_keys == "link" and selected_tokens:
+    rerank = host = 0.0
+    if int(cfg.lsa_rerank) > 1 and a.rerank_keys != "device" and selected_tokens:
         # the index picks max(rerank x selected, floor) candidate pages per head and layer; their
-        # exact keys (half of K+V) are read from the cold tier (issue 27: 1 GiB/step at 128K, 1/16)
+        # exact keys (half of K+V) are read from the cold tier (issue 27: 1 GiB/step at 128K, 1/16):
+        # over the link, or by host compute where a memory cold tier holds them
         cand = min(sealed_pages, max(int(cfg.lsa_rerank) * (selected_tokens // page), int(cfg.lsa_rerank_min_pages)))
-        rerank = cand * page * cold_tok / 2
+        keys = cand * page * cold_tok / 2
+        host, rerank = (keys, 0.0) if a.rerank_keys == "host" and cfg.cold_store == "memory" else (0.0, keys)
     link = new_pages + rerank
     disk = link if cfg.cold_store in ("disk", "lmdb") else 0.0  # worst case: no host RAM cache hits
     # the streamed exact prompt (issue 27 item 3): chunk j of C tokens reads every earlier token
@@ -319,14 +324,15 @@ def predicted_traffic(flash: Any, cfg: Any, tokens: int, a: Assumptions) -> Flas
         device_read_bytes=float(flash.device_resident_bytes) + link,
         link_bytes=link,
         disk_bytes=disk,
-        host_read_bytes=0.0,
+        host_read_bytes=host,
         prefill_link_bytes=behind * cold_tok,
         attended_tokens=attended,
         source=(
             f"predicted from the config: {a.new_page_fraction:g} of the selected pages new per step"
             + (", re-rank keys over the link" if rerank else "")
+            + (", re-rank keys read on the host" if host else "")
         ),
-        parts={"new_pages": new_pages, "rerank_keys": rerank},
+        parts={"new_pages": new_pages, "rerank_keys": rerank, "rerank_keys_on_host": host},
     )
 
 
