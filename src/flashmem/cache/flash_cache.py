@@ -60,16 +60,7 @@ class FlashMemoryCache(Cache):
         layer_types = geometry.layer_types(text_cfg, n_layers, infer_sliding=False)
         self.cfg = cfg
         self._selection_hook: SelectionHook | None = None
-        self.store = store if store is not None else _default_store(cfg, dtype)
-        self.prefetcher: Prefetcher | None = None
-        try:
-            if cfg.prefetch_threads > 0:
-                from flashmem.store import open_prefetcher
-
-                self.prefetcher = open_prefetcher(cfg, self.store)
-        except BaseException:
-            self.store.close()
-            raise
+        self._open_cold_tier(store, dtype)
         # Synchronous reads when prefetch is off: each is a miss and its time a stall.
         self._fetch_counts: dict[str, float] = {"misses": 0, "stall_s": 0.0}
         # Bytes each forward reads and copies, by path (cache/traffic.py).
@@ -77,55 +68,27 @@ class FlashMemoryCache(Cache):
         self._traffic.watch(self.store)
         self._guard = StepGuard(n_layers)
         self._finalizer = weakref.finalize(self, _close_cold_tier, self.prefetcher, self.store)
-        rotators = rotators or {}
         sliding = [geometry.keeps_window(kind, text_cfg) for kind in layer_types]
-        n_flash = sum(1 for i in range(n_layers) if not sliding[i] and i not in full)
-        share = None
-        if self.prefetcher is not None:  # 10% slack for in-flight loads
-            share = int(0.9 * self.prefetcher.ready_bytes) // max(1, n_flash)
+        managed = [i for i in range(n_layers) if not sliding[i] and i not in full]
         kv_heads, head_dim = geometry.kv_heads(text_cfg) or 0, geometry.head_dim(text_cfg) or 0
         # what a full cache (DynamicCache) holds per token and layer, and each layer's cap
         self._full_per_layer_token = 2 * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
         window = getattr(text_cfg, "sliding_window", None) or 0
         self._full_layer_caps = [max(1, window - 1) if sliding[i] and window else None for i in range(n_layers)]
-        managed = [i for i in range(n_layers) if not sliding[i] and i not in full]
-        shares = cfg.lsa_layer_shares if isinstance(cfg.lsa_layer_shares, dict) else {}
-        outside = sorted(i for i in shares if i >= n_layers)
-        if outside:
-            raise ConfigError(
-                f"lsa_layer_shares: layer {outside[0]} is outside the model's {n_layers} layers; "
-                f"allowed: 0..{n_layers - 1}"
-            )
-        top_k = cfg.layer_top_k(managed)  # lsa_layer_shares: pages per layer ("profile": attach resolves it)
+        _check_layer_shares(cfg, n_layers)
         layers: list[Any] = []
+        top_k = cfg.layer_top_k(managed)  # lsa_layer_shares: pages per layer ("profile": attach resolves it)
+        share = None
+        if self.prefetcher is not None:  # 10% slack for in-flight loads
+            share = int(0.9 * self.prefetcher.ready_bytes) // max(1, len(managed))
         for i, kind in enumerate(layer_types):
             if sliding[i]:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=text_cfg.sliding_window))
             elif i in full:
                 layers.append(DynamicLayer())
             else:
-                layer_cal = calibration.layer(i) if calibration is not None else None
                 layer_cfg = cfg if i not in top_k else cfg.model_copy(update={"lsa_top_k": top_k[i]})
-                ctx = ScorerContext(
-                    layer_idx=i, kv_heads=kv_heads, head_dim=head_dim, cfg=layer_cfg, calibration=layer_cal
-                )
-                layers.append(
-                    FlashLayer(
-                        i,
-                        layer_cfg,
-                        self.store,
-                        make_scorer(cfg.lsa_scorer, ctx),
-                        make_rule(cfg.fusion_rule),
-                        rotators.get(kind),
-                        prefetcher=self.prefetcher,
-                        fetch_counts=self._fetch_counts,
-                        lookahead_bytes=share,
-                        traffic=self._traffic,
-                    )
-                )
-                layers[-1].guard = self._guard
-                # cold_low_rank: sealed blocks go to the store as calibrated low-rank coefficients
-                layers[-1].latent = make_latent(cfg, calibration, i, rotators.get(kind), head_dim)
+                layers.append(self._flash_layer(i, layer_cfg, rotators, kind, calibration, (kv_heads, head_dim), share))
         # transformers builds one mask for all full-attention layers from the first one's
         # sizes: a plain full layer needs it over every position, so FlashLayers then ask for that too.
         compact = not any(type(layer) is DynamicLayer for layer in layers)
@@ -133,6 +96,51 @@ class FlashMemoryCache(Cache):
             if isinstance(layer, FlashLayer):
                 layer.compact_mask = compact
         super().__init__(layers=layers)
+
+    def _open_cold_tier(self, store: ColdStore | None, dtype: torch.dtype) -> None:
+        """self.store (the given one, or `cfg`'s) and self.prefetcher (None when prefetch_threads is 0)."""
+        self.store = store if store is not None else _default_store(self.cfg, dtype)
+        self.prefetcher: Prefetcher | None = None
+        try:
+            if self.cfg.prefetch_threads > 0:
+                from flashmem.store import open_prefetcher
+
+                self.prefetcher = open_prefetcher(self.cfg, self.store)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def _flash_layer(
+        self,
+        i: int,
+        layer_cfg: FlashMemoryConfig,
+        rotators: dict[str | None, RopeRotator | None] | None,
+        kind: str | None,
+        calibration: Any | None,
+        heads: tuple[int, int],
+        lookahead_bytes: int | None,
+    ) -> FlashLayer:
+        """Managed layer `i` (`kind` picks its rotator); heads: (kv_heads, head_dim)."""
+        kv_heads, head_dim = heads
+        rotator = (rotators or {}).get(kind)
+        layer_cal = calibration.layer(i) if calibration is not None else None
+        ctx = ScorerContext(layer_idx=i, kv_heads=kv_heads, head_dim=head_dim, cfg=layer_cfg, calibration=layer_cal)
+        layer = FlashLayer(
+            i,
+            layer_cfg,
+            self.store,
+            make_scorer(self.cfg.lsa_scorer, ctx),
+            make_rule(self.cfg.fusion_rule),
+            rotator,
+            prefetcher=self.prefetcher,
+            fetch_counts=self._fetch_counts,
+            lookahead_bytes=lookahead_bytes,
+            traffic=self._traffic,
+        )
+        layer.guard = self._guard
+        # cold_low_rank: sealed blocks go to the store as calibrated low-rank coefficients
+        layer.latent = make_latent(self.cfg, calibration, i, rotator, head_dim)
+        return layer
 
     # ------------------------------------------------------------ hooks
     @property
@@ -347,6 +355,17 @@ class FlashMemoryCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_layer_shares(cfg: FlashMemoryConfig, n_layers: int) -> None:
+    """ConfigError when lsa_layer_shares names a layer the model does not have."""
+    shares = cfg.lsa_layer_shares if isinstance(cfg.lsa_layer_shares, dict) else {}
+    outside = sorted(i for i in shares if i >= n_layers)
+    if outside:
+        raise ConfigError(
+            f"lsa_layer_shares: layer {outside[0]} is outside the model's {n_layers} layers; "
+            f"allowed: 0..{n_layers - 1}"
+        )
 
 
 def _default_store(cfg: FlashMemoryConfig, dtype: torch.dtype) -> ColdStore:
