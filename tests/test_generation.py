@@ -18,7 +18,7 @@ from flashmem.cache.flash_layer import FlashLayer
 from flashmem.cache.generation import RowMappedPrefetcher, RowMappedStore
 from flashmem.errors import FlashMemError
 from test_cache import ALL_EXACT
-from tiny_models import tiny_llama
+from tiny_models import MODELS, tiny_llama
 
 # Window 32, blocks of 16: a 100-token sequence has sealed blocks, an open block and a full window.
 EXACT = dict(ALL_EXACT, gpu_cache_limit=32)
@@ -287,6 +287,20 @@ def test_beam_search_equals_dynamic_cache(beams):
     out = model.generate(ids, cache=cache, **kw)
     assert torch.equal(out, ref)
     assert isinstance(flash_layers(cache)[0].reader.store, RowMappedStore)  # beams did diverge
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("mode", ["beams", "lookup", "beams, a plain full layer"])
+def test_each_architecture_with_beams_and_lookup_equals_dynamic_cache(arch, mode):
+    """Gemma3's sliding layers and keep_full_layers' plain layers crop and reorder themselves
+    (transformers' own layers) beside the FlashLayers."""
+    model = MODELS[arch]()
+    torch.manual_seed(9)
+    ids = torch.randint(0, 128, (1, 12)).repeat(1, 6)
+    kw = dict(GEN, max_new_tokens=30, **({"prompt_lookup_num_tokens": 4} if mode == "lookup" else {"num_beams": 3}))
+    cfg = exact_cfg(keep_full_layers=[1]) if "full" in mode else exact_cfg()
+    ref = _reference(model, ids, **kw)
+    assert torch.equal(model.generate(ids, cache=flashmem.attach(model, cfg), **kw), ref)
 
 
 def test_sampling_with_several_return_sequences_equals_dynamic_cache():
