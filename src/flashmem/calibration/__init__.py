@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from flashmem.calibration.artifact import FORMAT, Calibration, load_calibration, model_fingerprint
-from flashmem.calibration.capture import capture_qk
+from flashmem.calibration.capture import Captured, capture_qk
 from flashmem.calibration.fit import fit_cold_bases, fit_layer
 from flashmem.calibration.texts import attention_layers, token_sequences
 
@@ -86,45 +86,17 @@ def calibrate(
     n_seq = max(1, tokens // seq_tokens)
     sequences, source = token_sequences(tokenizer, text, n_seq, seq_tokens)
     bar = _bar(progress, n_seq + len(layers))
-    device = next(model.parameters()).device
-    with capture_qk(model, set(layers)) as cap, torch.no_grad():
-        for chunk in sequences:
-            model(input_ids=torch.tensor([chunk], device=device), use_cache=False)
-            bar.update(1)
+    cap = _capture(model, layers, sequences, bar)
     from flashmem.models import geometry
-    from flashmem.rope import find_rotator
 
     kinds_all = geometry.layer_types(cfg, cfg.num_hidden_layers, infer_sliding=False)
     tensors: dict[str, torch.Tensor] = {}
     kl: dict[str, list[float]] = {}
     for i in layers:
-        d = cap.keys[i][0].shape[-1]
-        rot = find_rotator(model, kinds_all[i], d)
-        # Keys are un-rotated with the layer's own RoPE; without one only the values get a basis.
-        unrot = rot.unrotate if rot is not None else (lambda x, pos: x)
-        cold = fit_cold_bases(cap.keys[i], cap.values[i], unrot, skip=sinks, queries=cap.queries[i])
-        if rot is not None:
-            tensors[f"layer.{i}.key_basis_pre"] = cold.key_basis_pre
-            tensors[f"layer.{i}.key_energy_pre"] = cold.key_energy_pre
-            assert cold.key_enc_pre is not None and cold.key_dec_pre is not None
-            tensors[f"layer.{i}.key_enc_pre"] = cold.key_enc_pre
-            tensors[f"layer.{i}.key_dec_pre"] = cold.key_dec_pre
-        tensors[f"layer.{i}.value_basis"] = cold.value_basis
-        tensors[f"layer.{i}.value_energy"] = cold.value_energy
-        fit = fit_layer(
-            cap.queries[i],
-            cap.keys[i],
-            cap.scaling[i],
-            rank=rank,
-            page=page_tokens,
-            window=window,
-            sinks=sinks,
-            steps=steps,
+        layer_tensors, kl[str(i)] = _fit_one_layer(
+            model, cap, i, kinds_all[i], rank=rank, page_tokens=page_tokens, window=window, sinks=sinks, steps=steps
         )
-        tensors[f"layer.{i}.key_basis"] = fit.key_basis
-        tensors[f"layer.{i}.query_proj"] = fit.query_proj
-        tensors[f"layer.{i}.key_proj"] = fit.key_proj
-        kl[str(i)] = fit.train_kl
+        tensors.update(layer_tensors)
         bar.update(1)
     bar.close()
     manifest = {
@@ -150,6 +122,53 @@ def calibrate(
     if out is not None:
         cal.save(Path(out))
     return cal
+
+
+def _capture(model: Any, layers: list[int], sequences: list[list[int]], bar: Any) -> Captured:
+    """Queries, keys and values of `layers` over the calibration `sequences` (one forward each)."""
+    device = next(model.parameters()).device
+    with capture_qk(model, set(layers)) as cap, torch.no_grad():
+        for chunk in sequences:
+            model(input_ids=torch.tensor([chunk], device=device), use_cache=False)
+            bar.update(1)
+    return cap
+
+
+def _fit_one_layer(
+    model: Any, cap: Captured, i: int, kind: str | None, *, rank: int, page_tokens: int, window: int, sinks: int,
+    steps: int,
+) -> tuple[dict[str, torch.Tensor], list[float]]:  # fmt: skip
+    """Layer `i`'s cold bases and indexer as named tensors, and the indexer's training KL."""
+    from flashmem.rope import find_rotator
+
+    tensors: dict[str, torch.Tensor] = {}
+    d = cap.keys[i][0].shape[-1]
+    rot = find_rotator(model, kind, d)
+    # Keys are un-rotated with the layer's own RoPE; without one only the values get a basis.
+    unrot = rot.unrotate if rot is not None else (lambda x, pos: x)
+    cold = fit_cold_bases(cap.keys[i], cap.values[i], unrot, skip=sinks, queries=cap.queries[i])
+    if rot is not None:
+        tensors[f"layer.{i}.key_basis_pre"] = cold.key_basis_pre
+        tensors[f"layer.{i}.key_energy_pre"] = cold.key_energy_pre
+        assert cold.key_enc_pre is not None and cold.key_dec_pre is not None
+        tensors[f"layer.{i}.key_enc_pre"] = cold.key_enc_pre
+        tensors[f"layer.{i}.key_dec_pre"] = cold.key_dec_pre
+    tensors[f"layer.{i}.value_basis"] = cold.value_basis
+    tensors[f"layer.{i}.value_energy"] = cold.value_energy
+    fit = fit_layer(
+        cap.queries[i],
+        cap.keys[i],
+        cap.scaling[i],
+        rank=rank,
+        page=page_tokens,
+        window=window,
+        sinks=sinks,
+        steps=steps,
+    )
+    tensors[f"layer.{i}.key_basis"] = fit.key_basis
+    tensors[f"layer.{i}.query_proj"] = fit.query_proj
+    tensors[f"layer.{i}.key_proj"] = fit.key_proj
+    return tensors, fit.train_kl
 
 
 class _NoBar:
