@@ -18,6 +18,9 @@ its metadata is read) or all of --layers, --kv-heads, --head-dim (and --dtype).
 --tokens: a plain integer is exact (1000000 is one million tokens); K and M are
 binary: K = 1024, M = 1048576 (128K = 131072, 1M = 1048576).
 
+It is arithmetic, so any size answers at once: --layers 10^21 prints a table (on
+purpose: a calculator of what does not fit; docs/guarantees.md).
+
 Sizes print as GB = 10^9 bytes and GiB = 2^30 bytes. With --config FILE (a
 FlashMemoryConfig YAML) it also prints the device-resident bytes per tier and
 the cold-tier bytes.
@@ -32,7 +35,8 @@ the largest batch that fits in HBM (weights + KV + --activation-gib), for the fu
 cache in HBM, the full cache offloaded to host and streamed layer by layer, and
 flashmem (--config, else the recipe at --budget). flashmem's link bytes per step are
 predicted (--new-page-fraction of the selected pages, plus the re-rank's keys with
---rerank-keys link) or counted (--traffic FILE.json from cache.traffic_report(),
+--rerank-keys link; with the default host they are read by the host) or counted
+(--traffic FILE.json from cache.traffic_report(),
 for that run's own model). Every constant can be overridden.
 """
 
