@@ -174,6 +174,40 @@ def train_indexer(
     a = query_proj.clone().requires_grad_(True)
     b = key_proj.clone().requires_grad_(True)
     opt = torch.optim.Adam([a, b], lr=lr)
+    batches = _indexer_batches(seqs, scaling, page, window, sinks, queries_per_seq, gen)
+    if not batches:
+        return query_proj, key_proj, [0.0, 0.0]
+
+    def loss_fn() -> torch.Tensor:
+        return _indexer_kl(batches, a, b, scaling, page)
+
+    history = []
+    for step in range(steps):
+        loss = loss_fn()
+        if step == 0:
+            history.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        history.append(loss_fn().item())
+    return a.detach(), b.detach(), history
+
+
+_Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # queries, keys, visible, dense page mass
+
+
+def _indexer_batches(
+    seqs: list[tuple[torch.Tensor, torch.Tensor]],
+    scaling: float,
+    page: int,
+    window: int,
+    sinks: int,
+    queries_per_seq: int,
+    gen: torch.Generator,
+) -> list[_Batch]:
+    """Per sequence long enough: `queries_per_seq` sampled query positions, their keys, what
+    each may see, and the dense attention's page mass (the target)."""
     batches = []
     for q, k in seqs:
         T = k.shape[-2]
@@ -187,30 +221,19 @@ def train_indexer(
         with torch.no_grad():
             target = page_mass(qs @ k[:, None].transpose(-1, -2) * scaling, visible, page)  # [Hkv, G, nq, n]
         batches.append((qs, k, visible, target))
-    if not batches:
-        return query_proj, key_proj, [0.0, 0.0]
+    return batches
 
-    def loss_fn() -> torch.Tensor:
-        total = torch.zeros(())
-        for qs, k, visible, target in batches:
-            qa = qs @ a[:, None].transpose(-1, -2)  # [Hkv, G, nq, r]
-            kb = k @ b.transpose(-1, -2)  # [Hkv, T, r]
-            pm = page_mass(qa @ kb[:, None].transpose(-1, -2) * scaling, visible, page)
-            kl = (target * (target.clamp_min(1e-12).log() - pm.clamp_min(1e-12).log())).sum(-1)
-            total = total + kl.mean()
-        return total / len(batches)
 
-    history = []
-    for step in range(steps):
-        loss = loss_fn()
-        if step == 0:
-            history.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        history.append(loss_fn().item())
-    return a.detach(), b.detach(), history
+def _indexer_kl(batches: list[_Batch], a: torch.Tensor, b: torch.Tensor, scaling: float, page: int) -> torch.Tensor:
+    """Mean KL(dense page mass || page mass of the projections a [Hkv, r, d], b [Hkv, r, d])."""
+    total = torch.zeros(())
+    for qs, k, visible, target in batches:
+        qa = qs @ a[:, None].transpose(-1, -2)  # [Hkv, G, nq, r]
+        kb = k @ b.transpose(-1, -2)  # [Hkv, T, r]
+        pm = page_mass(qa @ kb[:, None].transpose(-1, -2) * scaling, visible, page)
+        kl = (target * (target.clamp_min(1e-12).log() - pm.clamp_min(1e-12).log())).sum(-1)
+        total = total + kl.mean()
+    return total / len(batches)
 
 
 def fit_layer(
