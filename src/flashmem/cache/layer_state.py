@@ -48,7 +48,8 @@ def export(layer: FlashLayer, since: LayerMark) -> dict[str, torch.Tensor]:
 
     s0, s1 = since.sealed, layer.sealed
     for j in range(s0, s1):
-        k, v = layer.store.get((layer.layer_idx, j), "cpu")
+        # through the reader's store: after a beam reorder it maps each row to its stored row
+        k, v = layer.reader.store.get((layer.layer_idx, j), "cpu")
         put(f"block.{j}.k", k)
         put(f"block.{j}.v", v)
     summ = layer.summaries
