@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashmem
-from flashmem.cache.flash_layer import _sample_queries
+from flashmem.cache.tiered_attention import sample_queries as _sample_queries
 from flashmem.index.selection import select_blocks
 from test_cache import ALL_EXACT, SMALL, reference, run
 from tiny_models import MODELS, tiny_llama
