@@ -98,7 +98,7 @@ def test_rest_entry_keeps_every_query():
 def test_long_prefill_chunks_are_reranked_with_their_sample(monkeypatch):
     """Re-ranking needs at most RERANK_MAX_QUERIES scoring queries: a 100-query chunk is
     re-ranked when 8 of its queries score it, and not when all 100 do."""
-    import flashmem.cache.flash_layer as fl
+    import flashmem.cache.ranking as fl  # where the re-rank calls them
 
     model = tiny_llama()
     group = model.config.num_attention_heads // model.config.num_key_value_heads
