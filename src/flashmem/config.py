@@ -129,9 +129,10 @@ class FlashMemoryConfig(BaseModel):
         ge=0,
         description="while the context is at most this many tokens, the prompt (every forward of "
         "more than one token before the first one-token forward) attends every earlier token "
-        "exactly, as the full cache does; its K/V is held on the device until the first one-token "
-        "forward or until the context passes this (the prefill_kv tier, counted in the peak), and "
-        "selection starts there; 0: the prompt attends its selection too",
+        "exactly, as the full cache does, and selection starts at the first one-token forward; with "
+        "an exact cold tier the earlier tokens are read back from the tiers chunk by chunk (nothing "
+        "more is held), with a lossy one the prompt's K/V is held on the device until then (the "
+        "prefill_kv tier, counted in the peak); 0: the prompt attends its selection too",
     )
     lsa_prefill_queries: int = Field(
         0,

@@ -70,8 +70,9 @@ RECIPE: dict[str, Any] = {
     # The prompt attended exactly, as the full cache does, up to 32K tokens of context; pages
     # are selected from the first generated token. A prompt attended by its selection lost
     # answers the full cache gives, with the needle's pages selected at the answer (Gemma3 at
-    # 2K and 1/16): what was missing was the prompt's own attention. The device holds the
-    # prompt's K/V until then (docs/measurements.md, "The prompt attended exactly").
+    # 2K and 1/16): what was missing was the prompt's own attention (docs/measurements.md,
+    # "The prompt attended exactly"). The prompt is read back from the tiers chunk by chunk
+    # (cache/exact_prompt.py), so the device holds no more than the budget through it.
     "prefill_exact_tokens": 32768,
 }
 # From this budget up a selected page brings the page after it (the answer after
