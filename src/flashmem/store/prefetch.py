@@ -27,6 +27,20 @@ block once a layer starts a new sequence: `new_sequence(layer)` moves the layer
 to a fresh generation, and every ready or in-flight load is keyed by the
 generation it was requested in, so a load of the previous sequence can never be
 handed out again (it is dropped when it lands).
+
+On CUDA the copy to the device overlaps compute too (docs/accelerator.md,
+"Prefetch"). A loaded block is held in pinned host memory (`ensure_host`), and as
+soon as it lands (or when look-ahead asks again for a ready block) its
+host-to-device copy is issued on a dedicated copy stream with an event recorded
+after it (`CopyStream`). The device is the one the layer's blocks were last asked
+for on (`get`), or `request(..., device=)`. `get` then hands out that device copy
+after making the compute stream wait on the event: no host wait, no
+`torch.cuda.synchronize`. Device copies waiting to be used are bounded by
+`stage_bytes`: one leaves when `get` hands it out or its block leaves the ready
+buffer, and the oldest unused ones make room for new ones (a prediction that did
+not come true). A block that is not staged (a late or synchronous load, or one
+kept after use) is copied when `get` asks for it, on the compute stream. On other
+devices nothing is staged: the same calls, no streams.
 """
 
 from __future__ import annotations
@@ -40,19 +54,26 @@ from concurrent.futures import Future
 import torch
 
 from flashmem.store.base import BlockKey, ColdStore
-from flashmem.store.transfer import decode_on
+from flashmem.store.transfer import CopyStream, decode_on, ensure_host, same_device
 
 # a loaded block: ("coded", payload uint8 [n], shape, dtype, shared) or ("kv", k, v)
 Entry = tuple
 # (layer, block, generation of the layer's sequence when the load was asked for)
 Scoped = tuple[int, int, int]
+# a block's copy issued ahead to a device: (copier, tensors on the device, event after the copy, bytes)
+Staged = tuple[CopyStream, tuple[torch.Tensor, ...], "torch.cuda.Event | None", int]
 
 
 class Prefetcher:
-    def __init__(self, store: ColdStore, threads: int, *, ready_bytes: int = 256 * 2**20) -> None:
+    def __init__(
+        self, store: ColdStore, threads: int, *, ready_bytes: int = 256 * 2**20, stage_bytes: int = 64 * 2**20
+    ) -> None:
+        """threads: loader threads (0: synchronous loads); ready_bytes: the host-side ready
+        buffer's cap; stage_bytes: cap on device copies issued ahead and not yet used (CUDA)."""
         self.store = store
         self.threads = int(threads)
         self.ready_bytes = int(ready_bytes)
+        self.stage_bytes = int(stage_bytes)
         self._coded = store.coded_reads
         self.urgent_first = True
         self.keep_used = self.threads > 0
@@ -64,8 +85,24 @@ class Prefetcher:
         self._ready_size = 0
         self._inflight: dict[Scoped, Future] = {}
         self._generation: dict[int, int] = {}  # layer -> its current sequence's generation
+        self._staged: OrderedDict[Scoped, Staged] = OrderedDict()  # ready blocks already on their device
+        self._staged_size = 0
+        self._devices: dict[int, torch.device] = {}  # layer -> the device its blocks are asked for on
+        self._copiers: dict[torch.device, CopyStream] = {}
         self._closed = False
-        self._c = {"hits": 0, "misses": 0, "late": 0, "requested": 0, "loaded": 0, "evicted": 0, "errors": 0}
+        self._c = {
+            "hits": 0,
+            "misses": 0,
+            "late": 0,
+            "requested": 0,
+            "loaded": 0,
+            "evicted": 0,
+            "errors": 0,
+            "staged": 0,  # device copies issued ahead (CUDA)
+            "staged_hits": 0,  # hits handed out as such a copy
+            "stage_dropped": 0,  # staged copies dropped unused to make room
+            "stage_errors": 0,  # copies that could not be issued (the block stays host-side)
+        }
         self._stall_s = 0.0
         self._load_s = 0.0
         self._workers = [
@@ -76,10 +113,12 @@ class Prefetcher:
             t.start()
 
     # ------------------------------------------------------------------ API
-    def request(self, keys: Iterable[BlockKey], urgent: bool = False) -> int:
+    def request(self, keys: Iterable[BlockKey], urgent: bool = False, device: torch.device | str | None = None) -> int:
         """Queue background loads of `keys` not yet ready or in flight; returns how many were
         queued. urgent: a step is about to wait on them (read before look-ahead loads; one
-        queued as look-ahead is moved up)."""
+        queued as look-ahead is moved up). device: where they will be asked for (default:
+        where their layer's blocks were last asked for): on CUDA their copies there are
+        issued as soon as they are loaded."""
         if not self._workers:
             return 0
         n = 0
@@ -89,6 +128,8 @@ class Prefetcher:
                 return 0
             for key in keys:
                 key = (int(key[0]), int(key[1]))
+                if device is not None:
+                    self._devices[key[0]] = same_device(device)
                 sk = self._scoped(key)
                 if sk in self._ready or key not in self.store:
                     continue
@@ -107,12 +148,23 @@ class Prefetcher:
     def get(self, key: BlockKey, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's (k, v) on `device`; a hit when it was already prefetched."""
         key = (int(key[0]), int(key[1]))
+        dev = same_device(device) if device is not None else None
         t0 = time.perf_counter()
+        staged: Staged | None = None
         with self._lock:
+            if dev is not None:
+                self._devices[key[0]] = dev  # later loads of this layer are staged there
             sk = self._scoped(key)
             entry = self._ready.get(sk)
             fut = None
             if entry is not None:
+                staged = self._staged.pop(sk, None)  # the device copy goes to the caller
+                if staged is not None:
+                    self._staged_size -= staged[3]
+                    if staged[0].device != dev:
+                        staged = None  # asked for elsewhere: copied again below
+                    else:
+                        self._c["staged_hits"] += 1
                 if self.keep_used:
                     self._ready.move_to_end(sk)
                 else:
@@ -135,6 +187,9 @@ class Prefetcher:
                 with self._lock:
                     if sk[2] == self._generation.get(key[0], 0) and not self._closed:
                         self._park(sk, entry)
+        if staged is not None:
+            copier, moved, done, _ = staged
+            return self._from_device(entry, copier.wait(moved, done), copier.device)
         return self._materialize(entry, device)
 
     def discard(self, keys: Iterable[BlockKey] | None = None) -> None:
@@ -153,6 +208,8 @@ class Prefetcher:
                 self._drop_ready(sk)
             for sk in [sk for sk in self._inflight if sk[0] == layer]:
                 del self._inflight[sk]  # its loader drops the block when it lands
+            for sk in [sk for sk in self._staged if sk[0] == layer]:
+                self._unstage(sk)
 
     def stats(self) -> dict[str, float]:
         """hits, misses (late: in flight when asked), stall_s, requested, loaded, evicted,
@@ -163,6 +220,8 @@ class Prefetcher:
             out["load_s"] = self._load_s
             out["ready_blocks"] = len(self._ready)
             out["ready_bytes"] = self._ready_size
+            out["staged_blocks"] = len(self._staged)
+            out["staged_bytes"] = self._staged_size
             out["inflight"] = len(self._inflight)
         for tier, st in self.store.tier_stats().items():
             for name, val in st.items():
@@ -181,6 +240,8 @@ class Prefetcher:
         with self._lock:
             self._ready.clear()
             self._ready_size = 0
+            self._staged.clear()
+            self._staged_size = 0
             self._inflight.clear()
 
     def __enter__(self) -> Prefetcher:
@@ -197,13 +258,59 @@ class Prefetcher:
         e = self._ready.pop(sk, None)
         if e is not None:
             self._ready_size -= _size(e)
+        self._unstage(sk)
+
+    def _unstage(self, sk: Scoped) -> None:
+        """Forget a block's device copy (only the copy stream used it: its memory is free)."""
+        st = self._staged.pop(sk, None)
+        if st is not None:
+            self._staged_size -= st[3]
+
+    def _copier(self, device: torch.device) -> CopyStream:
+        c = self._copiers.get(device)
+        if c is None:
+            c = self._copiers[device] = CopyStream(device)
+        return c
+
+    def _stage(self, sk: Scoped, entry: Entry) -> None:
+        """Issue the copy of a ready block to its layer's device now, ahead of `get` (CUDA;
+        elsewhere nothing), dropping the oldest unused staged copies beyond `stage_bytes`."""
+        nbytes = _size(entry)
+        with self._lock:
+            dev = self._devices.get(sk[0])
+            if dev is None or self._closed or sk in self._staged or nbytes > self.stage_bytes:
+                return
+            copier = self._copier(dev)
+            if not copier.stages:
+                return
+            while self._staged and self._staged_size + nbytes > self.stage_bytes:
+                self._unstage(next(iter(self._staged)))
+                self._c["stage_dropped"] += 1
+            self._staged_size += nbytes  # reserved while the copy is issued
+        moved: tuple[torch.Tensor, ...] = ()
+        done = None
+        try:
+            moved, done = copier.issue((entry[1],) if entry[0] == "coded" else (entry[1], entry[2]))
+        except RuntimeError:  # e.g. out of device memory: `get` copies the block when asked
+            with self._lock:
+                self._c["stage_errors"] += 1
+        finally:
+            with self._lock:
+                self._staged_size -= nbytes
+                # kept only while its block is still ready (not used, evicted or of an ended sequence)
+                if moved and self._ready.get(sk) is entry and sk not in self._staged and not self._closed:
+                    self._staged[sk] = (copier, moved, done, nbytes)
+                    self._staged_size += nbytes
+                    self._c["staged"] += 1
 
     def _load(self, key: BlockKey) -> Entry:
         t0 = time.perf_counter()
         if self._coded:
-            entry: Entry = ("coded", *self.store.get_coded(key))
+            payload, shape, dtype, shared = self.store.get_coded(key)
+            entry: Entry = ("coded", ensure_host(payload), shape, dtype, shared)
         else:
-            entry = ("kv", *self.store.get(key, "cpu"))
+            k, v = self.store.get(key, "cpu")
+            entry = ("kv", ensure_host(k), ensure_host(v))  # pinned when CUDA is present
         with self._lock:
             self._load_s += time.perf_counter() - t0
             self._c["loaded"] += 1
@@ -238,9 +345,12 @@ class Prefetcher:
             raise  # kept in the future; an unclaimed failure is retried by a synchronous get
         with self._lock:
             # parked only while still wanted: not claimed by `get`, not of an ended sequence
-            if self._inflight.get(sk) is not None and not self._closed:
+            parked = self._inflight.get(sk) is not None and not self._closed
+            if parked:
                 del self._inflight[sk]
                 self._park(sk, entry)
+        if parked:
+            self._stage(sk, entry)  # its copy to the device starts now, ahead of `get`
         return entry
 
     def _park(self, sk: Scoped, entry: Entry) -> None:
@@ -261,6 +371,15 @@ class Prefetcher:
         if device is None:
             return k, v
         return k.to(device, non_blocking=k.is_pinned()), v.to(device, non_blocking=v.is_pinned())
+
+    def _from_device(
+        self, entry: Entry, moved: tuple[torch.Tensor, ...], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block from its staged device copy (the compute stream already waits on it)."""
+        if entry[0] == "coded":
+            _, _, shape, dtype, _ = entry
+            return decode_on(self.store.codec, moved[0], shape, dtype, device, False)  # the copy is ours
+        return moved[0], moved[1]
 
 
 def _size(entry: Entry) -> int:

@@ -2,6 +2,12 @@
 
 With CUDA present, host buffers are pinned so `.to(device, non_blocking=True)`
 is a real asynchronous copy; on CPU-only machines they are plain tensors.
+
+`CopyStream` issues copies ahead of need on a dedicated CUDA stream and records
+an event after them; the consumer makes its (compute) stream wait on that event
+(`wait_event`, never `torch.cuda.synchronize`) and marks the tensors as used there
+(`record_stream`). On any other device it does nothing (`stages` is False) and the
+caller copies when it needs the data, as before.
 """
 
 from __future__ import annotations
@@ -71,6 +77,51 @@ def to_device(t: torch.Tensor, device: torch.device | str | None) -> torch.Tenso
     if t.device == device:
         return t
     return t.to(device, non_blocking=t.is_pinned() if t.device.type == "cpu" else False)
+
+
+def same_device(device: torch.device | str) -> torch.device:
+    """`device` with its index filled in for CUDA ("cuda" -> "cuda:<current>"), so two names
+    of one device compare equal; other devices as given."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class CopyStream:
+    """Host-to-device copies issued ahead of need, overlapping compute (CUDA only).
+
+    issue(tensors) -> (moved, event): on CUDA the copies run on this object's own
+    stream (pinned sources make them asynchronous to the host too), followed by a
+    recorded event. wait(moved, event) -> moved: the current (compute) stream waits
+    for that event on the device (the host does not block) and each tensor is
+    recorded as used on it, so the allocator does not reuse its memory while
+    compute still reads it. On other devices `stages` is False: the prefetcher
+    then keeps blocks host-side and `issue` is a plain copy, `wait` a no-op.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = same_device(device)
+        self.stages = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.stages else None
+
+    def issue(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
+        if self.stream is None:
+            return tuple(to_device(t, self.device) for t in tensors), None
+        with torch.cuda.stream(self.stream):
+            moved = tuple(t.to(self.device, non_blocking=t.is_pinned()) for t in tensors)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return moved, done
+
+    def wait(self, moved: tuple[torch.Tensor, ...], event: torch.cuda.Event | None) -> tuple[torch.Tensor, ...]:
+        if event is None:
+            return moved
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)  # device-side: the host does not block
+        for t in moved:
+            t.record_stream(current)  # made on the copy stream, used on this one
+        return moved
 
 
 def decode_on(
