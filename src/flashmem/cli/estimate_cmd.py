@@ -40,8 +40,6 @@ predicted (--new-page-fraction of the selected pages, plus the re-rank's keys wi
 for that run's own model). Every constant can be overridden.
 """
 
-HW_ONLY = ("--hbm-gbps", "--link-gbps", "--nvme-gbps", "--host-gbps", "--hbm-gib", "--tflops", "--traffic")
-
 
 def estimate_command(
     model: str | None = typer.Option(
@@ -97,77 +95,65 @@ def estimate_command(
 ) -> None:
     from flashmem.memory.calculator import estimate
 
+    overrides = dict(hbm_gbps=hbm_gbps, link_gbps=link_gbps, nvme_gbps=nvme_gbps, host_gbps=host_gbps,
+                     hbm_gib=hbm_gib, tflops=tflops)  # fmt: skip
     if hardware is None:
-        given = {
-            "--hbm-gbps": hbm_gbps,
-            "--link-gbps": link_gbps,
-            "--nvme-gbps": nvme_gbps,
-            "--host-gbps": host_gbps,
-            "--hbm-gib": hbm_gib,
-            "--tflops": tflops,
-            "--traffic": traffic,
-            "--params": params,
-            "--host-gib": host_gib,
-            "--budget": budget,
-        }
-        for flag, v in given.items():
-            if v is not None:
-                raise ConfigError(f"{flag}: only with --hardware; allowed: --hardware {'|'.join(HARDWARE_KEYS)}")
+        _refuse_hardware_only(
+            {**overrides, "traffic": traffic, "params": params, "host_gib": host_gib, "budget": budget}
+        )
     dtype_given = dtype
     dtype = assumed_dtype(model, dtype)
-    est = estimate(
-        model,
-        tokens=tokens,
-        batch=batch,
-        dtype=dtype,
-        layers=layers,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        config=config,
-    )
+    est = estimate(model, tokens=tokens, batch=batch, dtype=dtype, layers=layers, kv_heads=kv_heads,
+                   head_dim=head_dim, config=config)  # fmt: skip
     hw_model = None
     if hardware is not None:
-        from flashmem.memory import hardware as hwm
+        hw, a = _hardware_and_assumptions(
+            hardware, overrides, activation_gib, flops_fraction, not no_overlap, new_page_fraction, rerank_keys
+        )
+        hw_model = hardware_model(model, est, hw, a, config=config, budget=budget, params=params, traffic=traffic,
+                                  host_gib=host_gib, dims=(layers, kv_heads, head_dim))  # fmt: skip
+    _emit(est, hw_model, as_json=as_json, dtype_note=dtype_given is None and dtype is not None)
 
-        hw = hwm.get_hardware(
-            hardware,
-            hbm_gbps=hbm_gbps,
-            link_gbps=link_gbps,
-            nvme_gbps=nvme_gbps,
-            host_gbps=host_gbps,
-            hbm_gib=hbm_gib,
-            tflops=tflops,
-        )
-        a = hwm.Assumptions(
-            activation_bytes=int(activation_gib * hwm.GiB),
-            flops_fraction=flops_fraction,
-            overlap=not no_overlap,
-            new_page_fraction=new_page_fraction,
-            rerank_keys=rerank_keys,
-        )
-        a.check()
-        hw_model = hardware_model(
-            model,
-            est,
-            hw,
-            a,
-            config=config,
-            budget=budget,
-            params=params,
-            traffic=traffic,
-            host_gib=host_gib,
-            dims=(layers, kv_heads, head_dim),
-        )
+
+def _refuse_hardware_only(given: dict[str, Any]) -> None:
+    """ConfigError naming the first option (keyword name: `host_gib` is --host-gib) that needs --hardware."""
+    for name, v in given.items():
+        if v is not None:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag}: only with --hardware; allowed: --hardware {'|'.join(HARDWARE_KEYS)}")
+
+
+def _hardware_and_assumptions(
+    hardware: str, overrides: dict[str, float | None], activation_gib: float, flops_fraction: float, overlap: bool,
+    new_page_fraction: float, rerank_keys: str,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The accelerator (its constants, with the --*-gbps/--hbm-gib/--tflops overrides) and the checked assumptions."""
+    from flashmem.memory import hardware as hwm
+
+    hw = hwm.get_hardware(hardware, **overrides)
+    a = hwm.Assumptions(
+        activation_bytes=int(activation_gib * hwm.GiB),
+        flops_fraction=flops_fraction,
+        overlap=overlap,
+        new_page_fraction=new_page_fraction,
+        rerank_keys=rerank_keys,
+    )
+    a.check()
+    return hw, a
+
+
+def _emit(est: Any, hw_model: dict[str, Any] | None, *, as_json: bool, dtype_note: bool) -> None:
+    """Print the estimate (and the hardware model): one JSON object, or tables."""
     if as_json:
         d = est.to_dict()
-        if dtype_given is None and dtype is not None:
+        if dtype_note:
             d["dtype_note"] = DTYPE_NOTE
         if hw_model is not None:
             d["hardware_model"] = hw_model
         typer.echo(json.dumps(d, indent=2))
         return
     _print(est)
-    if dtype_given is None and dtype is not None:
+    if dtype_note:
         typer.echo(DTYPE_NOTE)
     if hw_model is not None:
         _print_hardware(hw_model)
@@ -207,33 +193,13 @@ def hardware_model(
     dims: tuple[int | None, int | None, int | None] = (None, None, None),
 ) -> dict[str, Any]:
     """The three rows (full, offloaded, flashmem) and issue 27's targets, as a dict."""
-    from flashmem.config import FlashMemoryConfig
     from flashmem.memory import hardware as hwm
-    from flashmem.memory.calculator import estimate
-    from flashmem.memory.specs import FullAttention, from_dims, resolve_model
     from flashmem.memory.units import DTYPE_BYTES
 
-    if budget is not None and config is not None:
-        raise ConfigError("--budget: not allowed together with --config; allowed: one of them")
-    budget = 1 / 16 if budget is None else budget
-    if not 0 < budget <= 1:
-        raise ConfigError(f"--budget: {budget!r} is not allowed; allowed: above 0, up to 1")
-    if host_gib is not None and not host_gib > 0:
-        raise ConfigError(f"--host-gib: {host_gib!r} is not allowed; allowed: a number > 0")
-    host_bytes = int(host_gib * hwm.GiB) if host_gib is not None else None
+    budget, host_bytes = _check_budget_and_host(config, budget, host_gib)
     eb = DTYPE_BYTES[est.dtype]
-    spec = resolve_model(model) if model is not None else from_dims(*dims)  # type: ignore[arg-type]
-    arch = hwm.ARCHS.get(est.model)
-    if arch is None and spec is not None and spec.source.endswith(".json"):
-        arch = hwm.arch_from_config(json.loads(Path(spec.source).read_text(encoding="utf-8")))
-    first_full = next((x for x in spec.layers if isinstance(x, FullAttention)), None)
-    head_dim = arch.head_dim if arch else (first_full.head_dim if first_full else 128)
-    q_width = arch.heads * arch.head_dim if arch else (first_full.kv_heads * head_dim if first_full else head_dim)
-    n_params = None
-    if params is not None:
-        if not params >= 1 or params != int(params):
-            raise ConfigError(f"--params: {params!r} is not allowed; allowed: a whole parameter count >= 1")
-        n_params = int(params)
+    arch, head_dim, q_width = _arch_and_widths(model, est, dims)
+    n_params = _param_count(params)
     per_seq_kv = est.full_cache_bytes // est.batch
     cost = hwm.model_cost(
         est.model,
@@ -244,28 +210,8 @@ def hardware_model(
         params=n_params,
         arch=arch,
     )
-    if config is not None:
-        cfg = FlashMemoryConfig.from_yaml(config)
-        cfg_source = str(config)
-    else:
-        group = arch.heads // arch.kv_heads if arch else 1
-        cfg = FlashMemoryConfig.for_budget(budget, est.tokens, group=group, head_dim=head_dim, dtype_bytes=eb)
-        cfg_source = f"the recipe at budget {budget:g} (FlashMemoryConfig.for_budget)"
-    one = estimate(
-        model,
-        tokens=est.tokens,
-        batch=1,
-        dtype=est.dtype,
-        config=cfg,
-        **({} if model is not None else dict(zip(("layers", "kv_heads", "head_dim"), dims, strict=True))),
-    )
-    flash = one.flashmem
-    assert flash is not None
-    if traffic is not None:
-        report = hwm.load_traffic(traffic)
-        tr = hwm.counted_traffic(report, flash.device_resident_bytes, flash.prompt_kv_bytes, str(traffic))
-    else:
-        tr = hwm.predicted_traffic(flash, cfg, est.tokens, a)
+    cfg, cfg_source = _flashmem_config(config, budget, est.tokens, arch, head_dim, eb)
+    flash, tr = _flashmem_traffic(model, est, cfg, dims, traffic, a)
     rows_b = [
         hwm.full_row(hw, cost, est.tokens, est.batch, a),
         hwm.offloaded_row(hw, cost, est.tokens, est.batch, a, host_bytes),
@@ -292,17 +238,106 @@ def hardware_model(
     return out
 
 
+def _param_count(params: float | None) -> int | None:
+    """--params as a whole count (None: the model's own)."""
+    if params is None:
+        return None
+    if not params >= 1 or params != int(params):
+        raise ConfigError(f"--params: {params!r} is not allowed; allowed: a whole parameter count >= 1")
+    return int(params)
+
+
+def _flashmem_traffic(
+    model: Any, est: Any, cfg: Any, dims: tuple[int | None, int | None, int | None], traffic: Path | None, a: Any
+) -> tuple[Any, Any]:
+    """flashmem's estimate for one sequence under `cfg`, and its bytes per step: counted (--traffic) or predicted."""
+    from flashmem.memory import hardware as hwm
+    from flashmem.memory.calculator import estimate
+
+    one = estimate(
+        model,
+        tokens=est.tokens,
+        batch=1,
+        dtype=est.dtype,
+        config=cfg,
+        **({} if model is not None else dict(zip(("layers", "kv_heads", "head_dim"), dims, strict=True))),
+    )
+    flash = one.flashmem
+    assert flash is not None
+    if traffic is not None:
+        report = hwm.load_traffic(traffic)
+        return flash, hwm.counted_traffic(report, flash.device_resident_bytes, flash.prompt_kv_bytes, str(traffic))
+    return flash, hwm.predicted_traffic(flash, cfg, est.tokens, a)
+
+
+def _check_budget_and_host(
+    config: Path | None, budget: float | None, host_gib: float | None
+) -> tuple[float, int | None]:
+    """The budget to size the recipe at (default 1/16) and the host memory in bytes (None: unbounded)."""
+    from flashmem.memory import hardware as hwm
+
+    if budget is not None and config is not None:
+        raise ConfigError("--budget: not allowed together with --config; allowed: one of them")
+    budget = 1 / 16 if budget is None else budget
+    if not 0 < budget <= 1:
+        raise ConfigError(f"--budget: {budget!r} is not allowed; allowed: above 0, up to 1")
+    if host_gib is not None and not host_gib > 0:
+        raise ConfigError(f"--host-gib: {host_gib!r} is not allowed; allowed: a number > 0")
+    return budget, int(host_gib * hwm.GiB) if host_gib is not None else None
+
+
+def _arch_and_widths(model: Any, est: Any, dims: tuple[int | None, int | None, int | None]) -> tuple[Any, int, int]:
+    """The model's architecture (None when unknown), its head_dim and its query width (heads x head_dim)."""
+    from flashmem.memory import hardware as hwm
+    from flashmem.memory.specs import FullAttention, from_dims, resolve_model
+
+    spec = resolve_model(model) if model is not None else from_dims(*dims)  # type: ignore[arg-type]
+    arch = hwm.ARCHS.get(est.model)
+    if arch is None and spec is not None and spec.source.endswith(".json"):
+        arch = hwm.arch_from_config(json.loads(Path(spec.source).read_text(encoding="utf-8")))
+    first_full = next((x for x in spec.layers if isinstance(x, FullAttention)), None)
+    head_dim = arch.head_dim if arch else (first_full.head_dim if first_full else 128)
+    q_width = arch.heads * arch.head_dim if arch else (first_full.kv_heads * head_dim if first_full else head_dim)
+    return arch, head_dim, q_width
+
+
+def _flashmem_config(
+    config: Path | None, budget: float, tokens: int, arch: Any, head_dim: int, eb: int
+) -> tuple[Any, str]:
+    """flashmem's config for the hardware model (--config, else the recipe at `budget`) and where it came from."""
+    from flashmem.config import FlashMemoryConfig
+
+    if config is not None:
+        return FlashMemoryConfig.from_yaml(config), str(config)
+    group = arch.heads // arch.kv_heads if arch else 1
+    cfg = FlashMemoryConfig.for_budget(budget, tokens, group=group, head_dim=head_dim, dtype_bytes=eb)
+    return cfg, f"the recipe at budget {budget:g} (FlashMemoryConfig.for_budget)"
+
+
 def _print(est: Any) -> None:
     from rich.console import Console
-    from rich.table import Table
-
-    from flashmem.memory.units import fmt_bytes
 
     con = Console()
     con.print(
         f"[bold]{est.model}[/bold]  ({est.source}; {est.layers} layers, {est.dtype}, " f"{est.element_bytes} B/element)"
     )
     con.print(f"layers: {est.layer_summary}")
+    con.print(_summary_table(est))
+    if est.flashmem is not None:
+        con.print(_tier_table(est.flashmem))
+        con.print(
+            f"managed layers: {est.flashmem.managed_layers.count}; "
+            f"full layers: {est.flashmem.full_layers or 'none'}"
+        )
+    con.print(_fits_table(est))
+
+
+def _summary_table(est: Any) -> Any:
+    """Bytes per token, the full cache, and flashmem's device and cold bytes (a rich Table)."""
+    from rich.table import Table
+
+    from flashmem.memory.units import fmt_bytes
+
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -332,20 +367,29 @@ def _print(est: Any) -> None:
         t.add_row("cold bytes per token", f"{f.cold_bytes_per_token:,.1f}", "one sequence")
         if est.full_cache_bytes:
             t.add_row("device / full", f"{f.device_resident_bytes / est.full_cache_bytes:.4f}", "")
-    con.print(t)
-    if est.flashmem is not None:
-        tt = Table(title="FlashMemory device-resident bytes per tier (whole batch)")
-        tt.add_column("tier")
-        tt.add_column("bytes", justify="right")
-        tt.add_column("size")
-        for k, v in est.flashmem.tiers.items():
-            if v:
-                tt.add_row(k, f"{v:,}", fmt_bytes(v))
-        con.print(tt)
-        con.print(
-            f"managed layers: {est.flashmem.managed_layers.count}; "
-            f"full layers: {est.flashmem.full_layers or 'none'}"
-        )
+    return t
+
+
+def _tier_table(flash: Any) -> Any:
+    """flashmem's device-resident bytes per tier, tiers that hold any (a rich Table)."""
+    from rich.table import Table
+
+    from flashmem.memory.units import fmt_bytes
+
+    tt = Table(title="FlashMemory device-resident bytes per tier (whole batch)")
+    tt.add_column("tier")
+    tt.add_column("bytes", justify="right")
+    tt.add_column("size")
+    for k, v in flash.tiers.items():
+        if v:
+            tt.add_row(k, f"{v:,}", fmt_bytes(v))
+    return tt
+
+
+def _fits_table(est: Any) -> Any:
+    """Which accelerators hold the full cache, and flashmem's device bytes (a rich Table)."""
+    from rich.table import Table
+
     ft = Table(title="fits on (KV cache alone, weights not counted)")
     ft.add_column("accelerator")
     ft.add_column("full cache")
@@ -356,7 +400,7 @@ def _print(est: Any) -> None:
         if est.flashmem is not None:
             row.append("yes" if est.flashmem.fits[name] else "no")
         ft.add_row(*row)
-    con.print(ft)
+    return ft
 
 
 def _gb(nbytes: float) -> str:
