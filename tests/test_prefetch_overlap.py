@@ -294,46 +294,78 @@ def decode(model, cache, steps: int, compute_s: float) -> None:
             time.sleep(compute_s)  # the rest of a real model's step: look-ahead loads meanwhile
 
 
-def test_a_tiny_models_decode_stalls_less_with_prefetch(monkeypatch):
-    """The cache's own counters over a throttled memory tier: without prefetch every block read
-    is a synchronous miss whose stall is at least its bytes over the rate; with prefetch the
-    same decode stalls less, and most reads are hits."""
+TINY_BLOCK = 2 * 2 * 16 * 16 * 4  # K + V of one block: 2 KV heads x 16 tokens x 16 dims, fp32
+TINY_READ_S = 0.02
+
+
+def tiny_decode_stalls(threads: int, steps: int = 8, compute_s: float = 0.15) -> tuple[dict, tuple[int, float]]:
+    """The tiny Llama over a throttled memory tier (fast while the prompt fills it, then
+    TINY_READ_S a block, the ready buffer emptied): the decode's {hits, misses, stall_s}
+    from cache.stats() and the throttle's (charged bytes, charged seconds) over it."""
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(1))
-    tiny_block = 2 * 2 * 16 * 16 * 4  # K + V of one block: 2 KV heads x 16 tokens x 16 dims, fp32
-    read_s = 0.02
     stores: list[ThrottledStore] = []
     default_store = flash_cache._default_store
 
     def throttled_default(cfg, dtype):
-        stores.append(ThrottledStore(default_store(cfg, dtype), 1e12))  # fast while the prompt fills it
+        stores.append(ThrottledStore(default_store(cfg, dtype), 1e12))
         return stores[-1]
 
-    monkeypatch.setattr(flash_cache, "_default_store", throttled_default)
-    results = {}
-    for threads in (0, 2):
-        c = flashmem.FlashMemoryConfig(
-            **dict(SMALL, lsa_keep_ratio=0.3, cold_store="memory", prefetch_threads=threads, prefetch_window=1024)
-        )
-        with flashmem.attach(model, c) as cache:
-            store = stores[-1]
-            with torch.no_grad():
-                model(ids, cache=cache, use_cache=True)
-            store.bytes_per_s = tiny_block / read_s
-            if cache.prefetcher is not None:
-                cache.prefetcher.discard()  # decode reads every block again, at the slow rate
-            before, charged0 = cache.stats(), (store.charged_bytes, store.charged_s)
-            decode(model, cache, 8, compute_s=0.15)
-            after = cache.stats()
-            charged = (store.charged_bytes - charged0[0], store.charged_s - charged0[1])
-        results[threads] = ({k: after[k] - before[k] for k in ("hits", "misses", "stall_s")}, charged)
-    (off, (off_bytes, off_s)), (on, (on_bytes, on_s)) = results[0], results[2]
+    c = flashmem.FlashMemoryConfig(
+        **dict(SMALL, lsa_keep_ratio=0.3, cold_store="memory", prefetch_threads=threads, prefetch_window=1024)
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash_cache, "_default_store", throttled_default)
+        cache = flashmem.attach(model, c)
+    with cache:
+        store = stores[-1]
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+        store.bytes_per_s = TINY_BLOCK / TINY_READ_S
+        if cache.prefetcher is not None:
+            cache.prefetcher.discard()  # decode reads every block again, at the slow rate
+        before, charged0 = cache.stats(), (store.charged_bytes, store.charged_s)
+        decode(model, cache, steps, compute_s)
+        after = cache.stats()
+        charged = (store.charged_bytes - charged0[0], store.charged_s - charged0[1])
+    return {k: after[k] - before[k] for k in ("hits", "misses", "stall_s")}, charged
+
+
+def test_a_tiny_models_decode_stalls_less_with_prefetch():
+    """The cache's own counters over a throttled memory tier: without prefetch every block read
+    is a synchronous miss whose stall is at least its bytes over the rate; with prefetch the
+    same decode stalls less, and most reads are hits."""
+    off, (off_bytes, off_s) = tiny_decode_stalls(0)
+    on, (on_bytes, on_s) = tiny_decode_stalls(2)
     # off: each block read is a synchronous miss, and the stall covers every charged read
     assert off["hits"] == 0 and off["misses"] > 0
-    assert off_bytes == off["misses"] * tiny_block
-    assert off["stall_s"] >= off_s * 0.999 and off_s == pytest.approx(off["misses"] * read_s)
+    assert off_bytes == off["misses"] * TINY_BLOCK
+    assert off["stall_s"] >= off_s * 0.999 and off_s == pytest.approx(off["misses"] * TINY_READ_S)
     # on: the same decode, most blocks prefetched during the "compute", far less stall; a
     # stall only ever waits on the link, so it is at most the time the link was busy
     assert on["hits"] > on["misses"] > 0 and on_bytes > 0
     assert on["stall_s"] < off["stall_s"] / 2, (on, off)
     assert on["stall_s"] <= on_s + 0.1
+
+
+def main() -> None:
+    """`python tests/test_prefetch_overlap.py`: the figures in docs/accelerator.md, "Prefetch"."""
+    steps, compute_s = 5, 2 * READ_S
+    for threads, ahead in ((0, False), (2, True)):
+        with Prefetcher(throttled(steps + 1), threads=threads) as pf:
+            waits = run_steps(pf, steps, compute_s, ahead)
+            st = pf.stats()
+        print(
+            f"step loop, prefetch {'on ' if ahead else 'off'}: stall_s {st['stall_s']:.3f}, hits {st['hits']}, "
+            f"misses {st['misses']}, get ms {[round(w * 1e3, 2) for w in waits]}"
+        )
+    for threads in (0, 2):
+        got, (nbytes, secs) = tiny_decode_stalls(threads)
+        print(
+            f"tiny Llama, prefetch_threads {threads}: stall_s {got['stall_s']:.3f}, hits {got['hits']}, "
+            f"misses {got['misses']}, throttle charged {nbytes} B / {secs:.3f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
