@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -28,11 +29,8 @@ def report(
     ),
 ) -> None:
     """Merge result files; print every suite's table."""
-    import json
-
     from flashmem.cli.inputs import check_output_path, check_results_file
     from flashmem_eval import report as R
-    from flashmem_eval.harness import environment
 
     for f in files:
         check_results_file(f)
@@ -40,14 +38,7 @@ def report(
         check_output_path(path, flag)
     rows, runs = R.load_rows(files)
     if methods is not None:
-        keep = [m.strip() for m in methods.split(",") if m.strip()]
-        found = sorted({str(r.get("method")) for r in rows})
-        missing = [m for m in keep if m not in found]
-        if not keep or missing:
-            raise FlashMemError(
-                f"--methods: {', '.join(missing) or repr(methods)} not in the files; allowed: {', '.join(found)}"
-            )
-        rows = [r for r in rows if r.get("method") in keep]
+        rows = _keep_methods(rows, methods)
     suites = sorted({str(r.get("suite")) for r in rows})
     if (json_out or plot) and len(suites) != 1:
         raise FlashMemError(
@@ -56,13 +47,7 @@ def report(
     for suite in suites:
         R.print_table(rows, suite)
     if json_out is not None:
-        doc = {
-            "meta": {"suite": suites[0], "runs": runs, "merged_from": [str(f) for f in files], **environment()},
-            "rows": rows,
-        }
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(doc, indent=1))
-        typer.echo(f"wrote {json_out}")
+        _write_json(json_out, suites[0], rows, runs, files)
     if plot is not None:
         for p in R.plot(rows, suites[0], plot):
             typer.echo(f"wrote {p}")
@@ -74,22 +59,60 @@ def report(
             ("--markdown", markdown),
             ("--readme", readme),
         ]
-        command = " ".join(
-            [
-                "flashmem report",
-                *map(shlex.quote, map(str, files)),
-                *(f"{k} {shlex.quote(str(v))}" for k, v in opts if v is not None),
-            ]
+        text = R.results_markdown(rows, [str(f) for f in files], runs, _command_line(files, opts))
+        _write_markdown(text, markdown, readme)
+
+
+def _keep_methods(rows: list[dict[str, Any]], methods: str) -> list[dict[str, Any]]:
+    """The rows of the comma-separated `methods`; FlashMemError naming any the files do not hold."""
+    keep = [m.strip() for m in methods.split(",") if m.strip()]
+    found = sorted({str(r.get("method")) for r in rows})
+    missing = [m for m in keep if m not in found]
+    if not keep or missing:
+        raise FlashMemError(
+            f"--methods: {', '.join(missing) or repr(methods)} not in the files; allowed: {', '.join(found)}"
         )
-        text = R.results_markdown(rows, [str(f) for f in files], runs, command)
-        if markdown is not None:
-            markdown.write_text(text)
-            typer.echo(f"wrote {markdown}")
-        if readme is not None:
-            if not readme.is_file():
-                raise FlashMemError(f"--readme: {str(readme)!r} does not exist")
-            readme.write_text(R.replace_block(readme.read_text(), text))
-            typer.echo(f"updated {readme}")
+    return [r for r in rows if r.get("method") in keep]
+
+
+def _write_json(json_out: Path, suite: str, rows: list[dict[str, Any]], runs: Any, files: list[Path]) -> None:
+    """The merged rows with their provenance (runs, source files, this machine)."""
+    import json
+
+    from flashmem_eval.harness import environment
+
+    doc = {
+        "meta": {"suite": suite, "runs": runs, "merged_from": [str(f) for f in files], **environment()},
+        "rows": rows,
+    }
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(doc, indent=1))
+    typer.echo(f"wrote {json_out}")
+
+
+def _command_line(files: list[Path], opts: list[tuple[str, Any]]) -> str:
+    """The `flashmem report` command that reproduces this output (quoted for a shell)."""
+    return " ".join(
+        [
+            "flashmem report",
+            *map(shlex.quote, map(str, files)),
+            *(f"{k} {shlex.quote(str(v))}" for k, v in opts if v is not None),
+        ]
+    )
+
+
+def _write_markdown(text: str, markdown: Path | None, readme: Path | None) -> None:
+    """The results markdown to --markdown, and into --readme's results block."""
+    from flashmem_eval import report as R
+
+    if markdown is not None:
+        markdown.write_text(text)
+        typer.echo(f"wrote {markdown}")
+    if readme is not None:
+        if not readme.is_file():
+            raise FlashMemError(f"--readme: {str(readme)!r} does not exist")
+        readme.write_text(R.replace_block(readme.read_text(), text))
+        typer.echo(f"updated {readme}")
 
 
 def register(app: typer.Typer) -> None:
