@@ -66,6 +66,37 @@ def run(
     console = Console(stderr=True, soft_wrap=True)  # a log keeps whole lines
     # every argument is checked here, in a second, before a model loads (half a minute or more)
     check_output_path(json_out, "--json-out")
+    ask = _resolve_ask(ask, input, prompt, context_tokens)
+    cfg = FlashMemoryConfig.from_yaml(config or _default_config())
+    source = _read_input(input, text)
+    _check_model(model)
+    n_new = max_new_tokens or (16 if ask else 64)
+
+    import flashmem
+
+    _set_threads(threads, console)
+    with progress.step(f"loading {model}"):
+        mdl, tok = flashmem.load_model(model)
+    if ask:
+        planted, ids = _plant(tok, source, context_tokens, fact_depth, console)
+    else:
+        planted, ids = None, _encode(tok, source, prompt, context_tokens)
+    console.print(f"[dim]context: {ids.shape[1]:,} tokens; config: {config or _default_config()}[/dim]")
+
+    cache = flashmem.attach(mdl, cfg)
+    try:
+        result = _measure(mdl, tok, cache, ids, n_new, model, cfg, compare_full)
+    finally:
+        cache.close()  # also on SIGTERM (main turns it into SystemExit): no store folder is left
+    if planted is not None:
+        result["question"] = _question_result(planted, result, compare_full)
+    _print_report(result)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2, default=str))
+
+
+def _resolve_ask(ask: bool | None, input: Path | None, prompt: str | None, context_tokens: int | None) -> bool:
+    """--ask as given, else on when neither --input nor --prompt is; FlashMemError when it cannot be."""
     if ask is None:
         ask = input is None and prompt is None
     if ask and prompt is not None:
@@ -75,52 +106,36 @@ def run(
             f"--context-tokens: {context_tokens} leaves no room for the text around the question; "
             f"allowed: >= {MIN_ASK_TOKENS} with --ask"
         )
-    cfg = FlashMemoryConfig.from_yaml(config or _default_config())
-    source = _read_input(input, text)
-    _check_model(model)
-    n_new = max_new_tokens or (16 if ask else 64)
+    return ask
 
+
+def _plant(tok: Any, source: str, context_tokens: int | None, fact_depth: float, console: Any) -> tuple[Any, Any]:
+    """A fact planted at `fact_depth` of the context and asked at its end, and the ids [1, tokens]; both printed."""
     import torch
 
-    import flashmem
+    from flashmem.cli.fact import plant_fact
 
-    _set_threads(threads, console)
-    with progress.step(f"loading {model}"):
-        mdl, tok = flashmem.load_model(model)
-    planted = None
-    if ask:
-        from flashmem.cli.fact import plant_fact
+    planted = plant_fact(tok, source, context_tokens, fact_depth, seed=context_tokens or 0)
+    ids = torch.tensor([planted.ids])
+    back = ids.shape[1] - planted.fact_token
+    console.print(f"planted at token {planted.fact_token:,} of {ids.shape[1]:,} ({back:,} tokens back): {planted.fact}")
+    console.print(f"asked at the end: {planted.question}")
+    return planted, ids
 
-        planted = plant_fact(tok, source, context_tokens, fact_depth, seed=context_tokens or 0)
-        ids = torch.tensor([planted.ids])
-        back = ids.shape[1] - planted.fact_token
-        console.print(
-            f"planted at token {planted.fact_token:,} of {ids.shape[1]:,} ({back:,} tokens back): {planted.fact}"
-        )
-        console.print(f"asked at the end: {planted.question}")
-    else:
-        ids = _encode(tok, source, prompt, context_tokens)
-    console.print(f"[dim]context: {ids.shape[1]:,} tokens; config: {config or _default_config()}[/dim]")
 
-    cache = flashmem.attach(mdl, cfg)
-    try:
-        result = _measure(mdl, tok, cache, ids, n_new, model, cfg, compare_full)
-    finally:
-        cache.close()  # also on SIGTERM (main turns it into SystemExit): no store folder is left
-    if planted is not None:
-        from flashmem.cli.fact import found
+def _question_result(planted: Any, result: dict[str, Any], compare_full: bool) -> dict[str, Any]:
+    """The planted fact and whether flashmem's answer (and the full cache's) names it."""
+    from flashmem.cli.fact import found
 
-        result["question"] = {
-            "fact": planted.fact,
-            "fact_token": planted.fact_token,
-            "answer": planted.answer,
-            "flashmem_found": found(result["text"], planted.answer),
-        }
-        if compare_full:
-            result["question"]["full_found"] = found(result["compare_full"]["full_text"], planted.answer)
-    _print_report(result)
-    if json_out:
-        json_out.write_text(json.dumps(result, indent=2, default=str))
+    question = {
+        "fact": planted.fact,
+        "fact_token": planted.fact_token,
+        "answer": planted.answer,
+        "flashmem_found": found(result["text"], planted.answer),
+    }
+    if compare_full:
+        question["full_found"] = found(result["compare_full"]["full_text"], planted.answer)
+    return question
 
 
 def _measure(
