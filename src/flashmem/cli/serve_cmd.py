@@ -55,7 +55,12 @@ def serve(
     prefix_dir: Path | None = typer.Option(
         None, "--prefix-dir", help="stored prefixes (default ~/.cache/flashmem/prefix)"
     ),
-    cold_quota: str = typer.Option("4G", "--cold-quota", help="disk quota of stored prefixes (LRU beyond it)"),
+    prefix_store: str | None = typer.Option(
+        None,
+        "--prefix-store",
+        help="redis://HOST:PORT[/DB]: prefixes on a Valkey/Redis server shared by replicas (instead of --prefix-dir)",
+    ),
+    cold_quota: str = typer.Option("4G", "--cold-quota", help="quota of stored prefixes (LRU beyond it)"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="no cross-request prefix reuse"),
     max_context: int | None = typer.Option(
         None, "--max-context", min=1, help="tokens per sequence (default: the model's)"
@@ -83,14 +88,29 @@ def serve(
     from flashmem.config import FlashMemoryConfig
     from flashmem.serve.auth import load_api_keys
     from flashmem.serve.engine import Engine
-    from flashmem.serve.prefix import PrefixStore
+    from flashmem.serve.prefix import PrefixBackend, PrefixStore
+    from flashmem.serve.prefix_remote import RedisPrefixStore, parse_url
 
     cfg = FlashMemoryConfig.from_yaml(config or _default_config())
     keys = load_api_keys(api_keys) if api_keys is not None else None
     quota = parse_bytes(cold_quota)
+    if prefix_store is not None:
+        parse_url(prefix_store)  # a bad URL is one line, before the model loads
+        if prefix_dir is not None:
+            raise FlashMemError("--prefix-store and --prefix-dir: give one of them (a server, or a folder)")
     body_limit = parse_bytes(max_request_bytes, "--max-request-bytes")
     _check_port(host, port)  # before a minute of model loading, not after
-    store = None if no_prefix_cache else PrefixStore(prefix_dir or default_prefix_dir(), quota_bytes=quota)
+    store: PrefixBackend | None = None
+    where = "no prefix reuse"
+    if no_prefix_cache:
+        pass
+    elif prefix_store is not None:
+        store = RedisPrefixStore(prefix_store, quota_bytes=quota)
+        where = f"prefixes on {prefix_store} (shared; quota {quota} bytes, the server's LRU)"
+    else:
+        folder = PrefixStore(prefix_dir or default_prefix_dir(), quota_bytes=quota)
+        store = folder
+        where = f"prefixes in {folder.root} (quota {quota} bytes)"
     if threads:
         torch.set_num_threads(threads)
     typer.echo(f"loading {model}...", err=True)
@@ -105,7 +125,6 @@ def serve(
         max_queue=max_queue,
         max_context=max_context,
     )
-    where = f"prefixes in {store.root} (quota {quota} bytes)" if store is not None else "no prefix reuse"
     typer.echo(f"serving {engine.model_name!r} on http://{host}:{port}/v1; {where}", err=True)
     uvicorn.run(
         create_app(engine, api_keys=keys, default_max_tokens=max_tokens, max_body_bytes=body_limit),

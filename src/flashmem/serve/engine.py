@@ -34,7 +34,7 @@ from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
 from flashmem.serve import state
 from flashmem.serve.metrics import ServeMetrics
-from flashmem.serve.prefix import PrefixStore, chain
+from flashmem.serve.prefix import PrefixBackend, chain
 
 log = logging.getLogger("flashmem.serve")
 
@@ -116,7 +116,7 @@ class Engine:
         cfg: FlashMemoryConfig,
         *,
         model_name: str = "model",
-        prefix_store: PrefixStore | None = None,
+        prefix_store: PrefixBackend | None = None,
         max_concurrent: int = 4,
         max_queue: int = 16,
         max_context: int | None = None,
@@ -151,6 +151,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._evictions_seen = 0  # the store's eviction count already added to the metric
         self._damaged_seen = 0  # the same for records that failed their check
+        self._unreachable_seen = 0  # the same for calls that could not reach a shared store
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -394,6 +395,10 @@ class Engine:
         if bad > self._damaged_seen:
             m.prefix_damaged.inc(bad - self._damaged_seen)
             self._damaged_seen = bad
+        down = store.unreachable
+        if down > self._unreachable_seen:
+            m.prefix_unreachable.inc(down - self._unreachable_seen)
+            self._unreachable_seen = down
 
 
 def process_logits(logits: torch.Tensor, s: Sampling, generated: list[int]) -> torch.Tensor:

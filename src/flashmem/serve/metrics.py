@@ -34,6 +34,11 @@ class ServeMetrics:
             "stored prefix records that failed their checksum (never used, removed)",
             registry=r,
         )
+        self.prefix_unreachable = Counter(
+            "flashmem_prefix_store_unreachable",
+            "prefix store calls that could not reach a shared store (served without reuse)",
+            registry=r,
+        )
         self.cold_stalls = Counter("flashmem_cold_stalls", "cold-tier block reads attention waited for", registry=r)
         self.cold_stall_seconds = Counter(
             "flashmem_cold_stall_seconds", "seconds attention waited for cold-tier blocks", registry=r

@@ -43,6 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import xxhash
@@ -120,6 +121,25 @@ def _metadata_key(body: bytes) -> str | None:
     return meta.get("key") if isinstance(meta, dict) else None
 
 
+class PrefixBackend(Protocol):
+    """What the engine needs of a prefix store: this folder store, or a shared server
+    (`flashmem.serve.prefix_remote.RedisPrefixStore`). Both use `chain`'s keys and
+    `encode_record`/`decode_record`'s checked bytes; the counters only grow."""
+
+    evictions: int  # records evicted under the quota (by this process)
+    damaged: int  # records that failed their check (never used, removed)
+    unreachable: int  # calls that could not reach the store (served without reuse)
+
+    def __contains__(self, key: str) -> bool: ...
+    def longest(self, keys: list[str]) -> int: ...
+    def nbytes(self) -> int: ...
+    def __len__(self) -> int: ...
+    def load(self, keys: list[str]) -> list[dict[str, torch.Tensor]]: ...
+    def save(self, key: str, parent: str, record: dict[str, torch.Tensor], *, pin: bool = False) -> None: ...
+    def pin(self, keys: list[str]) -> None: ...
+    def unpin(self, keys: list[str]) -> None: ...
+
+
 class PrefixStore:
     """Records keyed by hash-chain keys, on disk under `root`, LRU under `quota_bytes`."""
 
@@ -142,6 +162,7 @@ class PrefixStore:
         self._entries: dict[str, Entry] = {}
         self.evictions = 0
         self.damaged = 0  # records that failed their check (removed)
+        self.unreachable = 0  # a local folder is always there (its write errors raise ColdStoreError)
         for path in self.root.glob("*" + SUFFIX):  # a restart: what earlier runs left
             try:
                 st = path.stat()

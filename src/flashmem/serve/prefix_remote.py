@@ -1,0 +1,263 @@
+"""Prefix records on a Valkey/Redis server, shared by every replica that points at it.
+
+`flashmem serve --prefix-store redis://HOST:PORT[/DB]` keeps the records of
+`flashmem.serve.prefix` on a server instead of a local folder, so N replicas
+(one machine or several) reuse each other's documents. What stays the same:
+
+- keys: the hash chain of `prefix.chain` (model, config, tenant salt and every
+  token of the prefix are in the key), stored as `fmprefix:<h_j>`;
+- bytes: the record of `prefix.encode_record` (magic, xxh3-128 digest, then
+  safetensors whose metadata names the key). A value that fails
+  `prefix.decode_record` (garbage, truncation, another key's record) is never
+  used: it ends the reuse there, is counted (`damaged`) and deleted.
+
+What differs, and why:
+
+- Quota and LRU are the server's: at open the store sets `maxmemory` to the
+  quota and `maxmemory-policy allkeys-lru` unless the operator already chose a
+  limit and an `allkeys-*` policy (then those stay). A server that refuses
+  `CONFIG SET` (managed services) keeps its own settings; a warning says so.
+  The quota is the server's, for everything in it: give the prefix tier its own
+  server. Every key also has a TTL (`ttl_s`, refreshed on each hit), so records
+  of a model nobody serves any more leave even without memory pressure.
+- No pins: the server's LRU does not know which records live sequences build
+  on. Evicting a parent makes its descendants unreachable: it costs reuse, never
+  an answer (a record is only used behind an unbroken run of its parents).
+- The server may be down. Every call has a short timeout (`timeout_s`); a
+  failed call makes the store skip the server for `retry_s` seconds. Meanwhile
+  lookups are misses and saves are dropped: the request is served without
+  reuse, and `unreachable` counts the calls that could not reach the server
+  (/metrics: `flashmem_prefix_store_unreachable_total`). Nothing raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import torch
+
+from flashmem.errors import FlashMemError
+from flashmem.serve.prefix import DamagedRecordError, decode_record, encode_record
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "fmprefix:"
+DEFAULT_TTL_S = 7 * 24 * 3600
+T = TypeVar("T")
+
+
+def parse_url(url: str) -> tuple[str, int, int]:
+    """`redis://HOST:PORT[/DB]` -> (host, port, db); FlashMemError naming what is allowed otherwise."""
+    allowed = "allowed: redis://HOST:PORT[/DB], e.g. redis://127.0.0.1:6379/0"
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        raise FlashMemError(f"--prefix-store {url!r} is not a store URL; {allowed}") from None
+    if parts.scheme != "redis" or not parts.hostname or port is None or parts.query or parts.fragment:
+        raise FlashMemError(f"--prefix-store {url!r} is not a store URL; {allowed}")
+    path = parts.path.strip("/")
+    if path and not (path.isdigit() and int(path) < 16):
+        raise FlashMemError(f"--prefix-store {url!r}: database {path!r} is not a number 0-15; {allowed}")
+    return parts.hostname, port, int(path or 0)
+
+
+class RedisPrefixStore:
+    """The `prefix.PrefixStore` interface on a Valkey/Redis server (see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        quota_bytes: int | None = None,
+        *,
+        ttl_s: int = DEFAULT_TTL_S,
+        timeout_s: float = 1.0,
+        retry_s: float = 5.0,
+        stats_every_s: float = 2.0,
+    ) -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as exc:
+            raise FlashMemError(
+                f"--prefix-store needs the serve extra ({exc.name} is missing): pip install torch==2.13.0 -e '.[serve]'"
+            ) from None
+        host, port, db = parse_url(url)
+        self.url = url
+        self.root = f"{host}:{port}/{db}"  # what the CLI prints as the store's place
+        self.quota_bytes = quota_bytes
+        self.ttl_s = ttl_s
+        self.retry_s = retry_s
+        self.stats_every_s = stats_every_s
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._client = redis.Redis(
+            host=host,
+            port=port,
+            db=db,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # one try: a down store is skipped for retry_s, not retried inline
+            health_check_interval=0,
+        )
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._stats = (0, 0)  # (bytes, records) as last read
+        self._stats_at = -1e9
+        self.evictions = 0  # the server evicts; it does not tell this replica which
+        self.damaged = 0  # records that failed their check (deleted)
+        self.unreachable = 0  # calls that could not reach the server (failed, or skipped while it was down)
+        self.dropped = 0  # records not saved because the server was unreachable
+        self._configure()
+
+    # ---------------------------------------------------------------- server
+    def _call(self, what: str, fn: Callable[[], T], default: T) -> T:
+        """fn() against the server, or `default` (counted) when it is down or fails."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._down_until:
+                self.unreachable += 1
+                return default
+        try:
+            return fn()
+        except self._errors as exc:
+            with self._lock:
+                self.unreachable += 1
+                first = self._down_until == 0.0 or now >= self._down_until + self.retry_s
+                self._down_until = time.monotonic() + self.retry_s
+            if first:
+                log.warning("prefix store %s unreachable (%s: %s); serving without reuse", self.root, what, exc)
+            return default
+
+    def _configure(self) -> None:
+        """Quota and LRU on the server (module docstring); a down server is configured by nobody."""
+        if self.quota_bytes is None:
+            return
+
+        def apply() -> bool:
+            cur = self._client.config_get("maxmemory*")
+            limit = int(cur.get("maxmemory", 0) or 0)
+            policy = str(cur.get("maxmemory-policy", ""))
+            if limit and policy.startswith("allkeys-"):
+                return True  # the operator's settings
+            self._client.config_set("maxmemory-policy", "allkeys-lru")
+            self._client.config_set("maxmemory", str(self.quota_bytes))
+            return True
+
+        try:
+            apply()
+        except self._errors as exc:
+            log.warning(
+                "prefix store %s: could not set maxmemory=%s and allkeys-lru (%s); the server's own settings apply",
+                self.root,
+                self.quota_bytes,
+                exc,
+            )
+
+    # ---------------------------------------------------------------- queries
+    def __contains__(self, key: str) -> bool:
+        """Whether a record of `key` is on the server (False when it is unreachable)."""
+        return bool(self._call("exists", lambda: self._client.exists(NAMESPACE + key), 0))
+
+    def longest(self, keys: list[str]) -> int:
+        """How many leading keys of a chain are on the server (`load` checks their bytes)."""
+        if not keys:
+            return 0
+
+        def run() -> list[int]:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(NAMESPACE + k)
+            return list(pipe.execute())
+
+        found: list[int] = self._call("exists", run, [])
+        n = 0
+        for f in found:
+            if not f:
+                break
+            n += 1
+        return n
+
+    def nbytes(self) -> int:
+        return self._read_stats()[0]
+
+    def __len__(self) -> int:
+        return self._read_stats()[1]
+
+    def _read_stats(self) -> tuple[int, int]:
+        """(used_memory, keys in the DB), read at most every `stats_every_s` (the worker asks every round)."""
+        now = time.monotonic()
+        if now - self._stats_at >= self.stats_every_s:
+            self._stats_at = now
+
+            def run() -> tuple[int, int]:
+                mem = self._client.info("memory")
+                return int(mem.get("used_memory", 0)), int(self._client.dbsize())
+
+            self._stats = self._call("info", run, self._stats)
+        return self._stats
+
+    # ---------------------------------------------------------------- records
+    def load(self, keys: list[str]) -> list[dict[str, torch.Tensor]]:
+        """The records of the longest leading run of `keys` that are on the server and check
+        out. A missing one ends the run; a damaged one ends it too, is counted and deleted.
+        The used records' TTLs are refreshed (a GET already refreshes the server's LRU clock)."""
+        if not keys:
+            return []
+        values: list[Any] | None = self._call("mget", lambda: self._client.mget([NAMESPACE + k for k in keys]), None)
+        if not values:
+            return []
+        out = []
+        for k, data in zip(keys, values, strict=True):
+            if data is None:
+                break
+            try:
+                out.append(decode_record(k, bytes(data)))
+            except DamagedRecordError:
+                with self._lock:
+                    self.damaged += 1
+                self._delete(k)
+                break
+        if out:
+
+            def refresh() -> None:
+                pipe = self._client.pipeline(transaction=False)
+                for k in keys[: len(out)]:
+                    pipe.expire(NAMESPACE + k, self.ttl_s)
+                pipe.execute()
+
+            self._call("expire", refresh, None)
+        return out
+
+    def save(self, key: str, parent: str, record: dict[str, torch.Tensor], *, pin: bool = False) -> None:
+        """Write a record (one SET with its TTL; `pin` has no meaning here). Dropped, counted, when
+        the server is unreachable or refuses it: that costs reuse, never the request."""
+        data = encode_record(key, parent, record)
+        ok: Any = self._call("set", lambda: self._client.set(NAMESPACE + key, data, ex=self.ttl_s), None)
+        if not ok:
+            with self._lock:
+                self.dropped += 1
+
+    def _delete(self, key: str) -> None:
+        self._call("delete", lambda: int(self._client.delete(NAMESPACE + key)), 0)
+
+    def pin(self, keys: list[str]) -> None:
+        """No pins on a shared server (module docstring)."""
+
+    def unpin(self, keys: list[str]) -> None:
+        """No pins on a shared server (module docstring)."""
+
+    def evict(self) -> int:
+        """The server evicts (allkeys-lru under maxmemory); nothing to do here."""
+        return 0
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except self._errors:
+            pass
