@@ -82,20 +82,40 @@ def budget_config(
     if dtype_bytes not in DTYPE_SIZES or isinstance(dtype_bytes, bool):
         raise FlashMemError(f"dtype_bytes: {dtype_bytes!r} is not allowed; allowed: one of {DTYPE_SIZES}")
     spec = resolve_variant(variant)
-    keys = dict(spec.keys)
+    base = _base_config(spec.keys, budget, overrides)
+    target = budget * tokens
+    ratio = _ratio_of(base, tokens, group, head_dim, dtype_bytes)
+    per_page = base.page_tokens * working_set_scale(base, head_dim, dtype_bytes)
+    bands = range(0, 33) if base.use_summaries else [0]  # the band is dropped without summaries
+    cands = _candidates(ratio, budget, tokens, _page_counts(int(target / per_page) + 9), bands)
+    _, w, k, band, _ = _nearest_shape(cands, budget, spec.shape, target, per_page, base)
+    cap = spec.cap
+    if cap is not None and k * base.page_tokens > cap:
+        # the budget bought more pages than a step needs: attend the cap, leave the rest unused
+        k = max(1, cap // base.page_tokens)
+    return _sized(base, w, k, band)
+
+
+def _base_config(variant_keys: Any, budget: float, overrides: dict[str, Any]) -> FlashMemoryConfig:
+    """The variant's keys (the recipe's follow pages at `budget` unless set) under the caller's overrides."""
+    keys = dict(variant_keys)
     keys.setdefault("lsa_follow_pages", recipe_keys(budget)["lsa_follow_pages"])
     if overrides.get("position_mode") == "window":
         keys["prefill_exact_tokens"] = 0  # an exact prompt attends at real positions
     keys.update(overrides)
-    base = FlashMemoryConfig(**keys)
-    B = base.hca_chunk_size
+    return FlashMemoryConfig(**keys)
+
+
+_Candidate = tuple[float, int, int, int, float]  # (distance to the budget, W, k, band blocks, ratio)
+
+
+def _candidates(
+    ratio: Callable[[int, int, int], float], budget: float, tokens: int, page_counts: list[int], bands: Any
+) -> list[_Candidate]:
+    """Per page count and band: the window (multiple of 8) at which the ratio reaches the budget, and the one below."""
     step = 8
-    target = budget * tokens
-    ratio = _ratio_of(base, tokens, group, head_dim, dtype_bytes)
-    cands: list[tuple[float, int, int, int, float]] = []  # (distance, W, k, band blocks, ratio)
-    per_page = base.page_tokens * working_set_scale(base, head_dim, dtype_bytes)
-    bands = range(0, 33) if base.use_summaries else [0]  # the band is dropped without summaries
-    for k in _page_counts(int(target / per_page) + 9):
+    cands: list[_Candidate] = []
+    for k in page_counts:
         for band in bands:
             lo, hi = 1, max(1, tokens // step)
             while lo < hi:  # smallest W (in steps) whose ratio reaches the budget
@@ -107,6 +127,18 @@ def budget_config(
             for ws in {max(1, lo - 1), lo}:
                 r = ratio(ws * step, k, band)
                 cands.append((abs(r - budget) / budget, ws * step, k, band, r))
+    return cands
+
+
+def _nearest_shape(
+    cands: list[_Candidate],
+    budget: float,
+    split: tuple[float, float, float],
+    target: float,
+    per_page: float,
+    base: FlashMemoryConfig,
+) -> _Candidate:
+    """Of the candidates that use the budget (see budget_config), the one nearest the split (window, pages, CSA)."""
     # Never more than 3% over the budget; of those, the ones that use it fully
     # (within 3% of the fullest: a page is a coarse step at short prompts).
     under = [c for c in cands if c[4] <= 1.03 * budget]
@@ -115,20 +147,16 @@ def budget_config(
         good = [c for c in under if c[4] >= fullest - 0.03 * budget]
     else:
         good = [min(cands, key=lambda c: c[0])]
-    sw, ss, sc = spec.shape
+    sw, ss, sc = split
+    B = base.hca_chunk_size
 
-    def shape(c: tuple[float, int, int, int, float]) -> float:
+    def shape(c: _Candidate) -> float:
         w = c[1] / target - sw
         sel = c[2] * per_page / target - ss  # its share of the bytes
         csa = c[3] * B / base.csa_chunk_size / target - sc
         return w * w + sel * sel + csa * csa  # products: a tiny budget gives inf, not OverflowError
 
-    _, w, k, band, _ = min(good, key=lambda c: (shape(c), c[0]))
-    cap = spec.cap
-    if cap is not None and k * base.page_tokens > cap:
-        # the budget bought more pages than a step needs: attend the cap, leave the rest unused
-        k = max(1, cap // base.page_tokens)
-    return _sized(base, w, k, band)
+    return min(good, key=lambda c: (shape(c), c[0]))
 
 
 def _sized(base: FlashMemoryConfig, window: int, pages: int, band_blocks: int) -> FlashMemoryConfig:
