@@ -20,7 +20,7 @@ from flashmem import tier_names
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
 from flashmem.memory.specs import MLA, FullAttention, ModelSpec, from_dims, resolve_model
-from flashmem.memory.tiers import codec_bytes_per_element, index_bytes, tier_counts, working_set_scale
+from flashmem.memory.tiers import TierCounts, codec_bytes_per_element, index_bytes, tier_counts, working_set_scale
 from flashmem.memory.units import DTYPE_BYTES, normalize_dtype, parse_tokens
 
 # The int8/int4 codecs' group (flashmem.store.codecs.kivi.GROUP): values are coded per
@@ -266,6 +266,35 @@ def _cold_layout(cfg: FlashMemoryConfig) -> str:
     return "exact" if cfg.cold_low_rank == "none" else f"{cfg.cold_low_rank} r={cfg.low_rank_dim}"
 
 
+def _add_device_tiers(
+    tiers: dict[str, int], cfg: FlashMemoryConfig, counts: TierCounts, layer: FullAttention | MLA, n: int, eb: int
+) -> None:
+    """Add to `tiers` the device-resident bytes of `n` managed layers of one kind."""
+    entry = layer.entry_elems() * eb  # one token-equivalent, K and V (or latent)
+    tiers["sinks"] += counts.sinks * entry * n
+    tiers["window"] += counts.window * entry * n
+    tiers["open_block"] += counts.open_block * entry * n
+    tiers["csa_entries"] += counts.csa_entries * entry * n
+    tiers["hca_entries"] += counts.hca_entries * entry * n
+    heads, width = layer.index_heads()  # width: a cached row, which an int8 working set scales once
+    ws_scale = working_set_scale(cfg, width, eb)
+    tiers["working_set"] += int(round(counts.working_set * entry * n * ws_scale))
+    tiers["index"] += heads * index_bytes(cfg, counts, width, eb) * n  # type: ignore[assignment]
+
+
+def _cold_elements(cfg: FlashMemoryConfig, layer: FullAttention | MLA) -> int:
+    """Elements one token of a managed layer keeps in the cold tier (K and V, or low-rank coefficients)."""
+    if not (isinstance(layer, FullAttention) and cfg.cold_low_rank != "none"):
+        return layer.entry_elems()
+    per_head = cold_elements_per_token(cfg.cold_low_rank, cfg.low_rank_dim, layer.head_dim, layer.v_head_dim)
+    if cfg.cold_codec != "exact":
+        # int8/int4 code the second slot per token in groups of CODE_GROUP: a coefficient
+        # row narrower than a group is padded to it (r=16 costs what r=32 does there)
+        w = per_head // 2
+        per_head = w + -(-w // CODE_GROUP) * CODE_GROUP
+    return layer.kv_heads * per_head
+
+
 def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: int, eb: int) -> FlashEstimate:
     cfg.check_for_model(spec.num_layers)
     full_idx = cfg.resolve_full_layers(spec.num_layers)
@@ -297,24 +326,8 @@ def _flash_split(spec: ModelSpec, cfg: FlashMemoryConfig, tokens: int, batch: in
         assert isinstance(layer, FullAttention | MLA)  # the managed kinds
         entry = layer.entry_elems() * eb  # one token-equivalent, K and V (or latent)
         prompt_kv += prompt_tokens * entry * n
-        tiers["sinks"] += counts.sinks * entry * n
-        tiers["window"] += counts.window * entry * n
-        tiers["open_block"] += counts.open_block * entry * n
-        tiers["csa_entries"] += counts.csa_entries * entry * n
-        tiers["hca_entries"] += counts.hca_entries * entry * n
-        heads, width = layer.index_heads()  # width: a cached row, which an int8 working set scales once
-        ws_scale = working_set_scale(cfg, width, eb)
-        tiers["working_set"] += int(round(counts.working_set * entry * n * ws_scale))
-        tiers["index"] += heads * index_bytes(cfg, counts, width, eb) * n  # type: ignore[assignment]
-        cold_elems = layer.entry_elems()
-        if isinstance(layer, FullAttention) and cfg.cold_low_rank != "none":
-            per_head = cold_elements_per_token(cfg.cold_low_rank, cfg.low_rank_dim, layer.head_dim, layer.v_head_dim)
-            if cfg.cold_codec != "exact":
-                # int8/int4 code the second slot per token in groups of CODE_GROUP: a coefficient
-                # row narrower than a group is padded to it (r=16 costs what r=32 does there)
-                w = per_head // 2
-                per_head = w + -(-w // CODE_GROUP) * CODE_GROUP
-            cold_elems = layer.kv_heads * per_head
+        _add_device_tiers(tiers, cfg, counts, layer, n, eb)
+        cold_elems = _cold_elements(cfg, layer)
         cold_per_token += Fraction(cold_elems) * Fraction(cold_eb) * n
         cold += Fraction(counts.cold_tokens * cold_elems) * Fraction(cold_eb) * n
     tiers = {k: v * batch for k, v in tiers.items()}
