@@ -15,7 +15,7 @@ What differs, and why:
 
 - Quota and LRU are the server's: at open the store sets `maxmemory` to the
   quota and `maxmemory-policy allkeys-lru` unless the operator already chose a
-  limit and an `allkeys-*` policy (then those stay). A server that refuses
+  limit and an evicting policy (then those stay). A server that refuses
   `CONFIG SET` (managed services) keeps its own settings; a warning says so.
   The quota is the server's, for everything in it: give the prefix tier its own
   server. Every key also has a TTL (`ttl_s`, refreshed on each hit), so records
@@ -143,8 +143,8 @@ class RedisPrefixStore:
             cur = self._client.config_get("maxmemory*")
             limit = int(cur.get("maxmemory", 0) or 0)
             policy = str(cur.get("maxmemory-policy", ""))
-            if limit and policy.startswith("allkeys-"):
-                return True  # the operator's settings
+            if limit and policy != "noeviction":
+                return True  # the operator's settings (every key has a TTL: volatile-* policies evict them too)
             self._client.config_set("maxmemory-policy", "allkeys-lru")
             self._client.config_set("maxmemory", str(self.quota_bytes))
             return True
@@ -237,6 +237,13 @@ class RedisPrefixStore:
     def save(self, key: str, parent: str, record: dict[str, torch.Tensor], *, pin: bool = False) -> None:
         """Write a record (one SET with its TTL; `pin` has no meaning here). Dropped, counted, when
         the server is unreachable or refuses it: that costs reuse, never the request."""
+        with self._lock:
+            down = time.monotonic() < self._down_until
+            if down:
+                self.unreachable += 1
+                self.dropped += 1
+        if down:
+            return  # not even encoded
         data = encode_record(key, parent, record)
         ok: Any = self._call("set", lambda: self._client.set(NAMESPACE + key, data, ex=self.ttl_s), None)
         if not ok:
