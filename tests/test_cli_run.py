@@ -215,6 +215,7 @@ def test_memory_table_drops_zero_tiers_and_explains_the_peak_and_the_shared_ram(
     assert "same RAM" in text and "11,000 bytes (110% of the full cache)" in text  # device + cold
     exact = _result()
     exact["config"]["cold_codec"] = "exact"  # the prompt is streamed from the tiers, not held
+    exact["config"]["cold_low_rank"] = "none"  # as a real config says it
     assert not any("held the prompt" in n for n in memory_rows(exact)[1])
     # memory_report's own full-cache bytes win over run's estimate
     rows, _ = memory_rows(_result(full_cache_bytes=20000))

@@ -399,7 +399,7 @@ def memory_rows(r: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str]]:
         rows.append(("peak (any step)", int(peak)))
         cfg = r["config"]
         exact = int(cfg.get("prefill_exact_tokens") or 0)
-        lossy = cfg.get("cold_codec", "exact") != "exact" or bool(cfg.get("cold_low_rank"))
+        lossy = cfg.get("cold_codec", "exact") != "exact" or cfg.get("cold_low_rank", "none") not in (None, "none")
         if r["context_tokens"] <= exact and lossy:  # the buffered exact prompt (cache/exact_prompt.py)
             notes.append(
                 f"peak: the prompt is attended exactly (prefill_exact_tokens: {exact:,}) and the cold tier is "
