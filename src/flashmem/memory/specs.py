@@ -422,37 +422,13 @@ def from_hf_config(cfg: Any, name: str = "config") -> ModelSpec:
         cfg = cfg.get_text_config(decoder=True)
     elif isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"]
-    dtype = _get(cfg, "dtype", None)
-    if dtype is None and isinstance(cfg, dict):  # older config.json files
-        dtype = cfg.get("torch_dtype")
-    dtype = str(dtype or "bfloat16")
-    dtype = dtype.replace("torch.", "")
+    dtype = _config_dtype(cfg)
     n = _get(cfg, "num_hidden_layers") or _get(cfg, "n_layer") or _get(cfg, "num_layers")
     if not isinstance(n, int) or n < 1:
         raise ConfigError(f"--model: {name}: no num_hidden_layers in the config")
     model_type = str(_get(cfg, "model_type", ""))
-
     if model_type == "deepseek_v4":
-        # see CompressedV4 for the source lines; defaults as in DeepseekV4Config
-        types = _get(cfg, "layer_types")
-        if types is None and _get(cfg, "compress_ratios") is not None:
-            m = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
-            types = [m[r] for r in _get(cfg, "compress_ratios")]
-        if types is None:
-            types = ["heavily_compressed_attention"] * min(n, 2) + [
-                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))
-            ]
-        rates = dict(_V4_RATES)
-        rates.update(_get(cfg, "compress_rates", {}) or {})
-        layers = _v4_layers(
-            list(types)[:n],
-            int(_get(cfg, "head_dim", 512)),
-            int(_get(cfg, "sliding_window", 128)),
-            int(_get(cfg, "index_head_dim", 128)),
-            rates,
-        )
-        return ModelSpec(name, layers, dtype, source="config")
-
+        return ModelSpec(name, _deepseek_v4_layers(cfg, n), dtype, source="config")
     kv_lora = _get(cfg, "kv_lora_rank")
     if kv_lora:
         rope = int(_get(cfg, "qk_rope_head_dim", 64))
@@ -462,7 +438,41 @@ def from_hf_config(cfg: Any, name: str = "config") -> ModelSpec:
         else:
             layer = MLA(int(kv_lora), rope)
         return ModelSpec(name, (layer,) * n, dtype, source="config")
+    return ModelSpec(name, _attention_layers(cfg, n, name), dtype, source="config")
 
+
+def _config_dtype(cfg: Any) -> str:
+    """The config's dtype name without "torch." (`torch_dtype` in older files; bfloat16 when none)."""
+    dtype = _get(cfg, "dtype", None)
+    if dtype is None and isinstance(cfg, dict):  # older config.json files
+        dtype = cfg.get("torch_dtype")
+    dtype = str(dtype or "bfloat16")
+    return dtype.replace("torch.", "")
+
+
+def _deepseek_v4_layers(cfg: Any, n: int) -> tuple[LayerSpec, ...]:
+    """DeepSeek-V4's layers from its config; see CompressedV4 for the source lines, defaults as in DeepseekV4Config."""
+    types = _get(cfg, "layer_types")
+    if types is None and _get(cfg, "compress_ratios") is not None:
+        m = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+        types = [m[r] for r in _get(cfg, "compress_ratios")]
+    if types is None:
+        types = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))
+        ]
+    rates = dict(_V4_RATES)
+    rates.update(_get(cfg, "compress_rates", {}) or {})
+    return _v4_layers(
+        list(types)[:n],
+        int(_get(cfg, "head_dim", 512)),
+        int(_get(cfg, "sliding_window", 128)),
+        int(_get(cfg, "index_head_dim", 128)),
+        rates,
+    )
+
+
+def _attention_layers(cfg: Any, n: int, name: str) -> tuple[LayerSpec, ...]:
+    """Full, sliding-window and chunked attention layers (K and V per KV head) from the config's layer types."""
     kv_heads, head_dim = geometry.kv_heads(cfg), geometry.head_dim(cfg)
     if not kv_heads or not head_dim:
         raise ConfigError(f"--model: {name}: config lacks num_key_value_heads/head_dim")
@@ -481,7 +491,7 @@ def from_hf_config(cfg: Any, name: str = "config") -> ModelSpec:
                 f"--model: {name}: layer type {t!r} is not supported by the calculator; "
                 "allowed: full_attention, sliding_attention, chunked_attention"
             )
-    return ModelSpec(name, tuple(out), dtype, source="config")
+    return tuple(out)
 
 
 def from_gguf(path: Path) -> ModelSpec:
