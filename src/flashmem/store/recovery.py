@@ -54,63 +54,15 @@ class Recovered:
 def recover(folder: str, *, verify: bool = False) -> Recovered:
     _, codec, dtype = read_meta(folder, (FORMAT_VERSION,))
     log_path = os.path.join(folder, "commit.log")
-    try:
-        with os.fdopen(open_read(log_path), "rb") as f:
-            log = f.read()
-    except FileNotFoundError:
-        log = b""
-    except OSError as exc:
-        raise store_error(log_path, "cannot read the commit log", exc) from None
+    log = _read_log(log_path)
     problems: list[str] = []
-    sizes: dict[int, int] = {}
-    for name in os.listdir(folder):
-        m = re.fullmatch(r"seg-(\d{6})\.dat", name)
-        if m:
-            st = os.lstat(os.path.join(folder, name))
-            if stat.S_ISREG(st.st_mode):
-                sizes[int(m.group(1))] = st.st_size
-            else:  # a planted link is never read: its entries are dropped
-                problems.append(f"cold store {folder}: {name} is not a regular file; its blocks are dropped")
+    sizes = _segment_sizes(folder, problems)
     parsed = [
         unpack_commit(memoryview(log)[i : i + COMMIT_SIZE]) for i in range(0, len(log) - COMMIT_SIZE + 1, COMMIT_SIZE)
     ]
     last = max((i for i, e in enumerate(parsed) if e is not None), default=-1)
     keep = (last + 1) * COMMIT_SIZE  # everything after the last intact entry is a torn tail
-    index: dict[BlockKey, Loc] = {}
-    kept = dropped = corrupt = rescued = 0
-    prev: CommitEntry | None = None
-    i = 0
-    while i <= last:
-        e = parsed[i]
-        if e is None:  # damaged entries i..j-1 between intact neighbours: corruption, not a crash
-            j = i
-            while parsed[j] is None:
-                j += 1
-            bridged = _bridge(folder, prev, parsed[j], j - i, codec.code, sizes)  # type: ignore[arg-type]
-            corrupt += j - i
-            what = f"recovered {len(bridged)} block(s) from the segment" if bridged else "their blocks are lost"
-            problems.append(
-                f"cold store {log_path}: {j - i} damaged commit entr{'y' if j - i == 1 else 'ies'} at offset "
-                f"{i * COMMIT_SIZE} (before intact ones, so not a torn tail: the file was modified or damaged); "
-                f"{what}; the intact entries are kept"
-            )
-            for b in bridged or []:
-                index[(b.layer, b.block)] = Loc(b, *_shape_dtype(folder, b))
-                rescued += 1
-                prev = b
-            i = j
-            continue
-        i += 1
-        if e.offset + e.record_len > sizes.get(e.segment, -1):
-            dropped += 1
-            continue
-        shape, dt, ok = _check_record(folder, e, verify, codec.code)
-        if not ok:
-            dropped += 1
-            continue
-        index[(e.layer, e.block)] = Loc(e, shape, dt)
-        kept += 1
-        prev = e
+    index, counts = _replay(folder, log_path, parsed[: last + 1], codec.code, sizes, verify, problems)
     torn = len(log) - keep
     if torn:
         fd = open_private(log_path, os.O_RDWR)  # later entries must follow the last intact one
@@ -127,14 +79,88 @@ def recover(folder: str, *, verify: bool = False) -> Recovered:
         keep,
         max(sizes, default=-1) + 1,
         {
-            "kept": kept,
-            "dropped": dropped,
+            "kept": counts["kept"],
+            "dropped": counts["dropped"],
             "torn_log_bytes": torn,
-            "corrupt_log_entries": corrupt,
-            "recovered_from_segments": rescued,
+            "corrupt_log_entries": counts["corrupt"],
+            "recovered_from_segments": counts["rescued"],
         },
         problems,
     )
+
+
+def _read_log(log_path: str) -> bytes:
+    """The commit log's bytes (none when it does not exist)."""
+    try:
+        with os.fdopen(open_read(log_path), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return b""
+    except OSError as exc:
+        raise store_error(log_path, "cannot read the commit log", exc) from None
+
+
+def _segment_sizes(folder: str, problems: list[str]) -> dict[int, int]:
+    """Bytes of each segment file by number; a segment that is not a regular file is left out (and named in `problems`)."""
+    sizes: dict[int, int] = {}
+    for name in os.listdir(folder):
+        m = re.fullmatch(r"seg-(\d{6})\.dat", name)
+        if m:
+            st = os.lstat(os.path.join(folder, name))
+            if stat.S_ISREG(st.st_mode):
+                sizes[int(m.group(1))] = st.st_size
+            else:  # a planted link is never read: its entries are dropped
+                problems.append(f"cold store {folder}: {name} is not a regular file; its blocks are dropped")
+    return sizes
+
+
+def _replay(
+    folder: str,
+    log_path: str,
+    parsed: list[CommitEntry | None],
+    code: int,
+    sizes: dict[int, int],
+    verify: bool,
+    problems: list[str],
+) -> tuple[dict[BlockKey, Loc], dict[str, int]]:
+    """The index the commit entries (up to the last intact one) describe, and how many were
+    kept, dropped, corrupt, and rescued from the segments; corruption is added to `problems`."""
+    index: dict[BlockKey, Loc] = {}
+    n = dict.fromkeys(("kept", "dropped", "corrupt", "rescued"), 0)
+    prev: CommitEntry | None = None
+    i = 0
+    while i < len(parsed):
+        e = parsed[i]
+        if e is None:  # damaged entries i..j-1 between intact neighbours: corruption, not a crash
+            j = i
+            while parsed[j] is None:
+                j += 1
+            bridged = _bridge(folder, prev, parsed[j], j - i, code, sizes)  # type: ignore[arg-type]
+            n["corrupt"] += j - i
+            what = f"recovered {len(bridged)} block(s) from the segment" if bridged else "their blocks are lost"
+            problems.append(
+                f"cold store {log_path}: {j - i} damaged commit entr{'y' if j - i == 1 else 'ies'} at offset "
+                f"{i * COMMIT_SIZE} (before intact ones, so not a torn tail: the file was modified or damaged); "
+                f"{what}; the intact entries are kept"
+            )
+            for b in bridged or []:
+                index[(b.layer, b.block)] = Loc(b, *_shape_dtype(folder, b))
+                n["rescued"] += 1
+                prev = b
+            i = j
+            continue
+        i += 1
+        if e.offset + e.record_len > sizes.get(e.segment, -1):
+            n["dropped"] += 1
+            continue
+        shape, dt, ok = _check_record(folder, e, verify, code)
+        if not ok:
+            n["dropped"] += 1
+            continue
+        index[(e.layer, e.block)] = Loc(e, shape, dt)
+        n["kept"] += 1
+        prev = e
+    return index, n
 
 
 def _read_record(folder: str, seg: int, off: int, want_payload: bool):
