@@ -41,13 +41,17 @@ class Server:
 
 
 @pytest.fixture
-def server() -> Iterator[Server]:
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """A fresh server on a free loopback port, no persistence (`indirect` param: a password)."""
     if SERVER is None:
         pytest.skip("neither valkey-server nor redis-server is installed (apt-get install valkey-server)")
+    password = getattr(request, "param", None)
     port = free_port()
     args = [SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    if password:
+        args += ["--requirepass", password]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    raw = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+    raw = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, password=password)
     deadline = time.time() + 10
     while True:
         try:
@@ -82,9 +86,15 @@ def _prompt(n: int, seed: int = 1, vocab: int = 128) -> list[int]:
     ["localhost:6379", "http://h:1/0", "redis://h", "redis://:6379", "redis://h:1/db", "redis://h:1/99", "redis://h:x"],
 )
 def test_bad_store_url_is_one_clear_error(url: str) -> None:
-    with pytest.raises(FlashMemError, match=r"allowed: redis://HOST:PORT\[/DB\]"):
+    with pytest.raises(FlashMemError, match=r"allowed: redis://\[:PASSWORD@\]HOST:PORT\[/DB\]"):
         parse_url(url)
-    assert parse_url("redis://10.0.0.5:6380/3") == ("10.0.0.5", 6380, 3)
+    got = parse_url("redis://10.0.0.5:6380/3")
+    assert (got.host, got.port, got.db, got.tls) == ("10.0.0.5", 6380, 3, False)
+    secret = parse_url("rediss://:s%40cret@h:1")
+    assert secret.password == "s@cret" and secret.tls and "cret" not in secret.shown
+    with pytest.raises(FlashMemError) as ex:
+        parse_url("redis://:hunter2@h:1/x")
+    assert "hunter2" not in str(ex.value)
 
 
 def test_a_record_written_by_one_replica_is_read_by_another(server: Server) -> None:
@@ -103,6 +113,19 @@ def test_a_record_written_by_one_replica_is_read_by_another(server: Server) -> N
     # every key has a TTL (the server forgets records nobody uses)
     assert 0 < server.raw.ttl(NAMESPACE + keys[0]) <= a.ttl_s
     assert a.unreachable == b.unreachable == 0
+
+
+@pytest.mark.parametrize("server", ["s3cret"], indirect=True)
+def test_a_password_protected_server(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    port = server.url.split(":")[2].split("/")[0]
+    keys = chain(_prompt(32), 32, "model-fp", "t")
+    wrong = RedisPrefixStore(server.url)  # no password: refused, counted, never raised
+    wrong.save(keys[0], "", _record(0))
+    assert wrong.dropped == 1 and wrong.unreachable == 1 and wrong.load(keys) == []
+    RedisPrefixStore(f"redis://:s3cret@127.0.0.1:{port}/0").save(keys[0], "", _record(0))
+    monkeypatch.setenv("FLASHMEM_PREFIX_STORE_PASSWORD", "s3cret")
+    from_env = RedisPrefixStore(server.url)
+    assert len(from_env.load(keys)) == 1 and from_env.unreachable == 0
 
 
 def test_a_damaged_record_is_never_used_counted_and_deleted(server: Server) -> None:
@@ -161,6 +184,35 @@ def test_the_quota_is_the_servers_lru(server: Server) -> None:
     RedisPrefixStore(server.url, quota_bytes=quota)
     cfg = server.raw.config_get("maxmemory*")
     assert int(cfg["maxmemory"]) == quota * 2 and cfg["maxmemory-policy"] == "allkeys-lfu"
+
+
+def test_a_store_down_at_start_sets_the_quota_when_the_server_comes_up() -> None:
+    if SERVER is None:
+        pytest.skip("neither valkey-server nor redis-server is installed (apt-get install valkey-server)")
+    port = free_port()
+    store = RedisPrefixStore(f"redis://127.0.0.1:{port}/0", quota_bytes=2**30, retry_s=0.1)  # nobody there
+    args = [SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    raw = redis.Redis(port=port, socket_timeout=2)
+    try:
+        deadline = time.time() + 10
+        while True:
+            try:
+                raw.ping()
+                break
+            except redis.ConnectionError:
+                assert time.time() < deadline
+                time.sleep(0.05)
+        assert int(raw.config_get("maxmemory")["maxmemory"]) == 0
+        time.sleep(0.2)  # past retry_s
+        store.save(chain(_prompt(32), 32, "fp", "t")[0], "", _record(0))
+        assert store.dropped == 0
+        cfg = raw.config_get("maxmemory*")
+        assert int(cfg["maxmemory"]) == 2**30 and cfg["maxmemory-policy"] == "allkeys-lru"
+    finally:
+        raw.close()
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def _engine(store: RedisPrefixStore) -> Engine:

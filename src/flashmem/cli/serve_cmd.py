@@ -58,7 +58,8 @@ def serve(
     prefix_store: str | None = typer.Option(
         None,
         "--prefix-store",
-        help="redis://HOST:PORT[/DB]: prefixes on a Valkey/Redis server shared by replicas (instead of --prefix-dir)",
+        help="redis://[:PASSWORD@]HOST:PORT[/DB] (rediss:// for TLS; or $FLASHMEM_PREFIX_STORE_PASSWORD):"
+        " prefixes on a Valkey/Redis server shared by replicas, instead of --prefix-dir",
     ),
     cold_quota: str = typer.Option("4G", "--cold-quota", help="quota of stored prefixes (LRU beyond it)"),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="no cross-request prefix reuse"),
@@ -105,8 +106,9 @@ def serve(
     if no_prefix_cache:
         pass
     elif prefix_store is not None:
-        store = RedisPrefixStore(prefix_store, quota_bytes=quota)
-        where = f"prefixes on {prefix_store} (shared; quota {quota} bytes, the server's LRU)"
+        shared = RedisPrefixStore(prefix_store, quota_bytes=quota)
+        store = shared
+        where = f"prefixes on {shared.root} (shared; quota {quota} bytes, the server's LRU)"
     else:
         folder = PrefixStore(prefix_dir or default_prefix_dir(), quota_bytes=quota)
         store = folder

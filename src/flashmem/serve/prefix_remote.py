@@ -28,16 +28,22 @@ What differs, and why:
   lookups are misses and saves are dropped: the request is served without
   reuse, and `unreachable` counts the calls that could not reach the server
   (/metrics: `flashmem_prefix_store_unreachable_total`). Nothing raises.
+- The records encode users' prompts: on a shared network give the server a
+  password (`redis://:PASSWORD@HOST:PORT`, or `$FLASHMEM_PREFIX_STORE_PASSWORD`
+  to keep it off the command line) and TLS (`rediss://`); messages never show it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import torch
 
@@ -51,20 +57,46 @@ DEFAULT_TTL_S = 7 * 24 * 3600
 T = TypeVar("T")
 
 
-def parse_url(url: str) -> tuple[str, int, int]:
-    """`redis://HOST:PORT[/DB]` -> (host, port, db); FlashMemError naming what is allowed otherwise."""
-    allowed = "allowed: redis://HOST:PORT[/DB], e.g. redis://127.0.0.1:6379/0"
+@dataclass(frozen=True)
+class StoreURL:
+    """A parsed `--prefix-store` URL (the password never printed: `shown`)."""
+
+    host: str
+    port: int
+    db: int
+    password: str | None
+    tls: bool
+
+    @property
+    def shown(self) -> str:
+        auth = ":***@" if self.password else ""
+        return f"{'rediss' if self.tls else 'redis'}://{auth}{self.host}:{self.port}/{self.db}"
+
+
+def parse_url(url: str) -> StoreURL:
+    """`redis://[:PASSWORD@]HOST:PORT[/DB]` (`rediss://` for TLS) -> StoreURL; FlashMemError naming
+    what is allowed otherwise. Without one in the URL, `$FLASHMEM_PREFIX_STORE_PASSWORD` is the password."""
+    allowed = "allowed: redis://[:PASSWORD@]HOST:PORT[/DB] or rediss://..., e.g. redis://127.0.0.1:6379/0"
     try:
         parts = urlsplit(url.strip())
         port = parts.port
     except ValueError:
-        raise FlashMemError(f"--prefix-store {url!r} is not a store URL; {allowed}") from None
-    if parts.scheme != "redis" or not parts.hostname or port is None or parts.query or parts.fragment:
-        raise FlashMemError(f"--prefix-store {url!r} is not a store URL; {allowed}")
+        parts, port = None, None
+    shown = re.sub(r"//[^@/]*@", "//***@", url)  # no password in messages
+    if (
+        parts is None
+        or parts.scheme not in ("redis", "rediss")
+        or not parts.hostname
+        or port is None
+        or parts.query
+        or parts.fragment
+    ):
+        raise FlashMemError(f"--prefix-store {shown!r} is not a store URL; {allowed}")
     path = parts.path.strip("/")
     if path and not (path.isdigit() and int(path) < 16):
-        raise FlashMemError(f"--prefix-store {url!r}: database {path!r} is not a number 0-15; {allowed}")
-    return parts.hostname, port, int(path or 0)
+        raise FlashMemError(f"--prefix-store {shown!r}: database {path!r} is not a number 0-15; {allowed}")
+    password = unquote(parts.password) if parts.password else os.environ.get("FLASHMEM_PREFIX_STORE_PASSWORD")
+    return StoreURL(parts.hostname, port, int(path or 0), password or None, parts.scheme == "rediss")
 
 
 class RedisPrefixStore:
@@ -88,18 +120,19 @@ class RedisPrefixStore:
             raise FlashMemError(
                 f"--prefix-store needs the serve extra ({exc.name} is missing): pip install torch==2.13.0 -e '.[serve]'"
             ) from None
-        host, port, db = parse_url(url)
-        self.url = url
-        self.root = f"{host}:{port}/{db}"  # what the CLI prints as the store's place
+        where = parse_url(url)
+        self.root = where.shown  # the store's place in messages (no password)
         self.quota_bytes = quota_bytes
         self.ttl_s = ttl_s
         self.retry_s = retry_s
         self.stats_every_s = stats_every_s
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._client = redis.Redis(
-            host=host,
-            port=port,
-            db=db,
+            host=where.host,
+            port=where.port,
+            db=where.db,
+            password=where.password,
+            ssl=where.tls,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # one try: a down store is skipped for retry_s, not retried inline
@@ -113,6 +146,7 @@ class RedisPrefixStore:
         self.damaged = 0  # records that failed their check (deleted)
         self.unreachable = 0  # calls that could not reach the server (failed, or skipped while it was down)
         self.dropped = 0  # records not saved because the server was unreachable
+        self._configured = False
         self._configure()
 
     # ---------------------------------------------------------------- server
@@ -135,29 +169,26 @@ class RedisPrefixStore:
             return default
 
     def _configure(self) -> None:
-        """Quota and LRU on the server (module docstring); a down server is configured by nobody."""
-        if self.quota_bytes is None:
+        """Quota and LRU on the server (module docstring). A server that cannot be reached is
+        configured by the first save that reaches it; one that refuses is left as it is."""
+        if self._configured or self.quota_bytes is None:
+            self._configured = True
             return
-
-        def apply() -> bool:
-            cur = self._client.config_get("maxmemory*")
-            limit = int(cur.get("maxmemory", 0) or 0)
-            policy = str(cur.get("maxmemory-policy", ""))
-            if limit and policy != "noeviction":
-                return True  # the operator's settings (every key has a TTL: volatile-* policies evict them too)
-            self._client.config_set("maxmemory-policy", "allkeys-lru")
-            self._client.config_set("maxmemory", str(self.quota_bytes))
-            return True
+        import redis
 
         try:
-            apply()
+            cur = self._client.config_get("maxmemory*")
+            limit = int(cur.get("maxmemory", 0) or 0)
+            if not limit or cur.get("maxmemory-policy") == "noeviction":
+                self._client.config_set("maxmemory-policy", "allkeys-lru")
+                self._client.config_set("maxmemory", str(self.quota_bytes))
+            # else the operator's settings (every key has a TTL: volatile-* policies evict them too)
+            self._configured = True
+        except redis.ResponseError as exc:  # CONFIG refused (managed services): the server's settings apply
+            self._configured = True
+            log.warning("prefix store %s: maxmemory and allkeys-lru not set (%s)", self.root, exc)
         except self._errors as exc:
-            log.warning(
-                "prefix store %s: could not set maxmemory=%s and allkeys-lru (%s); the server's own settings apply",
-                self.root,
-                self.quota_bytes,
-                exc,
-            )
+            log.warning("prefix store %s unreachable (%s); quota set when it answers", self.root, exc)
 
     # ---------------------------------------------------------------- queries
     def __contains__(self, key: str) -> bool:
@@ -244,6 +275,8 @@ class RedisPrefixStore:
                 self.dropped += 1
         if down:
             return  # not even encoded
+        if not self._configured:
+            self._configure()
         data = encode_record(key, parent, record)
         ok: Any = self._call("set", lambda: self._client.set(NAMESPACE + key, data, ex=self.ttl_s), None)
         if not ok:
