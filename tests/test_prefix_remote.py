@@ -166,6 +166,29 @@ def test_a_killed_server_costs_reuse_never_an_exception(server: Server) -> None:
     assert a.dropped == 2 and a.unreachable >= 5
 
 
+def test_a_hung_server_costs_one_timeout_then_is_skipped(server: Server) -> None:
+    import os
+    import signal
+
+    a = RedisPrefixStore(server.url, timeout_s=0.5, retry_s=30)
+    keys = chain(_prompt(64), 32, "model-fp", "t")
+    a.save(keys[0], "", _record(0))
+    os.kill(server.proc.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+    try:
+        t0 = time.perf_counter()
+        assert a.load(keys) == []
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        assert a.longest(keys) == 0 and a.load(keys) == []
+        a.save(keys[1], keys[0], _record(1))
+        after = time.perf_counter() - t0
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert 0.4 < first < 2.0  # one timeout
+    assert after < 0.1  # then skipped for retry_s, not waited on
+    assert a.unreachable == 4 and a.dropped == 1
+
+
 def test_the_quota_is_the_servers_lru(server: Server) -> None:
     base = int(server.raw.info("memory")["used_memory"])
     quota = base + 3 * 2**20
