@@ -92,36 +92,54 @@ def calibrate(
     kinds_all = geometry.layer_types(cfg, cfg.num_hidden_layers, infer_sliding=False)
     tensors: dict[str, torch.Tensor] = {}
     kl: dict[str, list[float]] = {}
+    fit = {"rank": rank, "page_tokens": page_tokens, "window": window, "sinks": sinks, "steps": steps}
     for i in layers:
-        layer_tensors, kl[str(i)] = _fit_one_layer(
-            model, cap, i, kinds_all[i], rank=rank, page_tokens=page_tokens, window=window, sinks=sinks, steps=steps
-        )
+        layer_tensors, kl[str(i)] = _fit_one_layer(model, cap, i, kinds_all[i], **fit)
         tensors.update(layer_tensors)
         bar.update(1)
     bar.close()
-    manifest = {
+    manifest = _manifest(model, cfg, source, n_seq * seq_tokens, seq_tokens, fit, layers, tensors, kl, t0)
+    cal = Calibration(manifest, tensors)
+    if out is not None:
+        cal.save(Path(out))
+    return cal
+
+
+def _manifest(
+    model: Any,
+    cfg: Any,
+    source: str,
+    tokens: int,
+    seq_tokens: int,
+    fit: dict[str, int],
+    layers: list[int],
+    tensors: dict[str, torch.Tensor],
+    kl: dict[str, list[float]],
+    t0: float,
+) -> dict[str, Any]:
+    """What a calibration was fitted from and with (saved as manifest.json).
+
+    fit: `calibrate`'s rank, page_tokens, window, sinks and steps; t0: when the fit began."""
+    rank, sinks = fit["rank"], fit["sinks"]
+    return {
         "format": FORMAT,
         "model": getattr(model.config, "name_or_path", "") or cfg.model_type,
         "model_fingerprint": model_fingerprint(model),
         "text": source,
-        "tokens": n_seq * seq_tokens,
+        "tokens": tokens,
         "seq_tokens": seq_tokens,
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "rank": min(rank, int(tensors[f"layer.{layers[0]}.key_basis"].shape[-1])) if layers else rank,
-        "page_tokens": page_tokens,
-        "window": window,
+        "page_tokens": fit["page_tokens"],
+        "window": fit["window"],
         "sinks": sinks,
-        "steps": steps,
+        "steps": fit["steps"],
         "layers": layers,
         "indexer_kl": kl,
         # cold-tier bases (format 2): full rank, fitted without each sequence's first `sinks` tokens
         "cold_bases": {"ranks": "1..head_dim", "skip_tokens": sinks, "keys": "pre-RoPE, pca and attention-weighted"},
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    cal = Calibration(manifest, tensors)
-    if out is not None:
-        cal.save(Path(out))
-    return cal
 
 
 def _capture(model: Any, layers: list[int], sequences: list[list[int]], bar: Any) -> Captured:
