@@ -82,17 +82,25 @@ def run(
     else:
         planted, ids = None, _encode(tok, source, prompt, context_tokens)
     console.print(f"[dim]context: {ids.shape[1]:,} tokens; config: {config or _default_config()}[/dim]")
-
-    cache = flashmem.attach(mdl, cfg)
-    try:
-        result = _measure(mdl, tok, cache, ids, n_new, model, cfg, compare_full)
-    finally:
-        cache.close()  # also on SIGTERM (main turns it into SystemExit): no store folder is left
+    result = _measure_attached(mdl, tok, ids, n_new, model, cfg, compare_full)
     if planted is not None:
         result["question"] = _question_result(planted, result, compare_full)
     _print_report(result)
     if json_out:
         json_out.write_text(json.dumps(result, indent=2, default=str))
+
+
+def _measure_attached(
+    mdl: Any, tok: Any, ids: Any, max_new_tokens: int, model: str, cfg: Any, compare_full: bool
+) -> dict[str, Any]:
+    """`_measure` through a FlashMemory cache attached for this run, closed after it."""
+    import flashmem
+
+    cache = flashmem.attach(mdl, cfg)
+    try:
+        return _measure(mdl, tok, cache, ids, max_new_tokens, model, cfg, compare_full)
+    finally:
+        cache.close()  # also on SIGTERM (main turns it into SystemExit): no store folder is left
 
 
 def _resolve_ask(ask: bool | None, input: Path | None, prompt: str | None, context_tokens: int | None) -> bool:
