@@ -58,7 +58,7 @@ def serve(
     prefix_store: str | None = typer.Option(
         None,
         "--prefix-store",
-        help="redis://[:PASSWORD@]HOST:PORT[/DB] (rediss:// for TLS; or $FLASHMEM_PREFIX_STORE_PASSWORD):"
+        help="redis://HOST:PORT/DB, with :PASSWORD@ before HOST if needed (rediss:// for TLS; or $FLASHMEM_PREFIX_STORE_PASSWORD):"
         " prefixes on a Valkey/Redis server shared by replicas, instead of --prefix-dir",
     ),
     cold_quota: str = typer.Option("4G", "--cold-quota", help="quota of stored prefixes (LRU beyond it)"),
