@@ -202,10 +202,13 @@ def cache_ratios(model: Any, cache: Any, tokens: int) -> dict[str, Any]:
         managed = int(rep.get("managed_resident_bytes", 0)) + int(rep.get("full_layer_bytes", 0)) - prompt_kv
         sliding = int(rep.get("sliding_layer_bytes", 0))
         total = int(rep.get("device_resident_bytes", managed + sliding)) - prompt_kv
+        peak = int(rep.get("peak_managed_resident_bytes", 0)) + int(rep.get("full_layer_bytes", 0))
         extra = {
             "cold_bytes": rep.get("cold_bytes"),
             "tokens_seen": rep.get("tokens_seen"),
             "prompt_kv_bytes": prompt_kv,
+            # the most the managed layers held at any step so far (a held exact prompt included)
+            "ratio_peak": peak / full["managed_bytes"] if full["managed_bytes"] else float("nan"),
         }
     else:
         b = kv_bytes(cache)

@@ -270,10 +270,12 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
                     lp = H.teacher_forced(model, cache, logits, cont, step)
                     end = H.cache_ratios(model, cache, L + args.n_cont - 1)
                     row["ratio_end"] = end["ratio"]
-                    if row.get("prompt_kv_bytes"):
-                        # an exact prompt: at its end the cache holds the prompt's K/V (reported
-                        # apart) and no selection yet; what decoding holds is measured at the end
+                    if m.kind == "flashmem":
+                        # at the prompt's end nothing is selected yet (an exact prompt's K/V, if held,
+                        # is reported apart): what decoding holds is measured at the end; the peak
+                        # through the whole request, prompt included, beside it
                         row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
+                        row["ratio_peak"] = end.get("ratio_peak")
                     row.update(H.fidelity_metrics(ref, lp, cont[0]))
                     row.update(info)
                 except Exception as exc:  # recorded; the sweep goes on
@@ -441,12 +443,13 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
                 cache, _, info = local_cache(loaded, m, b, ctx, shared)
                 row.update(H.cache_ratios(model, cache, int(ctx.shape[1])))
                 gen = H.greedy(model, cache, q, args.max_new, stop)
-                if row.get("prompt_kv_bytes"):
-                    # an exact prompt: at the context's end the cache holds the prompt's K/V
-                    # (reported apart) and no selection yet; decoding's is measured after it
+                if m.kind == "flashmem":
+                    # at the context's end nothing is selected yet (an exact prompt's K/V, if held,
+                    # is reported apart); decoding's is measured after the answer, the peak beside it
                     end = H.cache_ratios(model, cache, int(ctx.shape[1] + q.shape[1]) + len(gen) - 1)
                     row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
                     row["ratio_whole"] = end["ratio_whole"]
+                    row["ratio_peak"] = end.get("ratio_peak")
                 text = tok.decode(gen, skip_special_tokens=True)
                 row.update(output=text, correct=score_answer(text, probe.answer))
                 row.update({k: v for k, v in info.items() if k != "config"})
