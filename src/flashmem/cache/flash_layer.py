@@ -35,12 +35,13 @@ from flashmem.cache.ranking import CandidateRanker, SelectionHook
 from flashmem.cache.summaries import SummaryTiers
 from flashmem.cache.tiered_attention import attend, group_queries
 from flashmem.cache.traffic import Traffic
+from flashmem.cache.validity import Validity
 from flashmem.cache.working_set import WorkingSet
 from flashmem.compress.fusion import FusionRule
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ColdStoreError, ConfigError, FlashMemError
 from flashmem.index.base import BlockScorer
-from flashmem.index.vectors import IndexVectors
+from flashmem.index.vectors import IndexVectors, summarize_pages
 from flashmem.rope import RopeRotator
 from flashmem.store.base import ColdStore
 from flashmem.store.memory import MemoryStore
@@ -150,10 +151,7 @@ class FlashLayer(CacheLayerMixin):
         # this minus the selected pages' values, over the tokens left out (empty without it).
         rest_d = d if self.cfg.keeps_rest_entry else 0
         self.v_sum = torch.zeros(b, h, rest_d, dtype=torch.float32, device=dev)
-        # Validity of every position seen, in a buffer with doubling capacity: appending a
-        # decode step's token copies nothing (a cat per step would copy the whole history).
-        self._valid_buf = torch.zeros(b, 1024, dtype=torch.bool, device=dev)
-        self._valid_len = 0
+        self.validity = Validity(b, dev)  # which positions seen are real tokens
         self.reader.bind((b, h, d), dev, dt, self.cfg.sink_tokens)
         self.ranker = CandidateRanker(self.layer_idx, self.cfg, self.scorer, self.reader, self.index)
         self.working_set = WorkingSet(self.cfg.working_set_codec, self.cfg.page_tokens, dt)
@@ -286,7 +284,7 @@ class FlashLayer(CacheLayerMixin):
         a prompt forward (q > 1; the prompt ends at the first one-token forward) while the
         context, with it, is within the cap. Otherwise the prompt's K/V is dropped for good:
         from here on every chunk attends its selection."""
-        return self.exact.admits(q, self._valid_len)
+        return self.exact.admits(q, self.validity.length)
 
     def resume_exact_prompt(self) -> None:
         """After a restored state (serve's prefix reuse): rebuild the prompt's K/V from the
@@ -299,7 +297,7 @@ class FlashLayer(CacheLayerMixin):
             v = torch.cat([self.sink_v, *(bv for _, bv in blocks), self.open_v, self.win_v], dim=-2)
             return k, v
 
-        self.exact.resume(self._valid_len, every_token)
+        self.exact.resume(self.validity.length, every_token)
 
     def _attended_bytes(self) -> int:
         """Device-resident bytes a selecting step reads (every tier but the query buffer and
@@ -324,29 +322,17 @@ class FlashLayer(CacheLayerMixin):
     @property
     def valid(self) -> torch.Tensor:
         """[b, tokens seen] True where a position holds a real token (not padding)."""
-        return self._valid_buf[:, : self._valid_len]
+        return self.validity.view
 
     @valid.setter
     def valid(self, value: torch.Tensor) -> None:  # a restored state (layer_state.load)
-        self._valid_buf = value.clone()
-        self._valid_len = value.shape[-1]
-
-    def _append_valid(self, valid: torch.Tensor) -> None:
-        n, m = self._valid_len, valid.shape[-1]
-        if n + m > self._valid_buf.shape[-1]:
-            grown = torch.zeros(
-                valid.shape[0], max(2 * self._valid_buf.shape[-1], n + m), dtype=torch.bool, device=valid.device
-            )
-            grown[:, :n] = self._valid_buf[:, :n]
-            self._valid_buf = grown
-        self._valid_buf[:, n : n + m] = valid
-        self._valid_len = n + m
+        self.validity.set(value)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, queries: torch.Tensor, group: int) -> None:
         """Add new tokens after attention. k, v: [b, h, q, d]; valid: [b, q];
         queries: [b, h, q*group, d], token-major (a GQA group's queries per KV head)."""
         cfg = self.cfg
-        self._append_valid(valid)
+        self.validity.append(valid)
         self.summaries.note_queries(queries, group)
         take = min(cfg.sink_tokens - self.sink_k.shape[-2], k.shape[-2])
         if take > 0:
@@ -387,7 +373,7 @@ class FlashLayer(CacheLayerMixin):
         valid = self.valid[:, start : start + T]
         self.summaries.seal(k, v, valid, pos, first, self.scaling)
         self.sealed += T // B
-        self.index.extend(self._summarize_pages(k, valid))
+        self.index.extend(summarize_pages(self.scorer, k, valid, self.cfg.page_tokens))
         if cfg.keeps_rest_entry:
             self.v_sum += (v.float() * valid[:, None, :, None].to(torch.float32)).sum(-2)
         failure: ColdStoreError | None = None
@@ -401,16 +387,6 @@ class FlashLayer(CacheLayerMixin):
             except ColdStoreError as exc:  # the store kept the block; raised once the layer is consistent
                 failure = failure or exc
         return failure
-
-    def _summarize_pages(self, k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Index summaries of every page of new blocks: k [b, h, T, d], valid [b, T]
-        -> [b, h, T // P, vectors, d]. Pages go through the scorer as one batch."""
-        b, h, T, d = k.shape
-        P = self.cfg.page_tokens
-        m = T // P
-        pages = k.view(b, h, m, P, d).transpose(1, 2).reshape(b * m, h, P, d)
-        summ = self.scorer.summarize(pages, valid.reshape(b * m, P))  # [b*m, h, vectors, d]
-        return summ.view(b, m, h, *summ.shape[2:]).transpose(1, 2)
 
     # ---------------------------------------------------------------- memory
     def resident_bytes(self) -> dict[str, int]:

@@ -120,7 +120,7 @@ def crop(layer: FlashLayer, tokens_to_remove: int) -> None:
         layer.open_k, layer.open_v = layer.open_k[:, :, :cut], layer.open_v[:, :, :cut]
     removed = -tokens_to_remove
     layer.tokens_seen -= removed
-    layer._valid_len -= removed  # the buffer keeps its capacity: the next append overwrites
+    layer.validity.drop_last(removed)
 
 
 def end_exact_prompt(layer: FlashLayer) -> None:
@@ -259,7 +259,7 @@ def select_rows(layer: FlashLayer, src: torch.Tensor) -> None:
 
     for name in ("sink_k", "sink_v", "win_k", "win_v", "open_k", "open_v", "v_sum"):
         setattr(layer, name, pick(getattr(layer, name)))
-    layer._valid_buf = pick(layer._valid_buf)
+    layer.validity.pick_rows(pick)
     summ = layer.summaries
     summ.hca_k, summ.hca_v, summ.hca_cnt = pick(summ.hca_k), pick(summ.hca_v), pick(summ.hca_cnt)
     summ.csa_blocks = deque((bid, pick(k), pick(v), pick(c)) for bid, k, v, c in summ.csa_blocks)

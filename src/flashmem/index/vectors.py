@@ -5,12 +5,18 @@ index that grows with the context, so they are what low precision saves:
 `model` keeps the model dtype, `float16` halves fp32, `int8` stores one byte
 per element plus one fp16 absmax scale per vector (symmetric; a scorer's
 ranking changes little, measured in docs/measurements.md). Vectors are
-dequantized for scoring only; nothing dequantized is kept.
+dequantized for scoring only; nothing dequantized is kept. `summarize_pages`
+makes a scorer's summaries of newly sealed pages.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from flashmem.index.base import BlockScorer
 
 
 class IndexVectors:
@@ -48,3 +54,13 @@ class IndexVectors:
 
     def nbytes(self) -> int:
         return self.codes.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+
+def summarize_pages(scorer: BlockScorer, k: torch.Tensor, valid: torch.Tensor, page_tokens: int) -> torch.Tensor:
+    """Index summaries of every page of newly sealed blocks: k [b, h, T, d], valid [b, T]
+    -> [b, h, T // P, vectors, d]. Pages go through the scorer as one batch."""
+    b, h, T, d = k.shape
+    m = T // page_tokens
+    pages = k.view(b, h, m, page_tokens, d).transpose(1, 2).reshape(b * m, h, page_tokens, d)
+    summ = scorer.summarize(pages, valid.reshape(b * m, page_tokens))  # [b*m, h, vectors, d]
+    return summ.view(b, m, h, *summ.shape[2:]).transpose(1, 2)
