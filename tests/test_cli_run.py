@@ -71,6 +71,10 @@ def test_run_generates_reports_memory_and_compares_with_full(tiny_folder, tmp_pa
     peaked = mem["peak_managed_resident_bytes"] > mem["managed_resident_bytes"]
     assert "device resident" in printed and ("peak (any step)" in printed) == peaked
     assert "prefill_kv" not in printed  # all-zero tiers are left out
+    # what a decode step moved, beside a full cache's reads (cache.traffic_report())
+    traffic = result["traffic"]
+    assert traffic["steps"]["decode_steps"] == 5 and traffic["totals"]["h2d_bytes"] > 0
+    assert "per decode step (median)" in printed and "a full cache reads" in printed
 
 
 @pytest.mark.parametrize(

@@ -151,6 +151,7 @@ def _measure(
 ) -> dict[str, Any]:
     gen, logits, t_prefill, t_decode = _generate(mdl, tok, cache, ids, max_new_tokens, label="flashmem:   ")
     report = cache.memory_report()
+    traffic = cache.traffic_report() if hasattr(cache, "traffic_report") else None
     result: dict[str, Any] = {
         "model": model,
         "device": str(next(mdl.parameters()).device),
@@ -163,6 +164,7 @@ def _measure(
         "decode_s": t_decode,
         "decode_tokens_per_s": (len(gen) - 1) / t_decode if len(gen) > 1 and t_decode > 0 else None,
         "memory": report,
+        "traffic": traffic,
         "config": cfg.model_dump(),
     }
     full_bytes = _full_cache_bytes(mdl, report["tokens_seen"])
@@ -388,6 +390,27 @@ def speed_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def traffic_lines(r: dict[str, Any]) -> list[str]:
+    """What a decode step and the prompt moved (`cache.traffic_report()`), beside the full cache's reads."""
+    t = r.get("traffic")
+    if not t or not t["steps"]["decode_steps"]:
+        return []
+    d, tot = t["per_decode_step_median"], t["totals"]
+
+    def mb(n: float) -> str:
+        return f"{n / 1e6:,.1f} MB"
+
+    lines = [
+        f"per decode step (median): read from device tiers {mb(d['device_read_bytes'])}, copied from the cold "
+        f"tier {mb(d['h2d_bytes'])}, read on the host {mb(d['host_read_bytes'])}, from disk "
+        f"{mb(d['disk_read_bytes'])}; a full cache reads {mb(d['full_cache_bytes'])}; pages already held "
+        f"{t['page_cache']['hit_rate']:.0%}"
+    ]
+    if tot["h2d_bytes"] and t["steps"]["prefill_forwards"]:
+        lines.append(f"whole request: copied from the cold tier {mb(tot['h2d_bytes'])} (the prompt read back included)")
+    return lines
+
+
 def memory_rows(r: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str]]:
     """The memory table's rows (label, bytes) without all-zero tiers, and notes that
     explain the peak and, on a CPU, that the device tiers and a memory cold tier share RAM."""
@@ -457,6 +480,8 @@ def _print_report(r: dict[str, Any]) -> None:
     console.print(t, soft_wrap=False)
     for note in notes:
         console.print(f"[dim]{note}[/dim]")
+    for line in traffic_lines(r):
+        console.print(line)
     for line in speed_lines(r):
         console.print(line)
     if "question" in r:
