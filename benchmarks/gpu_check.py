@@ -22,7 +22,7 @@
    On CUDA also transformers' offloaded cache (`DynamicCache(offloading=True)`, filled the
    same way). Before the lengths, the model's constants are measured: a device copy, host to
    device from pinned and from pageable memory, device to host pinned (1 GiB each).
-3. **The hardware model's prediction** (flashmem.memory.hardware, the same module as
+3. **The hardware model's prediction** (flashmem.sizing.hardware, the same module as
    `flashmem estimate --hardware`) beside each measured figure: the device is read from
    `torch.cuda.get_device_name` (H100, H200, A100, L4) or given with --hardware. DynamicCache
    is predicted with 3 passes over its K/V per step (its torch.cat reads and writes the cache,
@@ -58,7 +58,7 @@ for sub in ("src", "evaluation"):  # runs from a checkout without `pip install -
         sys.path.insert(0, path)
 
 import flashmem  # noqa: E402
-from flashmem.memory import hardware as hwm  # noqa: E402
+from flashmem.sizing import hardware as hwm  # noqa: E402
 
 # Llama-3.1-8B's geometry (config.json on the Hub), the layer count chosen per run
 LLAMA_8B = dict(
@@ -281,7 +281,7 @@ def traffic_of(cache: Any) -> dict[str, Any] | None:
 
 def predictions(hw: hwm.Hardware, model: Any, tokens: int, cfg: Any, traffic: dict[str, Any] | None) -> dict[str, Any]:
     """The hardware model's figures for this run's own model, batch 1."""
-    from flashmem.memory.calculator import estimate
+    from flashmem.sizing.calculator import estimate
 
     c = model.config
     arch = hwm.arch_from_config(c.to_dict())

@@ -5,7 +5,7 @@
 
 For each format and depth (formats and prompts: `flashmem_eval.benchkit.probe`) the
 full cache of MODEL (default Gemma3-270m) answers, then flashmem with each recipe variant of
-`flashmem.memory.budget.VARIANTS` mapped to the budget by
+`flashmem.sizing.budget.VARIANTS` mapped to the budget by
 `FlashMemoryConfig.for_budget` (`VARIANT@BUDGET`: at another budget than the run's); greedy, NEW_TOKENS new tokens, right when the first
 number in the answer is the needle's (a word, code or date: when the answer
 contains it; `flashmem_eval.benchkit.score`). The formats of `benchkit.LATE_FORMATS`
@@ -24,7 +24,7 @@ import time
 import torch
 
 from flashmem.config import FlashMemoryConfig
-from flashmem.memory.budget import model_geometry, predicted_ratio
+from flashmem.sizing.budget import model_geometry, predicted_ratio
 from flashmem_eval import harness as H
 from flashmem_eval.benchkit import LATE_FORMATS, probe, score
 

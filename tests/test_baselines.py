@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from flashmem.errors import FlashMemError
-from flashmem.memory.budget import budget_config, predicted_ratio
+from flashmem.sizing.budget import budget_config, predicted_ratio
 from flashmem_eval import harness as H
 from flashmem_eval.baselines import parse_method
 from flashmem_eval.baselines.evicting import EvictingLayer, kv_bytes, new_cache

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
-from flashmem.memory.budget import _ratio_of, _sized, model_geometry, predicted_ratio
 from flashmem.recipe import MAX_TOKENS, recipe_keys
+from flashmem.sizing.budget import _ratio_of, _sized, model_geometry, predicted_ratio
 
 
 def _one_line(call) -> str:

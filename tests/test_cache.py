@@ -16,7 +16,7 @@ import flashmem
 from flashmem import policies
 from flashmem.cache.flash_layer import FlashLayer
 from flashmem.errors import ConfigError
-from flashmem.memory.tiers import tier_counts
+from flashmem.sizing.tiers import tier_counts
 from tiny_models import MODELS, tiny_gemma3, tiny_llama
 
 SMALL = dict(

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import flashmem
-from flashmem.memory.calculator import estimate
+from flashmem.sizing.calculator import estimate
 
 pytestmark = [
     pytest.mark.model,

@@ -11,7 +11,7 @@ import pytest
 
 from flashmem.cli.main import main
 from flashmem.config import FlashMemoryConfig
-from flashmem.memory.calculator import estimate
+from flashmem.sizing.calculator import estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = str(ROOT / "configs" / "seed.yaml")

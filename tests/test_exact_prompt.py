@@ -38,7 +38,10 @@ def test_an_exact_prompt_equals_the_full_caches_and_the_selection_starts_after_i
     assert cache.memory_report()["sealed_blocks"] > 0  # the tiers filled as usual
     if codec == "exact":  # streamed: nothing of the prompt held beyond the tiers
         assert held == 0
-        assert cache.memory_report()["peak_managed_resident_bytes"] <= sparse.memory_report()["peak_managed_resident_bytes"]
+        assert (
+            cache.memory_report()["peak_managed_resident_bytes"]
+            <= sparse.memory_report()["peak_managed_resident_bytes"]
+        )
         assert cache.traffic_report()["totals"]["h2d_bytes"] > 0  # the sealed blocks were read back
     else:  # a lossy cold tier: the prompt's K/V held on the device until the first generated token
         assert held > 0 and cache.memory_report()["peak_managed_resident_bytes"] >= held
@@ -55,7 +58,7 @@ def test_an_exact_prompt_equals_the_full_caches_and_the_selection_starts_after_i
 
 def _buffered(monkeypatch):
     """The exact prompt as before streaming: the prompt's K/V held in a device buffer."""
-    from flashmem.cache import flash_layer, exact_prompt
+    from flashmem.cache import exact_prompt, flash_layer
 
     monkeypatch.setattr(flash_layer, "ExactPrompt", lambda cap, streamed: exact_prompt.ExactPrompt(cap, False))
 

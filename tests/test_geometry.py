@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from flashmem.memory.specs import resolve_model
 from flashmem.models import geometry
 from flashmem.models.registry import BUILTINS
+from flashmem.sizing.specs import resolve_model
 
 
 def test_gemma3_every_sixth_layer_is_global():

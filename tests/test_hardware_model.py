@@ -1,4 +1,4 @@
-"""The hardware model (flashmem.memory.hardware): its arithmetic against figures worked
+"""The hardware model (flashmem.sizing.hardware): its arithmetic against figures worked
 out by hand here, for Llama-3.1-8B at 128K tokens on an H200. Modelled, not measured."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
-from flashmem.memory import hardware as hwm
-from flashmem.memory.calculator import estimate
+from flashmem.sizing import hardware as hwm
+from flashmem.sizing.calculator import estimate
 
 # By hand: Llama-3.1-8B, 32 layers x 8 KV heads x 128 dims x (K + V) x 2 bytes (bf16)
 KV_TOKEN = 32 * 8 * 128 * 2 * 2  # 131,072 B

@@ -17,8 +17,8 @@ import flashmem
 from flashmem.cache.latent import LatentKV
 from flashmem.calibration import calibrate, load_calibration
 from flashmem.errors import ConfigError
-from flashmem.memory.calculator import cold_elements_per_token, estimate
 from flashmem.rope import find_rotator
+from flashmem.sizing.calculator import cold_elements_per_token, estimate
 from test_cache import ALL_EXACT, SMALL, reference, run
 from test_pages_calibration import _Tok
 from tiny_models import tiny_llama

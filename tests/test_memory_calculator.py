@@ -11,8 +11,8 @@ import pytest
 import flashmem
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError, FlashMemError
-from flashmem.memory.calculator import estimate
-from flashmem.memory.specs import (
+from flashmem.sizing.calculator import estimate
+from flashmem.sizing.specs import (
     MLA,
     CompressedV4,
     FullAttention,
@@ -21,8 +21,8 @@ from flashmem.memory.specs import (
     builtin_names,
     resolve_model,
 )
-from flashmem.memory.tiers import codec_bytes_per_element, tier_counts
-from flashmem.memory.units import fmt_bytes, parse_tokens
+from flashmem.sizing.tiers import codec_bytes_per_element, tier_counts
+from flashmem.sizing.units import fmt_bytes, parse_tokens
 
 
 # ------------------------------------------------------------------ exact numbers

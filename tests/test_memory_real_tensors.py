@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from flashmem.memory.calculator import estimate  # noqa: E402
-from flashmem.memory.specs import resolve_model  # noqa: E402
+from flashmem.sizing.calculator import estimate  # noqa: E402
+from flashmem.sizing.specs import resolve_model  # noqa: E402
 
 
 def _tensors(obj):

@@ -15,7 +15,7 @@ from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
 from flashmem.index import make_scorer
 from flashmem.index.base import ScorerContext
-from flashmem.memory.tiers import index_bytes, tier_counts
+from flashmem.sizing.tiers import index_bytes, tier_counts
 from flashmem.store.codecs import CODECS
 
 

@@ -12,8 +12,8 @@ import torch
 import flashmem
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
-from flashmem.memory.budget import full_kv_bytes, model_geometry, predicted_ratio
 from flashmem.recipe import DEFAULT_BUDGET, DEFAULT_TOKENS, RECIPE, default_tokens, recipe_keys
+from flashmem.sizing.budget import full_kv_bytes, model_geometry, predicted_ratio
 from tiny_models import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +130,7 @@ def test_attach_arguments_are_one_line_errors(call, needle):
 
 
 def test_experiment_variants_live_in_the_evaluation_package():
-    import flashmem.memory.budget as budget
+    import flashmem.sizing.budget as budget
     from flashmem_eval.variants import VARIANTS, variant
 
     assert not hasattr(budget, "VARIANTS")

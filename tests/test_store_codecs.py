@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashmem.memory.tiers import codec_bytes_per_element
+from flashmem.sizing.tiers import codec_bytes_per_element
 from flashmem.store.codecs import get_codec
 from flashmem.store.codecs.kivi import GROUP
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashmem.config import FlashMemoryConfig
-from flashmem.memory.tiers import codec_bytes_per_element
+from flashmem.sizing.tiers import codec_bytes_per_element
 from flashmem.store import DiskStore, LayeredStore, MemoryStore, open_store
 from flashmem.store.lmdb_store import LmdbStore
 

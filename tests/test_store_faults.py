@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashmem.errors import ChecksumError, ColdStoreError
-from flashmem.memory.tiers import codec_bytes_per_element
+from flashmem.sizing.tiers import codec_bytes_per_element
 from flashmem.store import DiskStore
 from flashmem.store.codecs import get_codec
 from flashmem.store.format import COMMIT_SIZE, HEADER_SIZE

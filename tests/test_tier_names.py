@@ -39,7 +39,7 @@ def test_a_layer_measures_and_the_cache_reports_exactly_the_layer_tiers():
 
 
 def test_the_calculator_predicts_every_tier_by_the_same_names():
-    from flashmem.memory.calculator import estimate
+    from flashmem.sizing.calculator import estimate
 
     est = estimate("smollm2", tokens=8192, config=flashmem.FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2"))
     assert est.flashmem is not None and tuple(est.flashmem.tiers) == tier_names.TIERS

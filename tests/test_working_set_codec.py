@@ -8,8 +8,8 @@ import torch
 import flashmem
 from flashmem.compress import page_code
 from flashmem.errors import ConfigError
-from flashmem.memory.budget import budget_config, predicted_ratio
-from flashmem.memory.tiers import working_set_bytes_per_element
+from flashmem.sizing.budget import budget_config, predicted_ratio
+from flashmem.sizing.tiers import working_set_bytes_per_element
 from test_cache import ALL_EXACT, reference, run
 from tiny_models import tiny_llama
 

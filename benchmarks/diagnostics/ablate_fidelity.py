@@ -18,8 +18,8 @@ import time
 import torch
 
 import flashmem
-from flashmem.memory.budget import full_kv_bytes
 from flashmem.metrics import kl_per_token
+from flashmem.sizing.budget import full_kv_bytes
 from flashmem.texts import load_text
 
 

@@ -119,7 +119,7 @@ def local_cache(
         cache = H.eviction_cache(m, pre, b)
         return cache, pre.last_logits, {"prefill_s": pre.seconds, "compress_s": time.perf_counter() - t0}
     if m.kind == "flashmem":
-        from flashmem.memory.budget import model_geometry, predicted_ratio
+        from flashmem.sizing.budget import model_geometry, predicted_ratio
 
         impl = shared.setdefault("impl", model.config._attn_implementation)
         cfg = FlashMemoryConfig.for_budget(b, int(ids.shape[1]), model, variant=m.variant)

@@ -5,7 +5,7 @@ changed, or with another split of the budget (SHAPES) or another cap on a step's
 selected pages (CAPS). The names are the ones in docs/measurements.md and
 results/ (`flashmem:<variant>` in the harness, `--variant` in the benchmarks).
 `FlashMemoryConfig.for_budget(..., variant=name)` and
-`flashmem.memory.budget.budget_config` resolve a name through `variant(name)`;
+`flashmem.sizing.budget.budget_config` resolve a name through `variant(name)`;
 the library itself knows only the recipe ('default').
 """
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError, FlashMemError
+from flashmem.sizing import budget as _budget  # noqa: F401  (registers the solver FlashMemoryConfig.for_budget calls)
 
 __version__ = "0.1.0"
 
@@ -25,7 +26,7 @@ __all__ = [
 _LAZY = {
     "attach": ("flashmem.cache.attach", "attach"),
     "FlashMemoryCache": ("flashmem.cache.flash_cache", "FlashMemoryCache"),
-    "estimate": ("flashmem.memory.calculator", "estimate"),
+    "estimate": ("flashmem.sizing.calculator", "estimate"),
     "calibrate": ("flashmem.calibration", "calibrate"),
     "load_model": ("flashmem.models.loading", "load_model"),
     "prefill": ("flashmem.cache.prefill", "prefill"),
@@ -45,5 +46,5 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:  # pragma: no cover
     from flashmem.cache.attach import attach
     from flashmem.cache.prefill import prefill
-    from flashmem.memory.calculator import estimate
     from flashmem.models.loading import load_model
+    from flashmem.sizing.calculator import estimate

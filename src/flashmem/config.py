@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -16,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flashmem import policies
-from flashmem.errors import ConfigError
+from flashmem.errors import ConfigError, FlashMemError
 
 # Policy names come from the registries in flashmem.policies (one line adds one).
 if TYPE_CHECKING:
@@ -39,6 +40,18 @@ ColdKeyBasis = Literal["attention", "pca"]
 # lsa_layer_shares are relative weights (a layer profile gives 0.1-3): past this they only
 # overflow the split's arithmetic
 MAX_LAYER_SHARE = 1e6
+
+
+# The budget solver (flashmem.sizing.budget.for_budget) registers itself here when it is
+# imported (flashmem/__init__.py imports it): the config does not import the solver, which
+# builds configs, so there is no import circle.
+_budget_solver: Callable[..., FlashMemoryConfig] | None = None
+
+
+def set_budget_solver(solver: Callable[..., FlashMemoryConfig]) -> None:
+    """Register what `FlashMemoryConfig.for_budget` calls (flashmem.sizing.budget does)."""
+    global _budget_solver
+    _budget_solver = solver
 
 
 class FlashMemoryConfig(BaseModel):
@@ -388,20 +401,18 @@ class FlashMemoryConfig(BaseModel):
         group / head_dim / dtype_bytes (defaults 1 / 64 / 4); given ones win.
         variant: 'default' (the recipe) or an experiment variant of the evaluation package
         (`flashmem_eval.variants`); overrides: config keys laid over it. See
-        flashmem.memory.budget.budget_config and docs/measurements.md. Bad arguments raise
+        flashmem.sizing.budget.budget_config and docs/measurements.md. Bad arguments raise
         a one-line FlashMemError.
 
         The recipe splits its pages over the layers by how far each attends
         (`lsa_layer_shares: profile`): `attach` reads the model's layer profile from the
         cache or measures it there once (`flashmem.calibration.layer_profile`).
         """
-        from flashmem.memory.budget import budget_config, model_geometry
-
-        geo = model_geometry(model) if model is not None else {}
-        given = {"group": group, "head_dim": head_dim, "dtype_bytes": dtype_bytes}
-        defaults = {"group": 1, "head_dim": 64, "dtype_bytes": 4}
-        sizes = {k: v if v is not None else geo.get(k, defaults[k]) for k, v in given.items()}
-        return budget_config(budget, tokens, variant, **sizes, **overrides)
+        if _budget_solver is None:  # cannot happen: importing flashmem imports the solver
+            raise FlashMemError("for_budget: no budget solver registered; allowed: import flashmem first")
+        return _budget_solver(
+            budget, tokens, model, variant=variant, group=group, head_dim=head_dim, dtype_bytes=dtype_bytes, **overrides
+        )
 
     def to_yaml(self) -> str:
         return yaml.safe_dump({"flash_memory": self.model_dump()}, sort_keys=False)

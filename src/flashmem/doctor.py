@@ -6,7 +6,7 @@ It measures what its advice talks about:
   file written there, with the page cache dropped for that file where the OS
   allows it (posix_fadvise DONTNEED after fsync; the report says when it could not);
 - memory: device-resident and cold bytes the config needs at the context
-  (`flashmem.memory.calculator`), against what the machine has (RAM, accelerator,
+  (`flashmem.sizing.calculator`), against what the machine has (RAM, accelerator,
   disk free under the cold folder);
 - threads and device: torch threads, usable cores, CUDA;
 - the config: keep_full_layers (or the layer split), window vs context, block size, selection, prefetch.
@@ -182,7 +182,7 @@ def diagnose(cfg: FlashMemoryConfig, *, model: str = "smollm2", context: int = 8
              dtype: str = "float32", probe_bytes: int = 64 * 2**20, probe_seconds: float = 2.0,
              machine_info: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None = None) -> Report:  # fmt: skip
     """Measure and check; `machine_info` replaces the machine's (tests)."""
-    from flashmem.memory.calculator import estimate
+    from flashmem.sizing.calculator import estimate
 
     est = estimate(model, tokens=context, dtype=dtype, config=cfg)
     fe = est.flashmem

@@ -3,7 +3,7 @@
 `flashmem.attach(model)` (no config) and `FlashMemoryConfig.for_budget(budget,
 tokens, model)` both build their config from here: RECIPE's keys, with the
 window and the selected pages sized by the budget solver
-(`flashmem.memory.budget.budget_config`) so the device holds about `budget` x
+(`flashmem.sizing.budget.budget_config`) so the device holds about `budget` x
 the full cache's KV bytes after `tokens` tokens. Every key and constant names
 the measurement it came from (docs/measurements.md). `configs/cpu-small.yaml`
 is the recipe at 1/8 of an 8K prompt on SmolLM2-135M in fp32 (checked by
@@ -156,7 +156,7 @@ def check_tokens(tokens: Any, name: str = "tokens") -> int:
     if not 1 <= value <= MAX_TOKENS:
         raise FlashMemError(
             f"{name}: {tokens!r} is not allowed; allowed: an integer from 1 to {MAX_TOKENS:,} "
-            "(the prompt length to size for, e.g. 8192; flashmem.memory.units.parse_tokens reads '8K')"
+            "(the prompt length to size for, e.g. 8192; flashmem.sizing.units.parse_tokens reads '8K')"
         )
     return value
 

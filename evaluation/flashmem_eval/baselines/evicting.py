@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from flashmem.memory.budget import full_kv_bytes  # noqa: F401 (re-exported for the harness)
+from flashmem.sizing.budget import full_kv_bytes  # noqa: F401 (re-exported for the harness)
 
 
 class EvictingLayer(DynamicLayer):

@@ -1,6 +1,6 @@
 """Thin adapter from the benchmark harness to the FlashMemory cache.
 
-The budget -> config mapping lives in the library (`flashmem.memory.budget`,
+The budget -> config mapping lives in the library (`flashmem.sizing.budget`,
 `FlashMemoryConfig.for_budget`); this module re-exports it for the harness.
 """
 
@@ -10,8 +10,8 @@ from typing import Any
 
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
-from flashmem.memory.budget import budget_config, predicted_ratio
 from flashmem.recipe import RECIPE, SHAPE
+from flashmem.sizing.budget import budget_config, predicted_ratio
 from flashmem_eval.variants import SHAPES, VARIANTS
 
 __all__ = ["RECIPE", "SHAPE", "SHAPES", "VARIANTS", "attach", "budget_config", "predicted_ratio"]

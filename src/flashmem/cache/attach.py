@@ -68,8 +68,6 @@ def attach(
         cfg = FlashMemoryConfig.for_budget(DEFAULT_BUDGET if budget is None else budget, size, model, **overrides)
         if overrides:  # keys the solver sizes (window, pages) stay as the caller set them
             cfg = FlashMemoryConfig(**{**cfg.model_dump(), **overrides})
-        if overrides:  # keys the solver sizes (window, pages) stay as the caller set them
-            cfg = FlashMemoryConfig(**{**cfg.model_dump(), **overrides})
     elif not isinstance(cfg, FlashMemoryConfig):
         raise FlashMemError(
             f"cfg: a {type(cfg).__name__} is not allowed; allowed: a FlashMemoryConfig "

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from flashmem.errors import ConfigError
-from flashmem.memory.calculator import cold_elements_per_token
 from flashmem.rope import RopeRotator
+from flashmem.sizing.calculator import cold_elements_per_token
 
 if TYPE_CHECKING:
     from flashmem.config import FlashMemoryConfig

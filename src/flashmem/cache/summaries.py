@@ -21,8 +21,8 @@ from flashmem.cache.assembly import Assembly, entry_bias
 from flashmem.compress.chunk_fusion import fuse_chunks
 from flashmem.compress.fusion import FusionContext, FusionRule
 from flashmem.config import FlashMemoryConfig
-from flashmem.memory.budget import RECENT_QUERY_TOKENS
 from flashmem.rope import RopeRotator
+from flashmem.sizing.budget import RECENT_QUERY_TOKENS
 
 # (block id, CSA keys [b, h, per, d], values, counts [b, per]) of one near-band block
 BandBlock = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]

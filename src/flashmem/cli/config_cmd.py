@@ -40,7 +40,7 @@ def check(
     cfg = FlashMemoryConfig.from_yaml(file)
     where = ""
     if model is not None:
-        from flashmem.memory.specs import resolve_model
+        from flashmem.sizing.specs import resolve_model
 
         spec = resolve_model(model)
         cfg.check_for_model(spec.num_layers)

@@ -31,7 +31,7 @@ def doctor(
     from flashmem.cli.run_cmd import _default_config
     from flashmem.config import FlashMemoryConfig
     from flashmem.doctor import diagnose, format_report
-    from flashmem.memory.units import parse_tokens
+    from flashmem.sizing.units import parse_tokens
 
     cfg = FlashMemoryConfig.from_yaml(config or _default_config())
     report = diagnose(

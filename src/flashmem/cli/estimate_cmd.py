@@ -93,7 +93,7 @@ def estimate_command(
         None, "--host-gib", help="host memory for the offloaded cache / cold tier, GiB (default: unbounded)"
     ),
 ) -> None:
-    from flashmem.memory.calculator import estimate
+    from flashmem.sizing.calculator import estimate
 
     overrides = dict(hbm_gbps=hbm_gbps, link_gbps=link_gbps, nvme_gbps=nvme_gbps, host_gbps=host_gbps,
                      hbm_gib=hbm_gib, tflops=tflops)  # fmt: skip
@@ -128,7 +128,7 @@ def _hardware_and_assumptions(
     new_page_fraction: float, rerank_keys: str,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The accelerator (its constants, with the --*-gbps/--hbm-gib/--tflops overrides) and the checked assumptions."""
-    from flashmem.memory import hardware as hwm
+    from flashmem.sizing import hardware as hwm
 
     hw = hwm.get_hardware(hardware, **overrides)
     a = hwm.Assumptions(
@@ -169,8 +169,8 @@ def assumed_dtype(model: Any, dtype: str | None) -> str | None:
     model's own)."""
     if dtype is not None or model is None:
         return dtype
-    from flashmem.memory.specs import resolve_model
     from flashmem.models.registry import BUILTINS
+    from flashmem.sizing.specs import resolve_model
 
     try:
         spec = resolve_model(model)
@@ -193,8 +193,8 @@ def hardware_model(
     dims: tuple[int | None, int | None, int | None] = (None, None, None),
 ) -> dict[str, Any]:
     """The three rows (full, offloaded, flashmem) and issue 27's targets, as a dict."""
-    from flashmem.memory import hardware as hwm
-    from flashmem.memory.units import DTYPE_BYTES
+    from flashmem.sizing import hardware as hwm
+    from flashmem.sizing.units import DTYPE_BYTES
 
     budget, host_bytes = _check_budget_and_host(config, budget, host_gib)
     eb = DTYPE_BYTES[est.dtype]
@@ -251,8 +251,8 @@ def _flashmem_traffic(
     model: Any, est: Any, cfg: Any, dims: tuple[int | None, int | None, int | None], traffic: Path | None, a: Any
 ) -> tuple[Any, Any]:
     """flashmem's estimate for one sequence under `cfg`, and its bytes per step: counted (--traffic) or predicted."""
-    from flashmem.memory import hardware as hwm
-    from flashmem.memory.calculator import estimate
+    from flashmem.sizing import hardware as hwm
+    from flashmem.sizing.calculator import estimate
 
     one = estimate(
         model,
@@ -274,7 +274,7 @@ def _check_budget_and_host(
     config: Path | None, budget: float | None, host_gib: float | None
 ) -> tuple[float, int | None]:
     """The budget to size the recipe at (default 1/16) and the host memory in bytes (None: unbounded)."""
-    from flashmem.memory import hardware as hwm
+    from flashmem.sizing import hardware as hwm
 
     if budget is not None and config is not None:
         raise ConfigError("--budget: not allowed together with --config; allowed: one of them")
@@ -288,8 +288,8 @@ def _check_budget_and_host(
 
 def _arch_and_widths(model: Any, est: Any, dims: tuple[int | None, int | None, int | None]) -> tuple[Any, int, int]:
     """The model's architecture (None when unknown), its head_dim and its query width (heads x head_dim)."""
-    from flashmem.memory import hardware as hwm
-    from flashmem.memory.specs import FullAttention, from_dims, resolve_model
+    from flashmem.sizing import hardware as hwm
+    from flashmem.sizing.specs import FullAttention, from_dims, resolve_model
 
     spec = resolve_model(model) if model is not None else from_dims(*dims)  # type: ignore[arg-type]
     arch = hwm.ARCHS.get(est.model)
@@ -336,7 +336,7 @@ def _summary_table(est: Any) -> Any:
     """Bytes per token, the full cache, and flashmem's device and cold bytes (a rich Table)."""
     from rich.table import Table
 
-    from flashmem.memory.units import fmt_bytes
+    from flashmem.sizing.units import fmt_bytes
 
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
@@ -374,7 +374,7 @@ def _tier_table(flash: Any) -> Any:
     """flashmem's device-resident bytes per tier, tiers that hold any (a rich Table)."""
     from rich.table import Table
 
-    from flashmem.memory.units import fmt_bytes
+    from flashmem.sizing.units import fmt_bytes
 
     tt = Table(title="FlashMemory device-resident bytes per tier (whole batch)")
     tt.add_column("tier")
@@ -408,7 +408,7 @@ def _gb(nbytes: float) -> str:
 
 
 def _print_hardware(d: dict[str, Any]) -> None:
-    from flashmem.memory.units import fmt_bytes
+    from flashmem.sizing.units import fmt_bytes
 
     hw, a, m = d["hardware"], d["assumptions"], d["model_cost"]
     typer.echo(

@@ -362,7 +362,7 @@ def _compare(model: Any, tok: Any, ids: Any, gen: list[int], logits: list[Any]) 
 
 
 def _full_cache_bytes(model: Any, tokens: int) -> int:
-    from flashmem.memory.calculator import estimate
+    from flashmem.sizing.calculator import estimate
 
     text_cfg = model.config.get_text_config(decoder=True)
     est = estimate(model=text_cfg, tokens=tokens, dtype=str(model.dtype).removeprefix("torch."))

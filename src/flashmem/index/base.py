@@ -2,7 +2,7 @@
 
 A scorer is registered in `flashmem.policies.SCORERS`, which declares its
 resident bytes (`vectors` key-sized vectors per block and KV head, or its own
-`index_bytes`); `memory/tiers.py` and the calculator read that declaration.
+`index_bytes`); `sizing/tiers.py` and the calculator read that declaration.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Model geometry: layer kinds, KV heads, head dim, the sliding/global layout.
 
 One reading of a model's shape facts, shared by the calculator
-(`memory/specs.py`), the loader and registry (`models/`) and the cache. Works
+(`sizing/specs.py`), the loader and registry (`models/`) and the cache. Works
 on a transformers `PretrainedConfig` or its dict (config.json); torch-free.
 """
 

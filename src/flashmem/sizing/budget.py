@@ -3,7 +3,7 @@ about a given fraction of the full cache's at a prompt length.
 
 The budget is device-resident KV bytes / full-cache KV bytes over the managed
 layers (docs/design.md, "Budget"). `budget_config` solves it with
-`flashmem.memory.tiers.tier_counts`, so the predicted fraction at `tokens` is
+`flashmem.sizing.tiers.tier_counts`, so the predicted fraction at `tokens` is
 as close to the budget as the grid allows; what a cache really holds is
 measured from its tensors (`memory_report()["device_resident_bytes"]`).
 `FlashMemoryConfig.for_budget` is the public entry point. Torch-free.
@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from flashmem import policies
-from flashmem.config import FlashMemoryConfig
+from flashmem.config import FlashMemoryConfig, set_budget_solver
 from flashmem.errors import ConfigError, FlashMemError
-from flashmem.memory.tiers import index_bytes, tier_counts, working_set_scale
 from flashmem.models import geometry
 from flashmem.recipe import check_budget, check_tokens, recipe_keys, resolve_variant
+from flashmem.sizing.tiers import index_bytes, tier_counts, working_set_scale
 
 # Recent query positions each managed layer keeps for the attention-mass fusion
 # rule (the cache's summaries read it from here).
@@ -235,10 +235,10 @@ def model_geometry(model: Any) -> dict[str, int]:
     """group (query heads per KV head), head_dim and dtype_bytes of a model: a
     transformers model or config, or a model the calculator knows (a built-in name
     such as 'llama-3.1-8b', an HF folder, a .gguf file or a ModelSpec; see
-    `flashmem.memory.specs.resolve_model`). A model `flashmem.load_model` loads
+    `flashmem.sizing.specs.resolve_model`). A model `flashmem.load_model` loads
     (smollm2, gemma3-270m) counts in fp32, as it loads; any other name in the
     calculator's dtype (bfloat16 for the hub models). Anything else: one line."""
-    from flashmem.memory.specs import ModelSpec
+    from flashmem.sizing.specs import ModelSpec
 
     if isinstance(model, str | Path | ModelSpec | dict):
         try:
@@ -275,9 +275,9 @@ def model_geometry(model: Any) -> dict[str, int]:
 
 
 def _spec_geometry(model: Any) -> dict[str, int]:
-    from flashmem.memory.specs import FullAttention, resolve_model
-    from flashmem.memory.units import DTYPE_BYTES
     from flashmem.models.registry import BUILTINS
+    from flashmem.sizing.specs import FullAttention, resolve_model
+    from flashmem.sizing.units import DTYPE_BYTES
 
     spec = resolve_model(model)  # a ConfigError naming the model and what is known
     managed = [layer for layer, _ in spec.layer_positions() if isinstance(layer, FullAttention)]
@@ -317,3 +317,26 @@ def full_kv_bytes(model: Any, tokens: int, dtype_bytes: int) -> dict[str, int]:
         "total_bytes": managed + sliding,
         "bytes_per_token_managed": per_tok * sum(t != "sliding_attention" or not sw for t in types),
     }
+
+
+def for_budget(
+    budget: float,
+    tokens: int,
+    model: Any = None,
+    *,
+    variant: str = "default",
+    group: int | None = None,
+    head_dim: int | None = None,
+    dtype_bytes: int | None = None,
+    **overrides: Any,
+) -> FlashMemoryConfig:
+    """`FlashMemoryConfig.for_budget` (its docstring says what it returns): the model's
+    geometry (given values win), then `budget_config`."""
+    geo = model_geometry(model) if model is not None else {}
+    given = {"group": group, "head_dim": head_dim, "dtype_bytes": dtype_bytes}
+    defaults = {"group": 1, "head_dim": 64, "dtype_bytes": 4}
+    sizes = {k: v if v is not None else geo.get(k, defaults[k]) for k, v in given.items()}
+    return budget_config(budget, tokens, variant, **sizes, **overrides)
+
+
+set_budget_solver(for_budget)  # FlashMemoryConfig.for_budget calls it (no import from config to here)

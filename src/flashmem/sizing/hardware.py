@@ -14,7 +14,7 @@ Three ways to hold the KV cache are modelled, one sequence of `tokens` tokens ea
   layer every step (transformers' `DynamicCache(offloading=True)`: layer l+1 is
   prefetched on a side stream while layer l computes; two layers are resident).
 * **flashmem** - the device-resident tiers of a `FlashMemoryConfig` (from
-  `flashmem.memory.calculator`) in HBM, the cold tier on the host; per step the
+  `flashmem.sizing.calculator`) in HBM, the cold tier on the host; per step the
   device reads the weights and the resident tiers, and the link carries the pages
   that newly enter the working set (predicted: `new_page_fraction` of the selected
   pages; or counted: a run's `cache.traffic_report()`), plus, when the config

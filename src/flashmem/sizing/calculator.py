@@ -1,9 +1,9 @@
 """KV-cache memory calculator: `flashmem.estimate(...)` and `flashmem estimate`.
 
-Full cache: the sum of each layer's own term (see `flashmem.memory.specs`),
+Full cache: the sum of each layer's own term (see `flashmem.sizing.specs`),
 times the batch. With a `FlashMemoryConfig`, the FlashMemory split: every
 managed layer (full attention or MLA, not in `keep_full_layers`) is sized
-with `flashmem.memory.tiers.tier_counts`, the same arithmetic the cache uses;
+with `flashmem.sizing.tiers.tier_counts`, the same arithmetic the cache uses;
 full layers keep a plain cache; sliding-window and DeepSeek-V4 compressed
 layers stay as the model has them.
 """
@@ -19,9 +19,9 @@ from typing import Any
 from flashmem import tier_names
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import ConfigError
-from flashmem.memory.specs import MLA, FullAttention, ModelSpec, from_dims, resolve_model
-from flashmem.memory.tiers import TierCounts, codec_bytes_per_element, index_bytes, tier_counts, working_set_scale
-from flashmem.memory.units import DTYPE_BYTES, normalize_dtype, parse_tokens
+from flashmem.sizing.specs import MLA, FullAttention, ModelSpec, from_dims, resolve_model
+from flashmem.sizing.tiers import TierCounts, codec_bytes_per_element, index_bytes, tier_counts, working_set_scale
+from flashmem.sizing.units import DTYPE_BYTES, normalize_dtype, parse_tokens
 
 # The int8/int4 codecs' group (flashmem.store.codecs.kivi.GROUP): values are coded per
 # token in groups of this many elements, a shorter row padded to it.
@@ -176,7 +176,7 @@ def estimate(
 ) -> Estimate:
     """Estimate the KV cache of `model` after `tokens` tokens for `batch` sequences.
 
-    `model`: a built-in name (see `flashmem.memory.specs.BUILTIN_MODELS`), an HF
+    `model`: a built-in name (see `flashmem.sizing.specs.BUILTIN_MODELS`), an HF
     folder with config.json, a .gguf file, a transformers config object, or a
     `ModelSpec`; or give `layers`, `kv_heads`, `head_dim` (and `dtype`) instead.
     `tokens`: an int or a string like '131072', '128K', '1M' (K/M binary).
