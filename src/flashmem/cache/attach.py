@@ -63,6 +63,31 @@ def attach(
 
     check_model(model)  # one line for what the cache cannot serve (cache/support.py)
     text_cfg = model.config.get_text_config(decoder=True)
+    cfg = _config_for(model, text_cfg, cfg, budget, tokens, overrides)
+    cfg.check_for_model(text_cfg.num_hidden_layers)
+    register()
+    if model.config._attn_implementation != attention.NAME:
+        model.set_attn_implementation(attention.NAME)
+    head_dim = geometry.head_dim(text_cfg) or 0
+    kinds = set(geometry.layer_types(text_cfg, text_cfg.num_hidden_layers, infer_sliding=False))
+    rotators: dict[str | None, RopeRotator | None] = {kind: find_rotator(model, kind, head_dim) for kind in kinds}
+    calibration = _calibration_for(model, cfg, tokenizer)
+    if cfg.lsa_layer_shares == "profile":
+        from flashmem.calibration.layer_profile import resolve_profile_shares
+
+        cfg = resolve_profile_shares(cfg, model, tokenizer)
+    return FlashMemoryCache(model.config, cfg, rotators=rotators, dtype=model.dtype, calibration=calibration)
+
+
+def _config_for(
+    model: PreTrainedModel,
+    text_cfg: Any,
+    cfg: FlashMemoryConfig | None,
+    budget: float | None,
+    tokens: int | None,
+    overrides: dict[str, Any],
+) -> FlashMemoryConfig:
+    """`cfg` with the overrides laid over it, or the recipe at `budget` after `tokens` (see `attach`)."""
     if cfg is None:
         size = default_tokens(text_cfg) if tokens is None else tokens
         cfg = FlashMemoryConfig.for_budget(DEFAULT_BUDGET if budget is None else budget, size, model, **overrides)
@@ -80,24 +105,18 @@ def attach(
         )
     elif overrides:
         cfg = FlashMemoryConfig(**{**cfg.model_dump(), **overrides})
-    cfg.check_for_model(text_cfg.num_hidden_layers)
-    register()
-    if model.config._attn_implementation != attention.NAME:
-        model.set_attn_implementation(attention.NAME)
-    head_dim = geometry.head_dim(text_cfg) or 0
-    kinds = set(geometry.layer_types(text_cfg, text_cfg.num_hidden_layers, infer_sliding=False))
-    rotators: dict[str | None, RopeRotator | None] = {kind: find_rotator(model, kind, head_dim) for kind in kinds}
-    calibration = None
-    if policies.SCORERS[cfg.lsa_scorer].needs_calibration or cfg.cold_low_rank != "none":
-        from flashmem.calibration import cached_calibration, load_calibration
+    return cfg
 
-        if cfg.calibration is not None:
-            calibration = load_calibration(cfg.calibration)
-            calibration.check_model(model)
-        else:
-            calibration = cached_calibration(model, tokenizer)
-    if cfg.lsa_layer_shares == "profile":
-        from flashmem.calibration.layer_profile import resolve_profile_shares
 
-        cfg = resolve_profile_shares(cfg, model, tokenizer)
-    return FlashMemoryCache(model.config, cfg, rotators=rotators, dtype=model.dtype, calibration=calibration)
+def _calibration_for(model: PreTrainedModel, cfg: FlashMemoryConfig, tokenizer: Any) -> Any | None:
+    """The calibration the scorer or cold_low_rank needs: cfg.calibration, else this model's
+    cached one (built once with `tokenizer`); None when nothing needs one."""
+    if not (policies.SCORERS[cfg.lsa_scorer].needs_calibration or cfg.cold_low_rank != "none"):
+        return None
+    from flashmem.calibration import cached_calibration, load_calibration
+
+    if cfg.calibration is not None:
+        calibration = load_calibration(cfg.calibration)
+        calibration.check_model(model)
+        return calibration
+    return cached_calibration(model, tokenizer)
