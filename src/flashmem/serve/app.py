@@ -174,6 +174,19 @@ def create_app(
     app.state.engine = engine
     app.state.max_prompt_bytes = max_prompt_bytes
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    _add_error_handlers(app)
+    tenant = _tenant_of(api_keys)
+    if hidden:
+        _add_keyed_docs(app, tenant)
+    _add_info_routes(app, engine, tenant)
+    _add_generation_routes(app, engine, tenant, tokenize, max_prompt_bytes)
+    app.state.default_max_tokens = default_max_tokens
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style body: ApiError, invalid requests (400), HTTP errors, crashes (500)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -199,6 +212,10 @@ def create_app(
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         return _error(500, f"internal error: {type(exc).__name__}", "server_error")
 
+
+def _tenant_of(api_keys: dict[str, str] | None) -> Callable[[Request], str]:
+    """request -> its tenant's salt (OPEN_SALT without api_keys); 401 for a missing or unknown key."""
+
     def tenant(request: Request) -> str:
         if api_keys is None:
             return OPEN_SALT
@@ -212,31 +229,40 @@ def create_app(
             )
         return api_keys[key]
 
-    def check_model(name: str) -> None:
-        if name != engine.model_name:
-            raise ApiError(
-                404,
-                f"model {name!r} does not exist; this server serves {engine.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    return tenant
 
-    if hidden:
 
-        @app.get("/openapi.json", include_in_schema=False)
-        async def openapi(request: Request) -> JSONResponse:
-            tenant(request)
-            return JSONResponse(app.openapi())
+def _check_model(engine: Engine, name: str) -> None:
+    if name != engine.model_name:
+        raise ApiError(
+            404,
+            f"model {name!r} does not exist; this server serves {engine.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
-        @app.get("/docs", include_in_schema=False)
-        async def docs(request: Request) -> HTMLResponse:
-            tenant(request)
-            return get_swagger_ui_html(openapi_url="/openapi.json", title="flashmem")
 
-        @app.get("/redoc", include_in_schema=False)
-        async def redoc(request: Request) -> HTMLResponse:
-            tenant(request)
-            return get_redoc_html(openapi_url="/openapi.json", title="flashmem")
+def _add_keyed_docs(app: FastAPI, tenant: Callable[[Request], str]) -> None:
+    """/openapi.json, /docs and /redoc behind the API key."""
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> JSONResponse:
+        tenant(request)
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        tenant(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="flashmem")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        tenant(request)
+        return get_redoc_html(openapi_url="/openapi.json", title="flashmem")
+
+
+def _add_info_routes(app: FastAPI, engine: Engine, tenant: Callable[[Request], str]) -> None:
+    """/health and /metrics (open), /v1/models (keyed)."""
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -251,10 +277,16 @@ def create_app(
         tenant(request)
         return {"object": "list", "data": [_model_card(engine.model_name)]}
 
+
+def _add_generation_routes(
+    app: FastAPI, engine: Engine, tenant: Callable[[Request], str], tokenize: Tokenizing, max_prompt_bytes: int
+) -> None:
+    """/v1/completions and /v1/chat/completions."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         salt = tenant(request)
-        check_model(body.model)
+        _check_model(engine, body.model)
         _refuse_unsupported(body)
         prompt = _single_prompt(body.prompt)
         if isinstance(prompt, str):
@@ -269,7 +301,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         salt = tenant(request)
-        check_model(body.model)
+        _check_model(engine, body.model)
         _refuse_unsupported(body)
         messages = [{"role": m.role, "content": _content_text(m.content)} for m in body.messages]
         _check_text("".join(m["content"] for m in messages), max_prompt_bytes, engine.max_context, "messages")
@@ -277,10 +309,6 @@ def create_app(
         return await _generate(
             request, engine, body, ids, salt, chat=True, max_tokens=body.max_completion_tokens or body.max_tokens
         )
-
-    app.state.default_max_tokens = default_max_tokens
-
-    return app
 
 
 # ---------------------------------------------------------------- limits
@@ -519,38 +547,8 @@ def _content_text(content: Any) -> str:
 async def _generate(
     request: Request, engine: Engine, body: _Common, ids: list[int], salt: str, *, chat: bool, max_tokens: int | None
 ) -> Response:
-    ctx = engine.max_context
-    if len(ids) + 1 > ctx:
-        raise ApiError(
-            400,
-            f"the prompt has {len(ids)} tokens; this model's context is {ctx} tokens",
-            param="messages" if chat else "prompt",
-            code="context_length_exceeded",
-        )
-    if max_tokens is not None and len(ids) + max_tokens > ctx:
-        name = "max_completion_tokens" if chat and getattr(body, "max_completion_tokens", None) else "max_tokens"
-        raise ApiError(
-            400,
-            f"the prompt has {len(ids)} tokens and {name} asks for {max_tokens} more; this model's context is "
-            f"{ctx} tokens; allowed: {name} <= {ctx - len(ids)}",
-            param=name,
-            code="context_length_exceeded",
-        )
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > 4 or any(not s for s in stop):
-        raise ApiError(400, "stop: up to 4 non-empty strings", param="stop")
-    if max_tokens is None:  # not asked: the default, cut at the context's end
-        max_tokens = min(request.app.state.default_max_tokens, ctx - len(ids))
-    sampling = Sampling(
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=stop,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        logit_bias=_logit_bias(engine, body.logit_bias),
-    )
+    _check_context(engine.max_context, body, len(ids), chat, max_tokens)
+    sampling = _sampling(request, engine, body, len(ids), max_tokens)
     seq = Sequence(ids, sampling, salt, asyncio.get_running_loop())
     try:
         engine.submit(seq)
@@ -582,6 +580,45 @@ async def _generate(
         obj = "text_completion"
     return JSONResponse(
         {"id": rid, "object": obj, "created": created, "model": engine.model_name, "choices": [choice], "usage": usage}
+    )
+
+
+def _check_context(ctx: int, body: _Common, n_prompt: int, chat: bool, max_tokens: int | None) -> None:
+    """400 context_length_exceeded when the prompt (and the tokens asked for) do not fit `ctx`."""
+    if n_prompt + 1 > ctx:
+        raise ApiError(
+            400,
+            f"the prompt has {n_prompt} tokens; this model's context is {ctx} tokens",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and n_prompt + max_tokens > ctx:
+        name = "max_completion_tokens" if chat and getattr(body, "max_completion_tokens", None) else "max_tokens"
+        raise ApiError(
+            400,
+            f"the prompt has {n_prompt} tokens and {name} asks for {max_tokens} more; this model's context is "
+            f"{ctx} tokens; allowed: {name} <= {ctx - n_prompt}",
+            param=name,
+            code="context_length_exceeded",
+        )
+
+
+def _sampling(request: Request, engine: Engine, body: _Common, n_prompt: int, max_tokens: int | None) -> Sampling:
+    """The request's sampling; without max_tokens the server's default, cut at the context's end."""
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > 4 or any(not s for s in stop):
+        raise ApiError(400, "stop: up to 4 non-empty strings", param="stop")
+    if max_tokens is None:  # not asked: the default, cut at the context's end
+        max_tokens = min(request.app.state.default_max_tokens, engine.max_context - n_prompt)
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=stop,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=_logit_bias(engine, body.logit_bias),
     )
 
 
