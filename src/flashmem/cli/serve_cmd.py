@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from flashmem.errors import FlashMemError
+
+if TYPE_CHECKING:
+    from flashmem.serve.engine import Engine
+    from flashmem.serve.prefix import PrefixBackend
 
 
 def register(app: typer.Typer) -> None:
@@ -74,6 +79,34 @@ def serve(
     ),
 ) -> None:
     """Serve the model through the FlashMemory cache with the OpenAI API (completions, chat, streaming)."""
+    uvicorn, create_app = _server_modules()
+    from flashmem.cli.run_cmd import _default_config
+    from flashmem.config import FlashMemoryConfig
+    from flashmem.serve.auth import load_api_keys
+
+    # every argument is checked before a minute of model loading, not after
+    cfg = FlashMemoryConfig.from_yaml(config or _default_config())
+    keys = load_api_keys(api_keys) if api_keys is not None else None
+    quota = parse_bytes(cold_quota)
+    _check_prefix_flags(prefix_store, prefix_dir)
+    body_limit = parse_bytes(max_request_bytes, "--max-request-bytes")
+    _check_port(host, port)
+    store, where = _prefix_backend(no_prefix_cache, prefix_store, prefix_dir, quota)
+    engine = _load_engine(
+        model, cfg, threads, store, model_name=model_name or model, max_concurrent=max_concurrent,
+        max_queue=max_queue, max_context=max_context,
+    )  # fmt: skip
+    typer.echo(f"serving {engine.model_name!r} on http://{host}:{port}/v1; {where}", err=True)
+    uvicorn.run(
+        create_app(engine, api_keys=keys, default_max_tokens=max_tokens, max_body_bytes=body_limit),
+        host=host,
+        port=port,
+        log_level="warning",
+    )
+
+
+def _server_modules() -> tuple[Any, Any]:
+    """uvicorn and `create_app`; a one-line FlashMemError without the serve extra."""
     try:
         import uvicorn
 
@@ -82,58 +115,49 @@ def serve(
         raise FlashMemError(
             f"flashmem serve needs the serve extra ({exc.name} is missing): pip install torch==2.13.0 -e '.[serve]'"
         ) from None
+    return uvicorn, create_app
+
+
+def _check_prefix_flags(prefix_store: str | None, prefix_dir: Path | None) -> None:
+    """A bad --prefix-store URL, or it with --prefix-dir, is one line, before the model loads."""
+    from flashmem.serve.prefix_remote import parse_url
+
+    if prefix_store is not None:
+        parse_url(prefix_store)
+        if prefix_dir is not None:
+            raise FlashMemError("--prefix-store and --prefix-dir: give one of them (a server, or a folder)")
+
+
+def _prefix_backend(
+    no_prefix_cache: bool, prefix_store: str | None, prefix_dir: Path | None, quota: int
+) -> tuple[PrefixBackend | None, str]:
+    """Where prefixes are kept (a Valkey/Redis server, a folder, or nowhere) and a line saying so."""
+    from flashmem.serve.prefix import PrefixStore
+    from flashmem.serve.prefix_remote import RedisPrefixStore
+
+    if no_prefix_cache:
+        return None, "no prefix reuse"
+    if prefix_store is not None:
+        shared = RedisPrefixStore(prefix_store, quota_bytes=quota)
+        return shared, f"prefixes on {shared.root} (shared; quota {quota} bytes, the server's LRU)"
+    folder = PrefixStore(prefix_dir or default_prefix_dir(), quota_bytes=quota)
+    return folder, f"prefixes in {folder.root} (quota {quota} bytes)"
+
+
+def _load_engine(
+    model: str, cfg: Any, threads: int | None, store: PrefixBackend | None, **engine_options: Any
+) -> Engine:
+    """Load `model` (with `threads` torch threads) and its Engine; engine_options: Engine's keywords."""
     import torch
 
     import flashmem
-    from flashmem.cli.run_cmd import _default_config
-    from flashmem.config import FlashMemoryConfig
-    from flashmem.serve.auth import load_api_keys
     from flashmem.serve.engine import Engine
-    from flashmem.serve.prefix import PrefixBackend, PrefixStore
-    from flashmem.serve.prefix_remote import RedisPrefixStore, parse_url
 
-    cfg = FlashMemoryConfig.from_yaml(config or _default_config())
-    keys = load_api_keys(api_keys) if api_keys is not None else None
-    quota = parse_bytes(cold_quota)
-    if prefix_store is not None:
-        parse_url(prefix_store)  # a bad URL is one line, before the model loads
-        if prefix_dir is not None:
-            raise FlashMemError("--prefix-store and --prefix-dir: give one of them (a server, or a folder)")
-    body_limit = parse_bytes(max_request_bytes, "--max-request-bytes")
-    _check_port(host, port)  # before a minute of model loading, not after
-    store: PrefixBackend | None = None
-    where = "no prefix reuse"
-    if no_prefix_cache:
-        pass
-    elif prefix_store is not None:
-        shared = RedisPrefixStore(prefix_store, quota_bytes=quota)
-        store = shared
-        where = f"prefixes on {shared.root} (shared; quota {quota} bytes, the server's LRU)"
-    else:
-        folder = PrefixStore(prefix_dir or default_prefix_dir(), quota_bytes=quota)
-        store = folder
-        where = f"prefixes in {folder.root} (quota {quota} bytes)"
     if threads:
         torch.set_num_threads(threads)
     typer.echo(f"loading {model}...", err=True)
     mdl, tok = flashmem.load_model(model)
-    engine = Engine(
-        mdl,
-        tok,
-        cfg,
-        model_name=model_name or model,
-        prefix_store=store,
-        max_concurrent=max_concurrent,
-        max_queue=max_queue,
-        max_context=max_context,
-    )
-    typer.echo(f"serving {engine.model_name!r} on http://{host}:{port}/v1; {where}", err=True)
-    uvicorn.run(
-        create_app(engine, api_keys=keys, default_max_tokens=max_tokens, max_body_bytes=body_limit),
-        host=host,
-        port=port,
-        log_level="warning",
-    )
+    return Engine(mdl, tok, cfg, prefix_store=store, **engine_options)
 
 
 def _check_port(host: str, port: int) -> None:
