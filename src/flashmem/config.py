@@ -410,9 +410,8 @@ class FlashMemoryConfig(BaseModel):
         """
         if _budget_solver is None:  # cannot happen: importing flashmem imports the solver
             raise FlashMemError("for_budget: no budget solver registered; allowed: import flashmem first")
-        return _budget_solver(
-            budget, tokens, model, variant=variant, group=group, head_dim=head_dim, dtype_bytes=dtype_bytes, **overrides
-        )
+        given = {"group": group, "head_dim": head_dim, "dtype_bytes": dtype_bytes}
+        return _budget_solver(budget, tokens, model, variant, given, **overrides)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump({"flash_memory": self.model_dump()}, sort_keys=False)

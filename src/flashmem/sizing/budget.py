@@ -320,20 +320,11 @@ def full_kv_bytes(model: Any, tokens: int, dtype_bytes: int) -> dict[str, int]:
 
 
 def for_budget(
-    budget: float,
-    tokens: int,
-    model: Any = None,
-    *,
-    variant: str = "default",
-    group: int | None = None,
-    head_dim: int | None = None,
-    dtype_bytes: int | None = None,
-    **overrides: Any,
+    budget: float, tokens: int, model: Any, variant: str, given: dict[str, int | None], **overrides: Any
 ) -> FlashMemoryConfig:
     """`FlashMemoryConfig.for_budget` (its docstring says what it returns): the model's
-    geometry (given values win), then `budget_config`."""
+    geometry, where `given` (group, head_dim, dtype_bytes) leaves it open, then `budget_config`."""
     geo = model_geometry(model) if model is not None else {}
-    given = {"group": group, "head_dim": head_dim, "dtype_bytes": dtype_bytes}
     defaults = {"group": 1, "head_dim": 64, "dtype_bytes": 4}
     sizes = {k: v if v is not None else geo.get(k, defaults[k]) for k, v in given.items()}
     return budget_config(budget, tokens, variant, **sizes, **overrides)
