@@ -43,8 +43,8 @@ def attach(
 
     Without `cfg` the cache is the recipe (`flashmem.recipe`): the device holds about
     `budget` (default 1/8) x the full cache's KV bytes after a prompt of `tokens`
-    tokens (default: 8,192, or the model's context when shorter), from the first
-    generated token on; a longer prompt holds less, a shorter one more (it is
+    tokens (default: 8,192, or the model's context when shorter), through the prompt
+    too (it is read back from the tiers); a longer prompt holds less, a shorter one more (it is
     `FlashMemoryConfig.for_budget(budget, tokens, model)`). With `cfg` that config is
     used as given (`budget` / `tokens` are then refused). `overrides`: config keys laid
     over either.
