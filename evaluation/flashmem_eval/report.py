@@ -12,6 +12,7 @@ COLUMNS = {
     "retrieval": ["ratio", "ratio_whole", "correct"],
     "memory": ["ratio", "ratio_whole", "bytes_per_token", "rss_model", "rss_peak", "rss_peak_over_model"],
     "speed": ["ratio", "prefill_tok_s", "decode_ms_per_token", "prefill_speed_vs_full", "decode_time_vs_full"],
+    "tasks": ["ratio", "score"],
 }
 
 
@@ -390,3 +391,76 @@ def replace_block(text: str, block: str) -> str:
             f"readme: the markers {MARK_BEGIN} and {MARK_END} are missing; add them where the tables go"
         )
     return text[: a + len(MARK_BEGIN)] + "\n" + block + text[b:]
+
+
+# ----------------------------------------------------------------------------- tasks suite
+def _task_key(r: dict[str, Any]) -> tuple:
+    return (r.get("family"), r.get("haystack"), int(r.get("length", 0)), r.get("seed"), r.get("wording"))
+
+
+def tasks_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (family, method, budget, length; length 0 = pooled): mean score and `vs_full`, the
+    share of the items the full cache answers on the same prompts that this method answers too
+    (an item the full cache misses does not count, whatever the method does)."""
+    ok = [r for r in rows if r.get("suite") == "tasks" and not r.get("error") and "hits" in r]
+    full = {_task_key(r): list(r["hits"]) for r in ok if r["method"] == "full"}
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in ok:
+        for L in (int(r["length"]), 0):
+            groups[(r["family"], r["method"], float(r["budget"]), L)].append(r)
+    out = []
+    for (fam, meth, b, L), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "full", kv[0][1], -kv[0][2], kv[0][3])
+    ):
+        both = [r for r in rs if _task_key(r) in full]
+        full_items = sum(sum(full[_task_key(r)]) for r in both)
+        kept = sum(sum(f and h for f, h in zip(full[_task_key(r)], r["hits"])) for r in both)
+        out.append(
+            {
+                "family": fam,
+                "method": meth,
+                "budget": b,
+                "length": L,
+                "n": len(rs),
+                "score": _mean([r["score"] for r in rs]),
+                "ratio": _mean([r.get("ratio") for r in rs]),
+                "full_items": full_items if both else None,
+                "kept_items": kept if both else None,
+                "vs_full": kept / full_items if full_items else None,
+            }
+        )
+    return out
+
+
+def tasks_markdown(rows: list[dict[str, Any]], length: int = 0) -> str:
+    """Pivot: one line per method and budget, one column per family: `kept/full items (x%)`,
+    the items of the full cache's answers this method answers too (length 0: all pooled)."""
+    summary = [s for s in tasks_summary(rows) if s["length"] == length]
+    fams = list(dict.fromkeys(s["family"] for s in summary))
+    cols = ["method", "budget", *fams]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    by = {(s["family"], s["method"], s["budget"]): s for s in summary}
+    keys = sorted({(s["method"], s["budget"]) for s in summary}, key=lambda k: (k[0] != "full", k[0], -k[1]))
+    for meth, b in keys:
+        cells = []
+        for f in fams:
+            s = by.get((f, meth, b))
+            if s is None or s["full_items"] is None:
+                cells.append("-")
+            elif meth == "full":
+                cells.append(f"{s['full_items']} items, score {s['score']:.2f}")
+            else:
+                pct = "" if s["vs_full"] is None else f" ({100 * s['vs_full']:.0f}%)"
+                cells.append(f"{s['kept_items']}/{s['full_items']}{pct}")
+        out.append("| " + " | ".join([meth, "1" if meth == "full" else _budget(b), *cells]) + " |")
+    return "\n".join(out)
+
+
+def full_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The prompts the full cache answers (score > 0), with its score and output."""
+    out = []
+    for r in rows:
+        if r.get("suite") == "tasks" and r.get("method") == "full" and not r.get("error") and r.get("score"):
+            keep = ("family", "haystack", "length", "seed", "wording", "score", "items", "output")
+            out.append({k: r.get(k) for k in keep})
+    return sorted(out, key=lambda r: (r["family"], r["haystack"], r["length"], r["seed"]))

@@ -25,13 +25,20 @@ from flashmem.texts import haystack, insert_needles
 from flashmem_eval import harness as H
 from flashmem_eval.baselines import Method, parse_method
 
-SUITES = ("fidelity", "retrieval", "memory", "speed")
-DEFAULT_MODEL = {"fidelity": "smollm2", "retrieval": "gemma3-270m", "memory": "smollm2", "speed": "tiny"}
+SUITES = ("fidelity", "retrieval", "memory", "speed", "tasks")
+DEFAULT_MODEL = {
+    "fidelity": "smollm2",
+    "retrieval": "gemma3-270m",
+    "memory": "smollm2",
+    "speed": "tiny",
+    "tasks": "smollm2",
+}
 DEFAULT_LENGTHS = {
     "fidelity": (4096, 8192),
     "retrieval": (2048, 4096, 8192, 16384),
     "memory": (2048, 4096, 8192),
     "speed": (4096, 16384, 65536),
+    "tasks": (4096, 8192, 16384),
 }
 
 
@@ -47,6 +54,9 @@ class BenchArgs:
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     tasks: list[str] = field(default_factory=lambda: ["passkey", "multikey"])
     haystacks: list[str] = field(default_factory=lambda: ["kjv"])
+    # tasks suite (flashmem_eval.tasks): the families and the wording set (dev / heldout / all)
+    families: list[str] = field(default_factory=lambda: ["keyed"])
+    wordings: str = "dev"
     n_cont: int = 256
     chunk: int = 64
     max_new: int = 12
@@ -78,7 +88,9 @@ def run_suite(args: BenchArgs, loaded: H.Loaded | None = None, store: H.ResultSt
             "seeds": args.seeds,
             "depths": args.depths if args.suite == "retrieval" else None,
             "tasks": args.tasks if args.suite == "retrieval" else None,
-            "haystacks": args.haystacks if args.suite == "retrieval" else None,
+            "haystacks": args.haystacks if args.suite in ("retrieval", "tasks") else None,
+            "families": args.families if args.suite == "tasks" else None,
+            "wordings": args.wordings if args.suite == "tasks" else None,
             "n_cont": args.n_cont if args.suite == "fidelity" else None,
             "chunk": args.chunk,
             "threads": args.threads,
@@ -91,6 +103,7 @@ def run_suite(args: BenchArgs, loaded: H.Loaded | None = None, store: H.ResultSt
         "retrieval": _retrieval,
         "memory": _memory,
         "speed": _speed,
+        "tasks": _tasks,
     }[args.suite]
     fn(args, loaded, methods, store)
     store.write()
@@ -469,6 +482,13 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
 
     _run_kvpress(args, loaded, jobs, bases, store, finish, prog)
     prog.close()
+
+
+# ----------------------------------------------------------------------------- tasks
+def _tasks(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H.ResultStore) -> None:
+    from flashmem_eval.task_suite import run_tasks
+
+    run_tasks(args, loaded, methods, store)
 
 
 # ----------------------------------------------------------------------------- memory

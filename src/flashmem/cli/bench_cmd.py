@@ -1,4 +1,4 @@
-"""`flashmem bench <suite>`: fidelity, retrieval, memory and speed benchmarks.
+"""`flashmem bench <suite>`: fidelity, retrieval, memory, speed and tasks benchmarks.
 
 Results are appended per cell to `<json-out>.partial.jsonl` as they are
 measured; a rerun with the same --json-out skips cells already done. At the end
@@ -76,7 +76,7 @@ def _depths(text: str) -> list[float]:
 
 
 def bench(
-    suite: str = typer.Argument(..., help="fidelity | retrieval | memory | speed"),
+    suite: str = typer.Argument(..., help="fidelity | retrieval | memory | speed | tasks"),
     model: str | None = typer.Option(None, "--model", help="smollm2 | gemma3-270m | tiny | HF folder"),
     methods: str = typer.Option(
         "full,streaming,snapkv,flashmem",
@@ -88,7 +88,15 @@ def bench(
     seeds: str = typer.Option("0", "--seeds"),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="retrieval: needle depths"),
     tasks: str = typer.Option("passkey,multikey", "--tasks", help="retrieval: passkey, multikey, locker"),
-    haystacks: str = typer.Option("kjv", "--haystacks", help="retrieval: haystack texts, kjv and/or stdlib-doc"),
+    haystacks: str | None = typer.Option(
+        None, "--haystacks", help="retrieval / tasks: haystack texts, kjv and/or stdlib-doc (tasks: both by default)"
+    ),
+    families: str = typer.Option(
+        "keyed,multivalue,multiquery,vartrack,aggregation,passage",
+        "--families",
+        help="tasks: keyed, multivalue, multiquery, vartrack, aggregation, passage",
+    ),
+    wordings: str = typer.Option("dev", "--wordings", help="tasks: the wording set, dev | heldout | all"),
     n_cont: int = typer.Option(256, "--n-cont", help="fidelity: teacher-forced continuation tokens"),
     chunk: int = typer.Option(64, "--chunk", help="fidelity: continuation tokens per forward"),
     decode_tokens: int = typer.Option(32, "--decode-tokens", help="speed: decoded tokens timed"),
@@ -101,12 +109,18 @@ def bench(
     from flashmem.cli.inputs import check_output_path
     from flashmem_eval import report
     from flashmem_eval.suites import DEFAULT_LENGTHS, DEFAULT_MODEL, HAYSTACKS, SUITES, TASKS, BenchArgs, run_suite
+    from flashmem_eval.tasks import FAMILIES, WORDING_SETS
 
     if suite not in SUITES:
         raise FlashMemError(f"suite: {suite!r} is not known; allowed: {', '.join(SUITES)}")
     check_output_path(json_out, "--json-out")
+    if plot is not None and suite == "tasks":
+        raise FlashMemError("--plot: the tasks suite has no figure; allowed with: fidelity, retrieval, memory, speed")
     task_list = _choices(tasks, "--tasks", TASKS)
-    haystack_list = _choices(haystacks, "--haystacks", HAYSTACKS)
+    haystack_list = _choices(haystacks or ("kjv,stdlib-doc" if suite == "tasks" else "kjv"), "--haystacks", HAYSTACKS)
+    family_list = _choices(families, "--families", FAMILIES)
+    if wordings not in WORDING_SETS:
+        raise FlashMemError(f"--wordings: {wordings!r} is not known; allowed: {', '.join(WORDING_SETS)}")
     args = BenchArgs(
         suite=suite,
         model=model or DEFAULT_MODEL[suite],
@@ -118,6 +132,8 @@ def bench(
         depths=_depths(depths),
         tasks=task_list,
         haystacks=haystack_list,
+        families=family_list,
+        wordings=wordings,
         n_cont=n_cont,
         chunk=chunk,
         decode_tokens=decode_tokens,
@@ -127,6 +143,8 @@ def bench(
     store = run_suite(args)
     rows = list(store.rows.values())
     report.print_table(rows, suite)
+    if suite == "tasks":
+        typer.echo(report.tasks_markdown(rows))
     if plot is not None:
         for p in report.plot(rows, suite, plot):
             typer.echo(f"wrote {p}")

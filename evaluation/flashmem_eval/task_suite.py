@@ -1,0 +1,120 @@
+"""The `tasks` suite: the task families of :mod:`flashmem_eval.tasks` under every method.
+
+Laid out as the retrieval suite (`flashmem_eval.suites._retrieval`): one prompt per
+(family, haystack, length, seed, wording), the eviction baselines sharing one
+full-attention prefill, flashmem its own prefill per budget, the question fed
+through the cache and the answer decoded greedily. Each row holds the output, its
+score (share of the items found) and `hits` (item by item), so the report can say
+what share of the full cache's answers a method keeps (`report.tasks_summary`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from flashmem_eval import harness as H
+from flashmem_eval.baselines import Method
+from flashmem_eval.tasks import TaskProbe, make_task, score_output, wordings
+
+
+def prompts_for(args: Any) -> list[tuple[str, str, int, int, int]]:
+    """(family, haystack, length, seed, wording): each seed takes one wording of the set in turn,
+    so three seeds cover three wordings without tripling the runs."""
+    ws = wordings(args.wordings)
+    return [
+        (fam, hay, L, s, ws[i % len(ws)])
+        for hay in args.haystacks
+        for fam in args.families
+        for L in args.lengths
+        for i, s in enumerate(args.seeds)
+    ]
+
+
+def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.ResultStore) -> None:
+    from flashmem_eval.suites import (
+        _base_row,
+        _cell,
+        _err_row,
+        _progress,
+        _run_kvpress,
+        cells_for,
+        done_local,
+        global_layers,
+        local_cache,
+    )
+
+    model, tok = loaded.model, loaded.tokenizer
+    cells = cells_for(methods, args.budgets)
+    prompts = prompts_for(args)
+    prog = _progress(args, len(cells) * len(prompts))
+    jobs: list[dict[str, Any]] = []
+    bases: dict[str, dict[str, Any]] = {}
+    probes: dict[str, TaskProbe] = {}
+    stop = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
+    for fam, hay, L, s, w in prompts:
+        key = dict(family=fam, haystack=hay, length=L, seed=s, wording=w)
+        todo = [(m, b) for m, b in cells if not store.done(_cell(args, m, b, **key))]
+        if hasattr(prog, "bar"):
+            prog.bar.update(len(cells) - len(todo))
+        if not todo:
+            continue
+        probe = make_task(tok, fam, L, s, hay=hay, wording=w)
+        ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
+        q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
+        shared: dict[str, Any] = {}
+        for m, b in todo:
+            cell = _cell(args, m, b, **key)
+            row = _base_row(args, m, b, **key, cell=cell, context_tokens=int(ctx.shape[1]), items=probe.items)
+            if m.kind == "kvpress":
+                from flashmem_eval.baselines.kvpress_env import press_ratio
+
+                row["compression_ratio"] = press_ratio(b)
+                bases[cell], probes[cell] = row, probe
+                jobs.append(
+                    {
+                        "cell": cell,
+                        "kind": "retrieval",  # the runner's job: context, question, greedy answer
+                        "press": m.variant,
+                        "compression_ratio": press_ratio(b),
+                        "context": ctx[0].tolist(),
+                        "question": q[0].tolist(),
+                        "max_new": probe.max_new,
+                        "stop": stop,
+                        "global_layers": global_layers(model),
+                    }
+                )
+                continue
+            t0 = time.perf_counter()
+            try:
+                cache, _, info = local_cache(loaded, m, b, ctx, shared)
+                row.update(H.cache_ratios(model, cache, int(ctx.shape[1])))
+                gen = H.greedy(model, cache, q, probe.max_new, stop)
+                if m.kind == "flashmem":
+                    # as in the retrieval suite: what decoding holds, measured after the answer
+                    end = H.cache_ratios(model, cache, int(ctx.shape[1] + q.shape[1]) + len(gen) - 1)
+                    row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
+                    row["ratio_peak"] = end.get("ratio_peak")
+                text = tok.decode(gen, skip_special_tokens=True)
+                score, hits = score_output(text, probe)
+                row.update(output=text, score=score, hits=hits)
+                row.update({k: v for k, v in info.items() if k != "config"})
+            except Exception as exc:  # recorded; the sweep goes on
+                _err_row(row, exc)
+            finally:
+                done_local(shared, loaded) if m.kind == "flashmem" else None
+            row["seconds"] = time.perf_counter() - t0
+            store.add(row)
+            prog.step(f"{m.name} b={b:.3g} {fam} L={L} s={s}")
+
+    def finish(row: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
+        text = tok.decode(r.get("generated", []), skip_special_tokens=True)
+        row.pop("generated", None)
+        score, hits = score_output(text, probes[row["cell"]])
+        row.update(output=text, score=score, hits=hits)
+        return row
+
+    _run_kvpress(args, loaded, jobs, bases, store, finish, prog)
+    prog.close()

@@ -1,0 +1,157 @@
+"""The task families (issue 31): generators, scoring, the suite's rows and summary, the CLI."""
+
+import re
+
+import pytest
+
+from flashmem.errors import FlashMemError
+from flashmem_eval import harness as H
+from flashmem_eval import report
+from flashmem_eval.tasks import (
+    DEV_WORDINGS,
+    FAMILIES,
+    HELDOUT_WORDINGS,
+    TaskProbe,
+    make_task,
+    score_output,
+    wordings,
+)
+from flashmem_eval.tiny import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generators_are_deterministic_per_seed(tok, family):
+    a = make_task(tok, family, 1024, 3, hay="kjv", wording=1)
+    b = make_task(tok, family, 1024, 3, hay="kjv", wording=1)
+    assert (a.context, a.question, a.items) == (b.context, b.question, b.items)
+    c = make_task(tok, family, 1024, 4, hay="kjv", wording=1)
+    assert c.items != a.items and c.context != a.context
+    # another wording asks about the same facts in other words
+    d = make_task(tok, family, 1024, 3, hay="kjv", wording=3)
+    assert d.items == a.items and d.question != a.question
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("hay", ["kjv", "stdlib-doc"])
+@pytest.mark.parametrize("wording", DEV_WORDINGS + HELDOUT_WORDINGS)
+def test_the_answer_is_in_the_prompt_and_the_length_is_near(tok, family, hay, wording):
+    p = make_task(tok, family, 1024, 0, hay=hay, wording=wording)
+    assert p.items and all(it in p.context for it in p.items)
+    n = len(tok(p.context + p.question)["input_ids"])
+    assert 0.85 * 1024 < n < 1.1 * 1024
+    # every item stands in its own needle paragraph (a whole line, not inside the haystack's prose)
+    paras = p.context.split("\n\n")
+    assert all(any(it in para and len(para) < 200 for para in paras) for it in p.items)
+
+
+def test_family_specific_layouts(tok):
+    vt = make_task(tok, "vartrack", 2048, 1, wording=0)
+    lines = [x for x in vt.context.split("\n\n") if x.startswith("VAR ")]
+    # the chain in order: the first name takes the value, each next one copies the one before
+    chain = vt.items
+    value = re.search(r"value (\d+)", vt.question).group(1)
+    assert f"VAR {chain[0]} = {value}" in lines
+    pos = [lines.index(f"VAR {chain[i]} = VAR {chain[i - 1]}") for i in range(1, len(chain))]
+    assert pos == sorted(pos) and lines.index(f"VAR {chain[0]} = {value}") < pos[0]
+    assert len(lines) == 2 * len(chain)  # a distractor chain as long
+    agg = make_task(tok, "aggregation", 2048, 1, wording=0)
+    counts = {g: agg.context.count(f"crate of {g} was") for g in agg.vocab}
+    top = sorted(counts, key=counts.get, reverse=True)[:3]
+    assert sorted(top) == sorted(agg.items) and min(counts[g] for g in agg.items) > max(
+        c for g, c in counts.items() if g not in agg.items
+    )
+    mv = make_task(tok, "multivalue", 2048, 1, wording=0)
+    key = re.search(r"numbers for (.+)\?", mv.question).group(1)
+    assert sum(f"numbers for {key} is" in x for x in mv.context.split("\n\n")) == 3
+    kd = make_task(tok, "keyed", 2048, 1, wording=0)
+    color, noun = re.search(r"number for (\w+) (\w+)\?", kd.question).groups()
+    keys = re.findall(r"number for (\w+ \w+) is", kd.context)
+    # distractors share the asked key's colour or its noun
+    assert len(keys) == 5 and any(k.startswith(color + " ") for k in keys[0:]) and sum(noun in k for k in keys) >= 2
+
+
+def _probe(scoring, items, vocab=()):
+    return TaskProbe("x", "", "", list(items), 0, 8, scoring, list(vocab))
+
+
+def test_scoring_on_hand_made_outputs():
+    first = _probe("first", ["123456"])
+    assert score_output(" 123456.", first) == (1.0, [True])
+    assert score_output(" 654321, not 123456", first) == (0.0, [False])
+    nums = _probe("numbers", ["111111", "222222", "333333"])
+    assert score_output(" 222222, 111111 and 999999.", nums) == (2 / 3, [True, True, False])
+    # listing many numbers does not score past the first len(items) distinct ones
+    assert score_output(" 999999, 888888, 777777, 111111, 222222, 333333", nums)[0] == 0.0
+    # a repeated number counts once; the answer stops at a blank line
+    assert score_output(" 111111, 111111, 222222\n\n333333", nums)[1] == [True, True, False]
+    names = _probe("names", ["ABCDE", "FGHJK"])
+    assert score_output(" ABCDE, FGHJK", names) == (1.0, [True, True])
+    assert score_output(" VAR ABCDE and VAR ABCDEF", names)[1] == [True, False]
+    goods = _probe("words", ["salt", "tea", "rice"], vocab=["salt", "tea", "rice", "wool", "honey"])
+    assert score_output(" salt, wool and tea.", goods)[1] == [True, True, False]
+    assert score_output(" wool, honey, salt, tea, rice", goods)[1] == [True, False, False]
+    assert score_output(" Salt, TEA and rice", goods)[0] == 1.0
+    facts = _probe("words", ["Oslo", "baker", "goat"])
+    assert score_output(" Oslo in 1950; she worked as a Baker and kept goats.", facts)[1] == [True, True, False]
+
+
+def test_bad_names_get_one_line_errors(tok):
+    with pytest.raises(FlashMemError, match="'riddles' is not known; allowed: keyed, multivalue"):
+        make_task(tok, "riddles", 1024, 0)
+    with pytest.raises(FlashMemError, match="allowed: kjv, stdlib-doc"):
+        make_task(tok, "keyed", 1024, 0, hay="novel")
+    with pytest.raises(FlashMemError, match="allowed: dev, heldout, all"):
+        wordings("test")
+
+
+def test_cli_rejects_a_bad_family(tmp_path):
+    from typer.testing import CliRunner
+
+    from flashmem.cli.main import _register, app
+
+    _register()
+    r = CliRunner().invoke(
+        app, ["bench", "tasks", "--families", "keyed,riddles", "--json-out", str(tmp_path / "x.json")]
+    )
+    assert isinstance(r.exception, FlashMemError)
+    msg = str(r.exception)
+    assert "--families: 'riddles' is not known" in msg and "vartrack" in msg and "\n" not in msg
+    r = CliRunner().invoke(app, ["bench", "tasks", "--wordings", "tuned", "--json-out", str(tmp_path / "x.json")])
+    assert isinstance(r.exception, FlashMemError) and "'tuned'" in str(r.exception)
+
+
+def test_suite_rows_and_share_of_the_full_cache(tmp_path):
+    """The suite on the tiny model: one row per method and prompt with items, hits and score;
+    the summary counts only the items the full cache answers."""
+    from flashmem_eval.suites import BenchArgs, run_suite
+
+    args = BenchArgs(
+        suite="tasks",
+        model="tiny",
+        methods=["full", "streaming"],
+        budgets=[0.25],
+        lengths=[512],
+        json_out=tmp_path / "t.json",
+        seeds=[0, 1],
+        haystacks=["kjv"],
+        families=["multivalue", "passage"],
+        threads=1,
+        progress=False,
+    )
+    rows = list(run_suite(args, H.load("tiny")).rows.values())
+    assert len(rows) == 2 * 2 * 2 and not any(r.get("error") for r in rows)
+    assert {r["wording"] for r in rows} == {0, 1}  # seeds take the wordings in turn
+    for r in rows:
+        assert len(r["hits"]) == len(r["items"]) and r["score"] == sum(r["hits"]) / len(r["hits"])
+    # hand-made hits: the full cache answers 2 items of 3, the method one of those and one the full misses
+    fake = [dict(rows[0], method="full", budget=1.0, hits=[True, True, False], score=2 / 3)]
+    fake.append(dict(rows[0], method="x", budget=0.25, hits=[True, False, True], score=2 / 3))
+    s = {x["method"]: x for x in report.tasks_summary(fake) if x["length"] == 0}
+    assert s["x"]["full_items"] == 2 and s["x"]["kept_items"] == 1 and s["x"]["vs_full"] == 0.5
+    assert "1/2 (50%)" in report.tasks_markdown(fake)
+    assert [a["score"] for a in report.full_answers(fake)] == [2 / 3]
