@@ -42,6 +42,7 @@ def test_generators_are_deterministic_per_seed(tok, family):
 def test_the_answer_is_in_the_prompt_and_the_length_is_near(tok, family, hay, wording):
     p = make_task(tok, family, 1024, 0, hay=hay, wording=wording)
     assert p.items and all(it in p.context for it in p.items)
+    assert p.pieces and all(x in p.context for x in p.pieces)  # what the diagnosis looks up
     n = len(tok(p.context + p.question)["input_ids"])
     assert 0.85 * 1024 < n < 1.1 * 1024
     # every item stands in its own needle paragraph (a whole line, not inside the haystack's prose)

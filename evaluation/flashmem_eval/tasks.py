@@ -68,6 +68,8 @@ class TaskProbe:
     # as a whole word, any case)
     scoring: str
     vocab: list[str] = field(default_factory=list)  # "words" scoring with a candidate list
+    # the needle sentences the answer needs (the diagnosis looks up where they were selected)
+    pieces: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- wordings
@@ -193,7 +195,8 @@ def _family(rng: random.Random, family: str, w: int) -> tuple[list[tuple[str, fl
         order = list(range(len(keys)))
         rng.shuffle(order)  # the asked key is not always first
         needles = [(nt.format(k=keys[i], v=vals[i]), d) for i, d in zip(order, _depths(rng, len(keys)))]
-        return needles, qt.format(k=keys[0]), at.format(k=keys[0]), [vals[0]], {"scoring": "first"}
+        extra = {"scoring": "first", "pieces": [nt.format(k=keys[0], v=vals[0])]}
+        return needles, qt.format(k=keys[0]), at.format(k=keys[0]), [vals[0]], extra
     if family == "multivalue":
         nt, qt, at = _MULTIVALUE[w]
         key, other = (f"{c} {n}" for c, n in zip(rng.sample(_COLORS, 2), rng.sample(_NOUNS, 2)))
@@ -203,7 +206,8 @@ def _family(rng: random.Random, family: str, w: int) -> tuple[list[tuple[str, fl
         needles = [(nt.format(k=k, v=v), d) for (k, v), d in zip(pieces, _depths(rng, len(pieces)))]
         # items in the order they appear: the natural order of a listing answer
         items = [v for k, v in pieces if k == key]
-        return needles, qt.format(k=key), at.format(k=key), items, {"scoring": "numbers"}
+        extra = {"scoring": "numbers", "pieces": [nt.format(k=key, v=v) for v in items]}
+        return needles, qt.format(k=key), at.format(k=key), items, extra
     if family == "multiquery":
         nt, qt, at = _MULTIQUERY[w]
         keys = [f"{c} {n}" for c, n in zip(rng.sample(_COLORS, 4), rng.sample(_NOUNS, 4))]
@@ -213,7 +217,8 @@ def _family(rng: random.Random, family: str, w: int) -> tuple[list[tuple[str, fl
         needles = [(nt.format(k=keys[i], v=vals[i]), d) for i, d in zip(order, _depths(rng, len(keys)))]
         asked = [0, 1, 2]
         ks = _join([keys[i] for i in asked])
-        return needles, qt.format(ks=ks), at.format(ks=ks), [vals[i] for i in asked], {"scoring": "numbers"}
+        extra = {"scoring": "numbers", "pieces": [nt.format(k=keys[i], v=vals[i]) for i in asked]}
+        return needles, qt.format(ks=ks), at.format(ks=ks), [vals[i] for i in asked], extra
     if family == "vartrack":
         first, copy, qt, at = _VARTRACK[w]
         hops = 4  # variables in the chain: 3 copies after the first assignment
@@ -226,7 +231,8 @@ def _family(rng: random.Random, family: str, w: int) -> tuple[list[tuple[str, fl
             for names, value in ((chain, v), (decoy, dv)):
                 lines.append(first.format(a=names[0], v=value) if i == 0 else copy.format(a=names[i], b=names[i - 1]))
         needles = list(zip(lines, _depths(rng, len(lines))))
-        return needles, qt.format(v=v), at.format(n=hops, v=v), chain, {"scoring": "names"}
+        extra = {"scoring": "names", "pieces": lines[0::2]}  # the asked chain's lines (the decoy's interleave)
+        return needles, qt.format(v=v), at.format(n=hops, v=v), chain, extra
     if family == "aggregation":
         nt, qt, at = _AGGREGATION[w]
         goods = rng.sample(_GOODS, 8)
@@ -234,7 +240,7 @@ def _family(rng: random.Random, family: str, w: int) -> tuple[list[tuple[str, fl
         notes = [g for g in top for _ in range(6)] + [g for g in rest for _ in range(rng.randint(1, 2))]
         rng.shuffle(notes)
         needles = [(nt.format(g=g), d) for g, d in zip(notes, _depths(rng, len(notes)))]
-        return needles, qt, at, top, {"scoring": "words", "vocab": goods}
+        return needles, qt, at, top, {"scoring": "words", "vocab": goods, "pieces": [n for n, _ in needles]}
     if family == "passage":
         pt, qt, at = _PASSAGE[w]
         names = rng.sample(_NAMES, 2)
@@ -246,7 +252,8 @@ def _family(rng: random.Random, family: str, w: int) -> tuple[list[tuple[str, fl
             ds.reverse()  # the asked passage first or second
         needles = list(zip(texts, ds))
         n0 = names[0]
-        return needles, qt.format(n=n0), at.format(n=n0), [cities[0], jobs[0], pets[0]], {"scoring": "words"}
+        extra = {"scoring": "words", "pieces": [texts[0]]}
+        return needles, qt.format(n=n0), at.format(n=n0), [cities[0], jobs[0], pets[0]], extra
     raise FlashMemError(f"--families: {family!r} is not known; allowed: {', '.join(FAMILIES)}")
 
 
