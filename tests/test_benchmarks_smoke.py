@@ -36,6 +36,7 @@ MAINTAINED = [
     "needle_selected.py",
     "page_retrieval.py",
     "serve_load.py",
+    "serve_replicas.py",
 ]
 # written by another change; checked when present
 OPTIONAL = ["gpu_check.py"]
