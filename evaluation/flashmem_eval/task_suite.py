@@ -22,14 +22,15 @@ from flashmem_eval.tasks import TaskProbe, make_task, score_output, wordings
 
 def prompts_for(args: Any) -> list[tuple[str, str, int, int, int]]:
     """(family, haystack, length, seed, wording): each seed takes one wording of the set in turn,
-    so three seeds cover three wordings without tripling the runs."""
+    so three seeds cover three wordings without tripling the runs. Shorter lengths and earlier
+    seeds first, every family and haystack in each: a run cut short holds whole rounds."""
     ws = wordings(args.wordings)
     return [
         (fam, hay, L, s, ws[i % len(ws)])
-        for hay in args.haystacks
-        for fam in args.families
         for L in args.lengths
         for i, s in enumerate(args.seeds)
+        for hay in args.haystacks
+        for fam in args.families
     ]
 
 
