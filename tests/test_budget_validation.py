@@ -130,15 +130,16 @@ def _solver_points(draw):
         draw(st.integers(0, 4096)),  # pages
         draw(st.integers(0, 32)),  # band blocks
         draw(st.sampled_from([(1, 64, 4), (3, 64, 4), (4, 128, 2), (8, 16, 1)])),
+        draw(st.booleans()),  # peak
     )
 
 
 @settings(max_examples=300, deadline=None)
 @given(_solver_points())
 def test_fast_ratio_is_predicted_ratio(point):
-    base, tokens, w, k, band, (group, head_dim, dtype_bytes) = point
-    fast = _ratio_of(base, tokens, group, head_dim, dtype_bytes)(w, k, band)
-    assert fast == predicted_ratio(_sized(base, w, k, band), tokens, group, head_dim, dtype_bytes)
+    base, tokens, w, k, band, (group, head_dim, dtype_bytes), peak = point
+    fast = _ratio_of(base, tokens, group, head_dim, dtype_bytes, peak)(w, k, band)
+    assert fast == predicted_ratio(_sized(base, w, k, band), tokens, group, head_dim, dtype_bytes, peak)
 
 
 _any = st.one_of(

@@ -28,16 +28,26 @@ RECENT_QUERY_TOKENS = 8
 
 
 def predicted_ratio(
-    cfg: FlashMemoryConfig, tokens: int, group: int = 1, head_dim: int = 64, dtype_bytes: int = 4
+    cfg: FlashMemoryConfig,
+    tokens: int,
+    group: int = 1,
+    head_dim: int = 64,
+    dtype_bytes: int = 4,
+    peak: bool = False,
 ) -> float:
     """Resident token-equivalents / tokens, per managed layer and KV head.
+
+    peak: the most held on any step around `tokens` (the open block full,
+    `tier_counts(peak=True)`): what the solver sizes, so the budget holds on every
+    step, not only at lengths where a block was just sealed (the open block alone is
+    up to 63 tokens, 25% of a 1/16 budget at 4K).
 
     K+V entries count 1; the index counts its declared bytes over the bytes of
     one token's K+V (2 * head_dim * dtype_bytes); the cache also keeps the last
     RECENT_QUERY_TOKENS queries of each of the `group` query heads per KV head
     (for the fusion weights): 8 * group key-sized vectors.
     """
-    c = tier_counts(cfg, tokens)
+    c = tier_counts(cfg, tokens, peak)
     qbuf = 0.5 * RECENT_QUERY_TOKENS * group if tokens > 0 and cfg.use_summaries else 0.0
     index = index_bytes(cfg, c, head_dim, dtype_bytes) / (2 * head_dim * dtype_bytes)
     # a coded working set (working_set_codec) counts its coded bytes
@@ -54,7 +64,8 @@ def budget_config(
     dtype_bytes: int = 4,
     **overrides: Any,
 ) -> FlashMemoryConfig:
-    """A config whose predicted device-resident fraction at `tokens` is about `budget`.
+    """A config whose predicted device-resident fraction at `tokens` is about `budget`, on
+    every step around that length (`predicted_ratio(peak=True)`: the open block full).
 
     Searched: selected pages k (lsa_top_k), near band (multiple of the block
     size, only with summaries) and window W (multiple of 8). Among configs at
@@ -84,7 +95,7 @@ def budget_config(
     spec = resolve_variant(variant)
     base = _base_config(spec.keys, budget, overrides)
     target = budget * tokens
-    ratio = _ratio_of(base, tokens, group, head_dim, dtype_bytes)
+    ratio = _ratio_of(base, tokens, group, head_dim, dtype_bytes, peak=True)
     per_page = base.page_tokens * working_set_scale(base, head_dim, dtype_bytes)
     bands = range(0, 33) if base.use_summaries else [0]  # the band is dropped without summaries
     cands = _candidates(ratio, budget, tokens, _page_counts(int(target / per_page) + 9), bands)
@@ -172,9 +183,9 @@ def _sized(base: FlashMemoryConfig, window: int, pages: int, band_blocks: int) -
 
 
 def _ratio_of(
-    base: FlashMemoryConfig, tokens: int, group: int, head_dim: int, dtype_bytes: int
+    base: FlashMemoryConfig, tokens: int, group: int, head_dim: int, dtype_bytes: int, peak: bool = False
 ) -> Callable[[int, int, int], float]:
-    """predicted_ratio(_sized(base, w, k, band), tokens, ...) as a function of (w, k, band),
+    """predicted_ratio(_sized(base, w, k, band), tokens, ..., peak) as a function of (w, k, band),
     the same arithmetic in the same order without building a config per call (the solver
     calls it thousands of times; tests/test_budget_validation.py checks it equals
     predicted_ratio)."""
@@ -193,7 +204,7 @@ def _ratio_of(
         window = min(w, rest)
         history = rest - window
         sealed = history // B
-        open_block = history - sealed * B
+        open_block = min(B - 1, history) if peak else history - sealed * B
         csa = min(sealed, band) * per_block if summaries else 0
         pages = sealed * ppb
         selected = max(0, min(pages, max(k, min(1, k)))) if pages > 0 else 0

@@ -41,8 +41,12 @@ class TierCounts:
         return asdict(self)
 
 
-def tier_counts(cfg: FlashMemoryConfig, tokens: int) -> TierCounts:
+def tier_counts(cfg: FlashMemoryConfig, tokens: int, peak: bool = False) -> TierCounts:
     """Sizes of each tier after `tokens` tokens have been seen (steady state).
+
+    peak: the open block counted full (B - 1 tokens, once there is that much history),
+    as it is on some step near `tokens` whatever `tokens` mod B is: the most the
+    device holds around that length, which is what a budget must bound.
 
     The window holds up to `gpu_cache_limit` tokens beyond the sinks; tokens
     pushed out of it fill the open block, sealed every `hca_chunk_size` tokens.
@@ -56,7 +60,7 @@ def tier_counts(cfg: FlashMemoryConfig, tokens: int) -> TierCounts:
     window = min(cfg.gpu_cache_limit, rest)
     history = rest - window
     sealed = history // B
-    open_block = history - sealed * B
+    open_block = min(B - 1, history) if peak else history - sealed * B
     band_blocks = min(sealed, cfg.csa_band_blocks) if cfg.use_summaries else 0
     csa = band_blocks * cfg.csa_per_block
     selected = cfg.blocks_to_select(sealed * cfg.pages_per_block)  # pages (blocks unless paged)
