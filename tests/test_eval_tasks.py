@@ -156,3 +156,7 @@ def test_suite_rows_and_share_of_the_full_cache(tmp_path):
     assert s["x"]["full_items"] == 2 and s["x"]["kept_items"] == 1 and s["x"]["vs_full"] == 0.5
     assert "1/2 (50%)" in report.tasks_markdown(fake)
     assert [a["score"] for a in report.full_answers(fake)] == [2 / 3]
+    md = report.results_markdown(fake, ["t.json"], [], "flashmem report t.json")
+    assert "Task families" in md and "Prompts the full cache answers (1)" in md
+    with pytest.raises(FlashMemError, match="--plot: the tasks suite has no figure"):
+        report.plot(fake, "tasks", tmp_path / "t.png")

@@ -80,6 +80,10 @@ def plot(rows: list[dict[str, Any]], suite: str, path: str | Path) -> list[Path]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if suite == "tasks":
+        from flashmem.errors import FlashMemError
+
+        raise FlashMemError("--plot: the tasks suite has no figure; allowed with: fidelity, retrieval, memory, speed")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [r for r in rows if r.get("suite") == suite and not r.get("error")]
@@ -369,9 +373,10 @@ def results_markdown(rows: list[dict[str, Any]], files: list[str], runs: list[di
         "retrieval": "Retrieval (correct / prompts; in brackets: of the prompts the full cache answers, the share answered)",
         "memory": "Memory",
         "speed": "Speed",
+        "tasks": "Task families (items of the full cache's answers also answered / the full cache's, per family)",
     }
-    pivots = {"fidelity": fidelity_markdown, "retrieval": retrieval_markdown}
-    for suite in ("fidelity", "retrieval", "memory", "speed"):
+    pivots = {"fidelity": fidelity_markdown, "retrieval": retrieval_markdown, "tasks": tasks_results_markdown}
+    for suite in ("fidelity", "retrieval", "memory", "speed", "tasks"):
         rs = [r for r in rows if r.get("suite") == suite]
         if not rs:
             continue
@@ -464,3 +469,20 @@ def full_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             keep = ("family", "haystack", "length", "seed", "wording", "score", "items", "output")
             out.append({k: r.get(k) for k in keep})
     return sorted(out, key=lambda r: (r["family"], r["haystack"], r["length"], r["seed"]))
+
+
+def tasks_results_markdown(rows: list[dict[str, Any]]) -> str:
+    """The tasks pivot per length and pooled, then the prompts the full cache answers."""
+    lengths = sorted({int(r["length"]) for r in rows if r.get("suite") == "tasks"})
+    parts = []
+    for L in [*lengths, 0] if len(lengths) > 1 else lengths:
+        parts.append(f"{L // 1024}K:" if L else "All lengths:")
+        parts.append(tasks_markdown(rows, L))
+    answered = full_answers(rows)
+    lines = [
+        f"- {a['family']}, {a['haystack']}, {a['length'] // 1024}K, seed {a['seed']}, wording {a['wording']}: "
+        f"score {a['score']:.2f}"
+        for a in answered
+    ]
+    parts.append(f"Prompts the full cache answers ({len(answered)}):\n\n" + "\n".join(lines))
+    return "\n\n".join(parts)
