@@ -127,6 +127,10 @@ def eviction_cache(method: Method, pre: Prefilled, budget: float) -> Any:
         return streaming_compress(pre.cache, sinks, window)
     if method.variant == "snapkv":
         return snapkv_compress(pre.cache, pre.captured, snapkv_keep(budget, pre.tokens))
+    from flashmem_eval.baselines.quantized import QUANT_METHODS, quantized_from_prefill
+
+    if method.variant in QUANT_METHODS:  # every token kept, quantized: the budget does not apply
+        return quantized_from_prefill(method.variant, pre.cache)
     raise FlashMemError(f"method {method.name!r} is not an eviction method")
 
 

@@ -6,7 +6,10 @@ Method names used by the benchmark harness:
 * ``streaming``: StreamingLLM, sinks + recent window (:mod:`.streaming`);
 * ``snapkv``: SnapKV post-prefill eviction (:mod:`.snapkv`);
 * ``kvpress:<Press>``: NVIDIA kvpress 0.5.5 presses, run in their own venv (:mod:`.kvpress_env`; the runner file must not sit beside a module named kvpress);
-* ``flashmem`` / ``flashmem:<variant>``: the FlashMemory cache (:mod:`.flashmem_adapter`).
+* ``flashmem`` / ``flashmem:<variant>``: the FlashMemory cache (:mod:`.flashmem_adapter`);
+* ``quanto-int4|int2``, ``hqq-int4|int2``, ``kivi-int4|int2``: quantized caches, every token kept
+  (:mod:`.quantized`); built after the full prefill like the eviction baselines, they ignore the
+  budget (rows report the measured ratio beside the nominal budget).
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ def parse_method(name: str) -> Method:
         return Method(name, "full")
     if name in ("streaming", "snapkv"):
         return Method(name, "eviction", name)
+    from flashmem_eval.baselines.quantized import QUANT_METHODS
+
+    if name in QUANT_METHODS:
+        return Method(name, "eviction", name)
     if name.startswith("kvpress:"):
         press = name.split(":", 1)[1]
         if press not in KVPRESS_PRESSES:
@@ -49,5 +56,5 @@ def parse_method(name: str) -> Method:
         return Method(name, "flashmem", variant)
     raise FlashMemError(
         f"method: {name!r} is not known; allowed: full, streaming, snapkv, flashmem[:variant], "
-        f"kvpress:<{'|'.join(KVPRESS_PRESSES)}>"
+        f"kvpress:<{'|'.join(KVPRESS_PRESSES)}>, {', '.join(QUANT_METHODS)}"
     )
