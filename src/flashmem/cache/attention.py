@@ -35,6 +35,11 @@ def flashmem_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """query: [b, Hq, q, d]; key/value: what `cache.update` returned -> out [b, q, Hq, d]."""
+    rows = getattr(key, "_flashmem_rows", None)
+    if rows is not None:  # a BatchedCache: each row attends over its own cache (cache/batched.py)
+        from flashmem.cache.batched import rows_attention
+
+        return rows_attention(module, query, rows, scaling, dropout, **kwargs)
     layer: FlashLayer | None = getattr(key, "_flashmem_layer", None)
     pending = layer.take_pending() if layer is not None else None
     if layer is None or pending is None:

@@ -77,6 +77,12 @@ def serve(
     max_request_bytes: str = typer.Option(
         "4M", "--max-request-bytes", help="largest request body (413 beyond it), e.g. 4M"
     ),
+    max_batch: int | None = typer.Option(
+        None, "--max-batch", min=1, help="decode steps per model forward (default --max-concurrent; 1: unbatched)"
+    ),
+    restore_on_worker: bool = typer.Option(
+        False, "--restore-on-worker", hidden=True, help="restore prefixes on the worker thread (benchmarks: the stall)"
+    ),
 ) -> None:
     """Serve the model through the FlashMemory cache with the OpenAI API (completions, chat, streaming)."""
     uvicorn, create_app = _server_modules()
@@ -94,7 +100,7 @@ def serve(
     store, where = _prefix_backend(no_prefix_cache, prefix_store, prefix_dir, quota)
     engine = _load_engine(
         model, cfg, threads, store, model_name=model_name or model, max_concurrent=max_concurrent,
-        max_queue=max_queue, max_context=max_context,
+        max_queue=max_queue, max_context=max_context, max_batch=max_batch, restore_off_thread=not restore_on_worker,
     )  # fmt: skip
     typer.echo(f"serving {engine.model_name!r} on http://{host}:{port}/v1; {where}", err=True)
     uvicorn.run(

@@ -3,8 +3,19 @@
 Each sequence has its own FlashMemoryCache. A round gives every live sequence
 one unit of work: a prefill chunk of `block_tokens` prompt tokens, or one decode
 step, so a long prefill delays the other streams by one chunk per round, never
-for its whole duration. Decode steps are not batched across sequences (each
-cache holds one sequence; batching would need a batched cache).
+for its whole duration. Continuous batching: the decode steps of a round run in
+one model forward over a `BatchedCache` (cache/batched.py) of the decoding
+sequences' caches, up to `max_batch` rows (1: one forward per sequence), so the
+weights are read once per round, not once per sequence; each row attends over
+its own cache, with its own positions, tiers and selection, exactly as alone.
+Sequences join the batch when their prompt is done and leave when they finish,
+between forwards. Prefill chunks stay one forward per sequence (a padded batch
+of a 512-token chunk and 1-token decode steps would compute mostly padding).
+
+Admission (cache creation and prefix restore) runs off the worker thread when
+`restore_off_thread` (the default): a restore prepares the new sequence's cache
+on a helper thread, and the worker swaps it in between rounds, so the other
+streams keep decoding while stored records are read, checked and imported.
 
 Prefix reuse (flashmem.serve.prefix): before its prefill, a sequence looks up
 the hash chain of its prompt's full prefix blocks, restores the longest stored
@@ -19,6 +30,7 @@ for a slot in arrival order; beyond that `submit` raises QueueFullError (HTTP 42
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -30,6 +42,7 @@ from typing import Any
 
 import torch
 
+from flashmem.cache import batched
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
 from flashmem.serve import state
@@ -93,6 +106,7 @@ class Sequence:
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
         self.t_last: float | None = None
+        self.token_times: list[float] = []  # when each token was emitted (benchmarks: the gaps)
         self.generator: torch.Generator | None = None
         if sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling.seed)
@@ -122,7 +136,12 @@ class Engine:
         max_context: int | None = None,
         block_tokens: int | None = None,
         metrics: ServeMetrics | None = None,
+        max_batch: int | None = None,
+        restore_off_thread: bool = True,
     ) -> None:
+        """max_batch: decode steps per model forward (default max_concurrent; 1: one forward
+        per sequence). restore_off_thread: admit (create the cache, restore a stored prefix)
+        on a helper thread, swapped in between rounds."""
         import flashmem
 
         self.model = model
@@ -132,6 +151,10 @@ class Engine:
         self.prefix_store = prefix_store
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
+        if max_batch is not None and max_batch < 1:
+            raise FlashMemError(f"max_batch {max_batch}: allowed: 1 (one forward per sequence) or more")
+        self.max_batch = max_batch or max_concurrent
+        self.restore_off_thread = restore_off_thread
         self.metrics = metrics or ServeMetrics()
         B = cfg.hca_chunk_size
         self.block_tokens = block_tokens or max(B, (cfg.prefill_chunk // B) * B)
@@ -152,6 +175,16 @@ class Engine:
         self._evictions_seen = 0  # the store's eviction count already added to the metric
         self._damaged_seen = 0  # the same for records that failed their check
         self._unreachable_seen = 0  # the same for calls that could not reach a shared store
+        self._counters_lock = threading.Lock()  # the admit thread and the worker both add them
+        # Sequences being admitted on the helper thread, and those ready to join (under _cv).
+        self._admitting = 0
+        self._ready: list[Sequence] = []
+        self._admitter: concurrent.futures.ThreadPoolExecutor | None = None
+        # What the rounds did (tests and benchmarks): decode forwards, rows in them, and
+        # the longest time the worker spent admitting in one round (restores on the worker).
+        self.decode_forwards = 0
+        self.decode_rows = 0
+        self.max_admit_s = 0.0
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -166,12 +199,19 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
+        if self._admitter is not None:
+            self._admitter.shutdown(wait=True)
+            self._admitter = None
+        with self._cv:
+            ready, self._ready = self._ready, []
+        for seq in ready:
+            self._finish(seq, "cancelled", error="server shutting down")
 
     # ------------------------------------------------------------ requests
     def submit(self, seq: Sequence) -> None:
         """Queue a sequence; QueueFullError when the queue is full too."""
         with self._cv:
-            free = max(0, self.max_concurrent - len(self._active))
+            free = max(0, self.max_concurrent - self._live())
             if len(self._waiting) >= self.max_queue + free:
                 raise QueueFullError(
                     f"server busy: {self.max_concurrent} sequences running and {self.max_queue} waiting; retry later"
@@ -189,34 +229,94 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self._active)
+        """Live sequences: generating, or being admitted."""
+        with self._cv:
+            return self._live()
+
+    def _live(self) -> int:
+        return len(self._active) + self._admitting + len(self._ready)
 
     # ------------------------------------------------------------ worker
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not self._active:
+                while not self._stop and not self._work_now():
                     self._cv.wait()
                 if self._stop:
                     break
-                admit: list[Sequence] = []
-                while self._waiting and len(self._active) + len(admit) < self.max_concurrent:
-                    admit.append(self._waiting.popleft())
-                self.metrics.queued.set(len(self._waiting))
-            for seq in admit:
-                if seq.cancelled.is_set():
-                    self._finish(seq, "cancelled")
-                    continue
+            self.step()
+        if self._admitter is not None:
+            self._admitter.shutdown(wait=True)
+        with self._cv:
+            ready, self._ready = self._ready, []
+        for seq in self._active + ready + list(self._waiting):
+            self._finish(seq, "cancelled", error="server shutting down")
+
+    def _work_now(self) -> bool:
+        """(under _cv) Whether a round has something to do: a live or ready sequence, or a
+        waiting one with a free slot (a slot taken by an admission in flight is not free)."""
+        return bool(self._active or self._ready or (self._waiting and self._live() < self.max_concurrent))
+
+    def step(self) -> None:
+        """One round: admit from the queue, take in the sequences admitted since, then one
+        unit of every live sequence (a prefill chunk each; every decode step in one forward)."""
+        with self._cv:
+            admit: list[Sequence] = []
+            while self._waiting and self._live() + len(admit) < self.max_concurrent:
+                admit.append(self._waiting.popleft())
+            self.metrics.queued.set(len(self._waiting))
+            if self.restore_off_thread:
+                self._admitting += len(admit)
+        t0 = time.perf_counter()
+        for seq in admit:
+            if self.restore_off_thread:
+                if self._admitter is None:
+                    self._admitter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flashmem-serve-admit")
+                self._admitter.submit(self._admit_off_thread, seq)
+            elif seq.cancelled.is_set():
+                self._finish(seq, "cancelled")
+            else:
                 self._admit(seq)
                 if not seq.done.is_set():
                     self._active.append(seq)
-            for seq in list(self._active):
+        self.max_admit_s = max(self.max_admit_s, time.perf_counter() - t0)
+        with self._cv:  # the swap: prepared caches join between rounds
+            ready, self._ready = self._ready, []
+        self._active.extend(s for s in ready if not s.done.is_set())
+        decoding = [s for s in self._active if s.pos >= s.prompt_tokens and s.generated]
+        for seq in self._active:
+            if seq not in decoding:
                 self._unit(seq)
-            self._active = [s for s in self._active if not s.done.is_set()]
-            self._gauges()
-        for seq in self._active + list(self._waiting):
-            self._finish(seq, "cancelled", error="server shutting down")
+        self._decode(decoding)
+        self._active = [s for s in self._active if not s.done.is_set()]
+        self._gauges()
+
+    def _admit_off_thread(self, seq: Sequence) -> None:
+        """On the helper thread: admit `seq` (its cache is nobody else's yet), then hand it
+        to the worker's next round."""
+        try:
+            if seq.cancelled.is_set():
+                self._finish(seq, "cancelled")
+            else:
+                torch.set_grad_enabled(False)
+                self._admit(seq)
+        finally:
+            with self._cv:
+                self._admitting -= 1
+                self._ready.append(seq)
+                self._cv.notify_all()
+
+    def wait_admitted(self, timeout: float = 60.0) -> bool:
+        """Wait until no admission is in flight (tests and scripts that drive `step`)."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._admitting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
 
     def _admit(self, seq: Sequence) -> None:
         """Give the sequence a cache; restore the longest stored prefix of its prompt."""
@@ -295,6 +395,47 @@ class Engine:
         seq.next_logits = self._forward(seq, [seq.generated[-1]])
         self._emit(seq)
 
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """One decode step of every sequence in `seqs`: up to max_batch per forward."""
+        live = []
+        for seq in seqs:
+            if seq.cancelled.is_set():
+                self._finish(seq, "cancelled")
+            elif not seq.done.is_set():
+                live.append(seq)
+        for a in range(0, len(live), self.max_batch):
+            group = live[a : a + self.max_batch]
+            self.decode_forwards += 1
+            self.decode_rows += len(group)
+            if len(group) == 1:
+                self._unit(group[0])  # the plain path: no batch to build
+                continue
+            self._decode_batch(group)
+
+    def _decode_batch(self, group: list[Sequence]) -> None:
+        """One forward of the group's next tokens; a row that fails fails its request only."""
+        try:
+            batch = batched.BatchedCache([s.cache for s in group])
+            logits = batched.forward(self.model, batch, [[s.generated[-1]] for s in group])
+        except Exception as exc:  # noqa: BLE001 - the forward itself failed: every row's cache is unusable
+            log.exception("a batched step failed")
+            for seq in group:
+                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        for r, seq in enumerate(group):
+            out = logits[r]
+            if out is None:
+                why = batch.failures[r]
+                log.error("a step failed: %s: %s", type(why).__name__, why)
+                self._finish(seq, "error", error=f"{type(why).__name__}: {why}")
+                continue
+            seq.next_logits = out
+            try:
+                self._emit(seq)
+            except Exception as exc:  # noqa: BLE001 - one request fails, the server lives
+                log.exception("emitting a token failed")
+                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+
     def _emit(self, seq: Sequence) -> None:
         """Sample from next_logits, send the new text, finish on EOS, stop or length."""
         logits = seq.next_logits
@@ -309,6 +450,7 @@ class Engine:
         elif seq.t_last is not None:
             self.metrics.itl.observe(now - seq.t_last)
         seq.t_last = now
+        seq.token_times.append(now)
         self.metrics.token()
         finish = None
         if tok in self.eos_ids:
@@ -384,6 +526,10 @@ class Engine:
 
     def _store_counters(self) -> None:
         """Add the store's new evictions and damaged records to the metrics."""
+        with self._counters_lock:
+            self._add_store_counters()
+
+    def _add_store_counters(self) -> None:
         store, m = self.prefix_store, self.metrics
         if store is None:
             return

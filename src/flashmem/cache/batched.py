@@ -1,0 +1,214 @@
+"""Several sequences in one model forward: a batch of FlashMemoryCaches, one per row.
+
+A FlashMemoryCache holds one sequence (its tiers, selection, cold tier and step
+guard are per sequence). `BatchedCache` puts several of them side by side so that
+the model's linear layers, which read every weight once per forward, run over all
+rows at once (the point of continuous batching), while each row's attention
+runs against its own cache exactly as it would alone:
+
+- `update` hands row r its own new K/V (`key_states[r, :, :n_r]`: a row's padding
+  never enters its cache) and returns the new keys tagged with every row's answer;
+- the registered attention function (`cache/attention.py`) sees the tag and calls
+  `rows_attention`, which runs row r's queries through row r's layer: a FlashLayer's
+  step (selection, tiers) or, for layers flashmem does not manage, SDPA over the
+  row's own keys with the row's own causal (or sliding-window) mask;
+- positions are per row (`forward` passes position ids = the row's length onwards),
+  so sequences of different lengths share a forward without padding their caches.
+
+Rows may hold different numbers of new tokens: the batch is right-padded to the
+longest, the padded positions compute garbage that no real token reads (attention
+is the only place tokens meet, and there each row sees only its own real tokens),
+and each row's logits are taken at its last real token.
+
+A row whose step raises (a damaged cold block, a closed cache) is marked failed
+and skipped for the rest of the forward; the others finish the step
+(`BatchedCache.failures`). Rows join and leave between forwards: the batch is a
+light wrapper, built per forward over the live sequences' caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from flashmem.cache.flash_cache import FlashMemoryCache
+from flashmem.errors import FlashMemError
+
+
+@dataclass
+class RowKV:
+    """What row `row`'s cache layer returned for this forward: keys/values to attend and
+    the row's number of real new tokens."""
+
+    row: int
+    layer: Any
+    k: torch.Tensor
+    v: torch.Tensor
+    n: int
+
+
+class _LayerKind:
+    """Stands in for a cache layer where transformers asks the batch about its layers
+    (`is_sliding` when it picks the mask's layer); the state lives in the rows."""
+
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, is_sliding: bool) -> None:
+        self.is_sliding = is_sliding
+
+
+class BatchedCache(Cache):
+    """Rows of FlashMemoryCaches (the same model and config) run in one forward.
+
+    Use `forward(model, batch, tokens)`; `rows` may change between forwards."""
+
+    def __init__(self, rows: list[FlashMemoryCache]) -> None:
+        if not rows:
+            raise FlashMemError("a batch needs at least one row (a FlashMemoryCache); allowed: 1 or more")
+        n_layers = len(rows[0].layers)
+        if any(len(r.layers) != n_layers for r in rows):
+            raise FlashMemError("rows of a batch must be caches of the same model; got different layer counts")
+        self.rows = list(rows)
+        self.lengths = [1] * len(rows)
+        self.failures: dict[int, BaseException] = {}
+        kinds: list[Any] = [_LayerKind(bool(getattr(x, "is_sliding", False))) for x in rows[0].layers]
+        super().__init__(layers=kinds)
+
+    def begin(self, lengths: list[int]) -> None:
+        """Before a forward: row r brings lengths[r] real new tokens (the rest is padding)."""
+        if len(lengths) != len(self.rows) or min(lengths) < 1:
+            raise FlashMemError(
+                f"new-token counts {lengths} for {len(self.rows)} rows; allowed: one count >= 1 per row"
+            )
+        self.lengths = list(lengths)
+        self.failures = {}
+
+    def fail(self, row: int, exc: BaseException) -> None:
+        """Row `row` stops for the rest of this forward (its cache's guard already holds the error)."""
+        self.failures.setdefault(row, exc)
+
+    # ------------------------------------------------------------ transformers API
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states/value_states: [b, h, q, d] for every row -> the same tensors, the keys
+        tagged with each row's (layer, K, V) for `rows_attention`."""
+        if key_states.shape[0] != len(self.rows):
+            raise FlashMemError(f"a forward of {key_states.shape[0]} rows on a batch of {len(self.rows)} caches")
+        answers: list[RowKV | None] = []
+        for r, cache in enumerate(self.rows):
+            n = self.lengths[r]
+            if r in self.failures:
+                answers.append(None)
+                continue
+            try:
+                k, v = cache.update(key_states[r : r + 1, :, :n], value_states[r : r + 1, :, :n], layer_idx)
+            except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
+                self.fail(r, exc)
+                answers.append(None)
+                continue
+            answers.append(RowKV(r, cache.layers[layer_idx], k, v, n))
+        tagged = key_states.view_as(key_states)
+        tagged._flashmem_rows = (self, answers)  # type: ignore[attr-defined]
+        return tagged, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The longest row (transformers' default positions; `forward` gives each row its own)."""
+        return max(r.get_seq_length() for r in self.rows)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        # Rows build their own masks (rows_attention); the model's mask is unused.
+        return query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def rows_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    tag: tuple[BatchedCache, list[RowKV | None]],
+    scaling: float | None,
+    dropout: float,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Each row's queries over its own cache layer. query: [b, Hq, q, d] -> [b, q, Hq, d]
+    (padded and failed rows' outputs are zeros)."""
+    from flashmem.cache.attention import flashmem_attention
+
+    batch, answers = tag
+    b, hq, q, d = query.shape
+    out = query.new_zeros(b, q, hq, d)
+    kwargs.pop("position_ids", None)  # the batch's, not a row's; attention does not read them
+    for ans in answers:
+        if ans is None or ans.row in batch.failures:
+            continue
+        r, n = ans.row, ans.n
+        q_r = query[r : r + 1, :, :n]
+        try:
+            if getattr(ans.k, "_flashmem_layer", None) is not None:
+                o, _ = flashmem_attention(module, q_r, ans.k, ans.v, None, scaling=scaling, dropout=dropout, **kwargs)
+            else:
+                mask = _plain_mask(ans.layer, n, ans.k.shape[-2], query.device)
+                o, _ = sdpa_attention_forward(
+                    module, q_r, ans.k, ans.v, mask, scaling=scaling, dropout=dropout, **kwargs
+                )
+        except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
+            batch.fail(r, exc)
+            continue
+        out[r, :n] = o[0]
+    return out, None
+
+
+def _plain_mask(layer: Any, n: int, kv: int, device: torch.device) -> torch.Tensor | None:
+    """The boolean mask [1, 1, n, kv] of a row's n new queries over the kv keys its plain
+    layer returned (they end with the new ones): causal, and within the window for a
+    sliding layer. None for one query (it sees every key returned, as SDPA does alone)."""
+    if n == 1:
+        return None
+    end = layer.cumulative_length if isinstance(layer, DynamicSlidingWindowLayer) else kv
+    kpos = torch.arange(end - kv, end, device=device)
+    qpos = torch.arange(end - n, end, device=device)
+    mask = kpos[None, :] <= qpos[:, None]
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        mask &= qpos[:, None] - kpos[None, :] < layer.sliding_window
+    elif not isinstance(layer, DynamicLayer):
+        raise FlashMemError(f"batched attention over a {type(layer).__name__} layer is not supported")
+    return mask[None, None]
+
+
+def forward(model: Any, batch: BatchedCache, tokens: list[list[int]]) -> list[torch.Tensor | None]:
+    """One model forward of every row's new tokens (row r: tokens[r], at least one) ->
+    each row's logits [vocab] (fp32) after its last token; None for a row that failed
+    (`batch.failures` says why; its cache is unusable from here on)."""
+    if len(tokens) != len(batch.rows):
+        raise FlashMemError(f"{len(tokens)} token lists for a batch of {len(batch.rows)} rows")
+    lengths = [len(t) for t in tokens]
+    batch.begin(lengths)
+    q = max(lengths)
+    dev = model.device
+    ids = torch.zeros(len(tokens), q, dtype=torch.long)
+    for r, t in enumerate(tokens):
+        ids[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+    start = torch.tensor([row.get_seq_length() for row in batch.rows], dtype=torch.long)
+    pos = start[:, None] + torch.arange(q)[None, :]
+    # A 4D mask is used as given (transformers builds none); rows build their own in attention.
+    real = torch.arange(q)[None, :] < torch.tensor(lengths)[:, None]
+    mask = torch.tril(torch.ones(q, q, dtype=torch.bool))[None, None] & real[:, None, None, :]
+    keep = sorted(set(n - 1 for n in lengths))
+    with torch.inference_mode():
+        out = model(
+            input_ids=ids.to(dev),
+            position_ids=pos.to(dev),
+            attention_mask=mask.to(dev),
+            cache=batch,
+            use_cache=True,
+            logits_to_keep=torch.tensor(keep, device=dev),
+        )
+    at = {p: i for i, p in enumerate(keep)}
+    return [None if r in batch.failures else out.logits[r, at[n - 1]].float() for r, n in enumerate(lengths)]

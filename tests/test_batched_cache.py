@@ -1,0 +1,134 @@
+"""BatchedCache: several sequences of different lengths in one forward, each row as alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashmem
+from flashmem.cache.batched import BatchedCache, forward
+from flashmem.errors import FlashMemError
+from serve_helpers import tiny_cfg, tiny_model
+from tiny_models import tiny_gemma3
+
+TOL = 1e-5
+LENGTHS = (150, 37, 90)  # sealed blocks in two rows, none in one; different positions everywhere
+
+# exact: the prompt attended exactly and a window that holds every token (nothing selected)
+EXACT = tiny_cfg(prefill_exact_tokens=4096, gpu_cache_limit=4096)
+CONFIGS = [
+    ("llama-exact", tiny_model, EXACT),
+    ("llama-selecting", tiny_model, tiny_cfg()),  # sealed blocks, pages selected per row
+    ("llama-full-layer", tiny_model, tiny_cfg(keep_full_layers=[0])),  # a plain layer: SDPA per row
+    ("gemma3-sliding", tiny_gemma3, tiny_cfg()),  # sliding layers: a windowed mask per row
+]
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _feed(model, cache, tokens: list[int], chunk: int = 32) -> torch.Tensor:
+    """Forwards of `tokens` alone (in chunks) -> the logits after the last one."""
+    with torch.inference_mode():
+        for a in range(0, len(tokens), chunk):
+            out = model(torch.tensor([tokens[a : a + chunk]]), cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1].float()
+
+
+@pytest.mark.parametrize("name,make,cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_batched_decode_gives_each_row_its_logits_alone(name, make, cfg) -> None:
+    model, steps = make(), 6
+    prompts = _prompts()
+    alone: list[list[torch.Tensor]] = []
+    for p in prompts:
+        cache = flashmem.attach(model, cfg)
+        logits = [_feed(model, cache, p)]
+        for _ in range(steps):
+            logits.append(_feed(model, cache, [int(logits[-1].argmax())]))
+        alone.append(logits)
+    rows = [flashmem.attach(model, cfg) for _ in prompts]
+    last = [_feed(model, c, p) for c, p in zip(rows, prompts)]
+    for s in range(steps):
+        batch = BatchedCache(rows)
+        out = forward(model, batch, [[int(x.argmax())] for x in last])
+        assert not batch.failures
+        last = [x for x in out if x is not None]
+        for r in range(len(rows)):
+            assert (last[r] - alone[r][s + 1]).abs().max().item() <= TOL, (name, r, s)
+    assert [c.get_seq_length() for c in rows] == [n + steps for n in LENGTHS]
+    if name == "llama-selecting":  # each row selected pages from its own sealed blocks
+        sealed = [c.flash_layers[0].num_sealed for c in rows]
+        assert sealed[0] > sealed[2] > sealed[1] > 0
+        assert all(c.flash_layers[0].ws_idx is not None for c in rows)
+
+
+@pytest.mark.parametrize("name,make,cfg", CONFIGS[:1] + CONFIGS[2:], ids=[c[0] for c in CONFIGS[:1] + CONFIGS[2:]])
+def test_rows_with_different_token_counts_are_padded_not_cached(name, make, cfg) -> None:
+    """A prompt chunk in one row and a decode step in another share a forward: the
+    padding never enters a row's cache, and each row's next steps stay exact."""
+    model = make()
+    prompts = _prompts(1)
+    news = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15]]  # 7, 1 and 3 new tokens
+    alone, rows = [], []
+    for p, new in zip(prompts, news):
+        cache = flashmem.attach(model, cfg)
+        _feed(model, cache, p)
+        a = _feed(model, cache, new, chunk=len(new))
+        alone.append((a, _feed(model, cache, [int(a.argmax())])))
+        row = flashmem.attach(model, cfg)
+        _feed(model, row, p)
+        rows.append(row)
+    got = forward(model, BatchedCache(rows), news)
+    nxt = forward(model, BatchedCache(rows), [[int(x.argmax())] for x in got if x is not None])
+    for r in range(3):
+        assert got[r] is not None and nxt[r] is not None
+        assert (got[r] - alone[r][0]).abs().max().item() <= TOL
+        assert (nxt[r] - alone[r][1]).abs().max().item() <= TOL
+        assert rows[r].get_seq_length() == LENGTHS[r] + len(news[r]) + 1
+
+
+def test_rows_join_and_leave_between_forwards() -> None:
+    model, cfg = tiny_model(), EXACT
+    prompts = _prompts(2)
+    caches = [flashmem.attach(model, cfg) for _ in prompts]
+    last = [_feed(model, c, p) for c, p in zip(caches, prompts)]
+    ref = [flashmem.attach(model, cfg) for _ in prompts]
+    ref_last = [_feed(model, c, p) for c, p in zip(ref, prompts)]
+    # rows 0 and 1 step together, then row 2 joins, then row 0 leaves
+    for live in ([0, 1], [0, 1, 2], [1, 2]):
+        toks = [int(last[r].argmax()) for r in live]
+        out = forward(model, BatchedCache([caches[r] for r in live]), [[t] for t in toks])
+        for r, t, x in zip(live, toks, out):
+            assert x is not None
+            ref_last[r] = _feed(model, ref[r], [t])
+            assert (x - ref_last[r]).abs().max().item() <= TOL
+            last[r] = x
+
+
+def test_a_failing_row_fails_alone() -> None:
+    model, cfg = tiny_model(), EXACT
+    prompts = _prompts(3)
+    rows = [flashmem.attach(model, cfg) for _ in prompts]
+    last = [_feed(model, c, p) for c, p in zip(rows, prompts)]
+    ref = flashmem.attach(model, cfg)
+    _feed(model, ref, prompts[2])
+    rows[1].close()  # its next update raises (a closed cache)
+    batch = BatchedCache(rows)
+    out = forward(model, batch, [[int(x.argmax())] for x in last])
+    assert out[1] is None and list(batch.failures) == [1]
+    assert "closed" in str(batch.failures[1])
+    expect = _feed(model, ref, [int(last[2].argmax())])
+    assert out[2] is not None and (out[2] - expect).abs().max().item() <= TOL
+
+
+def test_bad_batches_are_one_line_errors() -> None:
+    model = tiny_model()
+    with pytest.raises(FlashMemError, match="at least one row"):
+        BatchedCache([])
+    batch = BatchedCache([flashmem.attach(model, EXACT)])
+    with pytest.raises(FlashMemError, match="one count >= 1 per row"):
+        batch.begin([0])
+    with pytest.raises(FlashMemError, match="token lists for a batch of 1"):
+        forward(model, batch, [[1], [2]])
