@@ -1,0 +1,198 @@
+"""The engine's continuous batching: sequences join and leave a batched decode, each
+answering as alone; a failing row fails alone; prefix restores run off the worker."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("prometheus_client")
+
+from flashmem.serve.engine import Engine, Sampling, Sequence  # noqa: E402
+from flashmem.serve.prefix import PrefixStore  # noqa: E402
+from flashmem_eval.tiny import tiny_tokenizer  # noqa: E402
+from serve_helpers import MODEL, serving, tiny_cfg, tiny_model  # noqa: E402
+
+TOL = 1e-5
+EXACT = tiny_cfg(prefill_exact_tokens=4096, gpu_cache_limit=4096)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (n,), generator=g).tolist()
+
+
+def _seq(prompt: list[int], max_tokens: int) -> Sequence:
+    seq = Sequence(prompt, Sampling(max_tokens=max_tokens, temperature=0), "t", None)
+    seq.record_logits = max_tokens
+    return seq
+
+
+def _engine(model, cfg, **kw) -> Engine:
+    return Engine(model, tiny_tokenizer(), cfg, model_name=MODEL, **kw)
+
+
+def _alone(model, cfg, prompt: list[int], max_tokens: int) -> Sequence:
+    return _engine(model, cfg).run_sync(_seq(prompt, max_tokens))
+
+
+def _same(a: Sequence, b: Sequence) -> None:
+    assert a.finish_reason == b.finish_reason and a.generated == b.generated
+    assert len(a.logits) == len(b.logits) > 0
+    for x, y in zip(a.logits, b.logits):
+        assert (x - y).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("cfg", [EXACT, tiny_cfg()], ids=["exact", "selecting"])
+def test_sequences_join_and_leave_a_batch_and_answer_as_alone(cfg) -> None:
+    model = tiny_model()
+    engine = _engine(model, cfg, max_concurrent=4)
+    # different prompt lengths (so different positions) and lengths of answer (leave at different rounds)
+    specs = [(70, 1, 12), (33, 2, 5), (120, 3, 9), (10, 4, 7)]
+    seqs = [_seq(_prompt(n, s), m) for n, s, m in specs]
+    engine.submit(seqs[0])
+    engine.submit(seqs[1])
+    rounds = 0
+    while not all(s.done.is_set() for s in seqs):
+        engine.step()
+        engine.wait_admitted()
+        rounds += 1
+        if rounds == 4:  # join while the first two decode
+            engine.submit(seqs[2])
+            engine.submit(seqs[3])
+        assert rounds < 200
+    for seq, (n, s, m) in zip(seqs, specs):
+        _same(seq, _alone(model, cfg, _prompt(n, s), m))
+    assert engine.decode_rows > engine.decode_forwards  # decode steps shared forwards
+    assert engine.active == 0
+
+
+def test_max_batch_1_is_one_forward_per_sequence() -> None:
+    model = tiny_model()
+    engine = _engine(model, EXACT, max_concurrent=3, max_batch=1)
+    seqs = [_seq(_prompt(20 + 10 * i, i), 4) for i in range(3)]
+    for s in seqs:
+        engine.submit(s)
+    while not all(s.done.is_set() for s in seqs):
+        engine.step()
+        engine.wait_admitted()
+    assert engine.decode_rows == engine.decode_forwards > 0
+    for i, s in enumerate(seqs):
+        _same(s, _alone(model, EXACT, _prompt(20 + 10 * i, i), 4))
+
+
+def test_a_row_that_fails_mid_batch_fails_only_its_request() -> None:
+    model = tiny_model()
+    engine = _engine(model, EXACT, max_concurrent=3)
+    seqs = [_seq(_prompt(30 + 5 * i, 10 + i), 6) for i in range(3)]
+    for s in seqs:
+        engine.submit(s)
+    while not all(len(s.generated) >= 2 for s in seqs):
+        engine.step()
+        engine.wait_admitted()
+    layer = seqs[1].cache.flash_layers[1]
+
+    def broken(*a, **k):
+        raise RuntimeError("disk gone")
+
+    layer.step = broken  # its next decode step raises in layer 1's attention
+    while not all(s.done.is_set() for s in seqs):
+        engine.step()
+    assert seqs[1].finish_reason == "error"
+    for i in (0, 2):
+        _same(seqs[i], _alone(model, EXACT, _prompt(30 + 5 * i, 10 + i), 6))
+
+
+def test_prefix_restore_runs_off_the_worker_while_others_decode(tmp_path) -> None:
+    """A restore held up on the admit thread (its records' load waits) while another
+    sequence keeps getting tokens; then it is swapped in and answers as a fresh prefill."""
+    model, cfg = tiny_model(), EXACT
+    store = PrefixStore(tmp_path)
+    engine = _engine(model, cfg, prefix_store=store, max_concurrent=2)
+    doc = _prompt(150, 7)
+    engine.run_sync(_seq(doc, 1))  # stores the prefix blocks
+    gate, loading = threading.Event(), threading.Event()
+    threads: list[str] = []
+    real_load = store.load
+
+    def slow_load(keys):
+        threads.append(threading.current_thread().name)
+        loading.set()
+        assert gate.wait(30)
+        return real_load(keys)
+
+    store.load = slow_load  # type: ignore[method-assign]
+    other = _seq(_prompt(20, 8), 40)
+    engine.submit(other)
+    engine.step()
+    engine.wait_admitted()
+    reused = _seq(doc, 4)
+    engine.submit(reused)
+    engine.step()  # hands the admission to the helper thread
+    assert loading.wait(30)
+    before = len(other.generated)
+    for _ in range(5):
+        engine.step()  # the worker is not blocked by the restore
+    assert len(other.generated) == before + 5
+    assert reused.pos == 0 and engine.active == 2
+    gate.set()
+    while not reused.done.is_set():
+        engine.step()
+        engine.wait_admitted()
+    assert threads and threads[0].startswith("flashmem-serve-admit")
+    assert reused.reused_tokens == 4 * 32
+    # the same records restored on the worker thread give the same answer (whatever their codec)
+    store.load = real_load  # type: ignore[method-assign]
+    inline = _engine(model, cfg, prefix_store=store, restore_off_thread=False).run_sync(_seq(doc, 4))
+    assert inline.reused_tokens == 4 * 32
+    _same(reused, inline)
+    other.cancel()
+    engine.step()
+    assert other.finish_reason == "cancelled" and engine.active == 0
+
+
+def test_restore_on_the_worker_when_asked(tmp_path) -> None:
+    model, cfg = tiny_model(), EXACT
+    store = PrefixStore(tmp_path)
+    engine = _engine(model, cfg, prefix_store=store, restore_off_thread=False)
+    doc = _prompt(100, 9)
+    engine.run_sync(_seq(doc, 1))
+    seq = _seq(doc, 3)
+    engine.submit(seq)
+    engine.step()  # admitted (and restored) inside the round, on this thread
+    assert seq.reused_tokens == 3 * 32 and seq.pos >= 3 * 32
+    while not seq.done.is_set():
+        engine.step()
+    _same(seq, _engine(model, cfg, prefix_store=store).run_sync(_seq(doc, 3)))
+
+
+def test_concurrent_http_clients_get_their_answers_alone() -> None:
+    engine = Engine(tiny_model(), tiny_tokenizer(), EXACT, model_name=MODEL, max_concurrent=4)
+    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(4)]
+
+    def ask(url: str, prompt: list[int]) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        return str(r.json()["choices"][0]["text"])
+
+    with serving(engine) as url:
+        alone = [ask(url, p) for p in prompts]
+        got: dict[int, str] = {}
+        workers = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask(url, prompts[i]))) for i in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+    assert [got[i] for i in range(4)] == alone
+    assert engine.decode_rows > engine.decode_forwards
+
+
+def test_max_batch_below_1_is_refused() -> None:
+    from flashmem.errors import FlashMemError
+
+    with pytest.raises(FlashMemError, match="max_batch 0: allowed: 1"):
+        _engine(tiny_model(), EXACT, max_batch=0)
