@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,31 @@ def code_version() -> dict[str, Any]:
     return out
 
 
+def watch_rss(pids: dict[str, int], stop: threading.Event, peak: dict[str, int]) -> None:
+    """The replicas' peak resident memory (a replica holds the model and its live caches)."""
+    import psutil
+
+    procs = {r: psutil.Process(pid) for r, pid in pids.items()}
+    while not stop.is_set():
+        for r, proc in procs.items():
+            try:
+                peak[r] = max(peak.get(r, 0), proc.memory_info().rss)
+            except psutil.Error:
+                pass
+        time.sleep(0.2)
+
+
+def store_memory(url: str) -> dict[str, int]:
+    """The store's used memory and key count (what the records of the run take on the server)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        return {"used_memory_bytes": int(client.info("memory")["used_memory"]), "keys": int(client.dbsize())}
+    finally:
+        client.close()
+
+
 def metric(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " "):
@@ -241,6 +267,9 @@ def breakdown(
         t0 = time.perf_counter()
         forward(cache, [int(logits.argmax())])
         t_step = time.perf_counter() - t0
+        rep = cache.memory_report()  # one sequence's cache while it decodes (selection is on from here)
+        memory = {k: rep[k] for k in ("tokens_seen", "device_resident_bytes", "full_cache_bytes", "cold_bytes")}
+        memory["fraction_of_full"] = rep["fraction_of_full"]
         cache.close()
         # The worst tail: every block but the last restored, the last one (C tokens) prefilled.
         full_block = None
@@ -273,6 +302,7 @@ def breakdown(
         "first_decode_step_s": t_step,
         "first_token_text": first,
         "restore_total_s": t_longest + t_read + t_decode + t_import,
+        "sequence_memory_at_first_decode_step": memory,
         "full_block_tail": full_block,
     }
 
@@ -368,6 +398,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     procs = {r: start_replica(args, p, store_url, keys, tmp / f"{r}.log") for r, p in ports.items()}
     deadline = time.time() + args.deadline
     result: dict[str, Any] = {}
+    stop, peak = threading.Event(), dict[str, int]()
+    threading.Thread(target=watch_rss, args=({r: p.pid for r, p in procs.items()}, stop, peak), daemon=True).start()
     try:
         timeout = httpx.Timeout(args.timeout, connect=10.0)
         async with (
@@ -380,6 +412,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             print("replicas up; warm-up...", file=sys.stderr, flush=True)
             warm = [await chat(clients[r], "key-main", "Hello.", 2) for r in ("A", "B")]
             result["cross"] = await cross_phase(clients, doc, args)
+            result["store_after_cross"] = store_memory(store_url)
             if not args.no_breakdown:
                 print("breakdown of the reused request, in this process...", file=sys.stderr, flush=True)
                 bd = breakdown(args, model, tok, store_url, f"{doc}\n\n{QUESTION}", "main")
@@ -391,6 +424,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             result["warm_up_errors"] = [w["error"] for w in warm if w["error"]]
             alive = {r: p.poll() is None for r, p in procs.items()}
     finally:
+        stop.set()
         for p in procs.values():
             p.terminate()
         for p in procs.values():
@@ -422,6 +456,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "doc_tokens_requested": args.doc_tokens,
         **result,
         "replicas_alive_at_end": alive,
+        "replica_peak_rss_bytes": peak,
         "errors": errors,
         "error_count": len(errors),
         "cpu_count": os.cpu_count(),

@@ -72,6 +72,10 @@ def test_serve_replicas_on_the_tiny_model(tmp_path: Path) -> None:
     assert bd["reused_tokens"] == runs["B_reused"]["cached_tokens"] and bd["prompt_tokens"] == n
     assert bd["record_bytes"] > 0 and bd["first_token_is_the_answers"]
     assert bd["full_block_tail"]["restored_tokens"] == bd["reused_tokens"] - 32
+    mem = bd["sequence_memory_at_first_decode_step"]
+    assert mem["tokens_seen"] == n + 1 and 0 < mem["device_resident_bytes"] < mem["full_cache_bytes"]
+    assert r["store_after_cross"]["keys"] >= 2 * ((n - 1) // 32)  # tenant "main"'s blocks and tenant "cold"'s
+    assert all(v > 0 for v in r["replica_peak_rss_bytes"].values()) and len(r["replica_peak_rss_bytes"]) == 2
     # the store killed: every request answered, the same text, nothing reused, the outage counted on both
     outage = r["outage"]
     assert outage["failed_requests"] == 0 and outage["requests"] == 6
