@@ -47,7 +47,9 @@ def make_engine(prefix_dir: Path | None = None, *, quota: int | None = None, **k
     from flashmem.serve.engine import Engine
     from flashmem.serve.prefix import PrefixStore
 
-    store = PrefixStore(prefix_dir, quota_bytes=quota) if prefix_dir is not None else None
+    # lossless records by default here: the serve tests compare reused logits with fresh ones to 1e-4
+    codec = kw.pop("codec", "exact")
+    store = PrefixStore(prefix_dir, quota_bytes=quota, codec=codec) if prefix_dir is not None else None
     cfg = kw.pop("cfg", None) or tiny_cfg()
     return Engine(tiny_model(), tiny_tokenizer(), cfg, model_name=MODEL, prefix_store=store, **kw)
 

@@ -49,7 +49,7 @@ def test_reused_prefix_gives_the_logits_of_a_fresh_prefill(tmp_path, name, model
     m = model()
     prompt = _prompt(150)
     fresh = _run(_engine(m, cfg), prompt)
-    served = _engine(m, cfg, PrefixStore(tmp_path))
+    served = _engine(m, cfg, PrefixStore(tmp_path, codec="exact"))  # lossless records: the same logits
     first = _run(served, prompt)
     again = _run(served, prompt)
     assert first.reused_tokens == 0
@@ -62,7 +62,7 @@ def test_reused_prefix_gives_the_logits_of_a_fresh_prefill(tmp_path, name, model
 
 def test_a_changed_middle_token_reuses_only_the_blocks_before_it(tmp_path) -> None:
     m, cfg = tiny_model(), tiny_cfg()
-    engine = _engine(m, cfg, PrefixStore(tmp_path))
+    engine = _engine(m, cfg, PrefixStore(tmp_path, codec="exact"))
     prompt = _prompt(140)
     _run(engine, prompt)
     changed = list(prompt)

@@ -12,10 +12,23 @@ during block j (`flashmem.serve.state.export_delta`: sealed blocks' exact K/V,
 their HCA entries and index pages, plain layers' K/V) plus the bounded tail at
 its end; records 1..j rebuild the state after block j exactly.
 
-Files: `<root>/<h_j>.fmprefix`, each one record: an 8-byte magic, a 16-byte
-xxh3-128 digest of everything after it, then the record in safetensors format
-(its metadata holds the key and the parent hash). A record is checked before
-use: one that fails (a flipped bit anywhere, header or payload; zeros; random
+Files: `<root>/<h_j>.fmprefix`, each one record (format 2): an 8-byte magic, a
+16-byte xxh3-128 digest of everything after it, then the record in safetensors
+format (its metadata holds the key, the parent hash and the codec). Each K/V pair
+of the record (`<name>.k`/`.v`, `flashmem.serve.state`) is stored as the cold tier
+stores a block (`flashmem.store.format`): a 64-byte header (codec, dtype, shape,
+payload length, the payload's xxh64, the header's own xxh64) and the payload coded
+by a cold-tier codec (`flashmem.store.codecs`), as one uint8 tensor `<name>.fmb`.
+The store's codec (`codec=`) is `int8` by default: KIVI groups of 32, 1.125 bytes
+per element against 4 for fp32, so a stored SmolLM2 document is about a fifth of
+format 1's full fp32 copies (benchmarks/prefix_bytes.py, results/prefix_bytes_*.json),
+and the reused request's answers are the cold request's within the codec's error
+(greedy tokens identical in those runs; not guaranteed for every prompt). `exact`
+keeps the model dtype's bytes: a restored prefix then continues bit for bit as a
+fresh prefill, at about 3/4 of format 1's bytes. A record of another codec than the
+store's is not used (it is counted as damaged, removed and written again).
+
+A record is checked before use: one that fails (a flipped bit anywhere, header or payload; zeros; random
 bytes; a truncation; a file renamed to another key) is never used: it costs the
 reuse of that block and the ones after it, is counted (`damaged`, shown in
 /metrics as `flashmem_prefix_damaged_records_total`) and removed. Records are
@@ -29,13 +42,17 @@ it. The last-use time is the file's mtime
 records while it holds more than `quota_bytes`, skipping records pinned by a
 live sequence. Evicting a record makes its descendants unreachable; they are
 the least recently used ones next (a hit touches parents before children).
-Files of the earlier unchecked format (`<h_j>.safetensors`) are removed on open.
+Files of the earlier unchecked format (`<h_j>.safetensors`) are removed on open,
+and so are format 1 records (full fp32 copies of the state, with a warning naming
+how many); a format 1 record met later (another replica's, on a shared store) is
+refused the same way: counted as damaged, removed, computed again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import stat
@@ -50,17 +67,39 @@ import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from flashmem.errors import ColdStoreError
+from flashmem.errors import ColdStoreError, ConfigError
+from flashmem.store import format as coldfmt
+from flashmem.store.codecs import CODECS, CODECS_BY_CODE, DTYPE_CODES, DTYPES_BY_CODE, get_codec
 from flashmem.store.private_fs import DIR_MODE, make_private_dirs, open_private
 
+log = logging.getLogger(__name__)
+
 SUFFIX = ".fmprefix"
-MAGIC = b"FMPFX\x00\x01\x00"  # format 1
+MAGIC = b"FMPFX\x00\x02\x00"  # format 2: K/V pairs coded as cold-tier blocks
+MAGIC_V1 = b"FMPFX\x00\x01\x00"  # format 1: full fp32 copies (refused)
 DIGEST = 16  # xxh3-128
+DEFAULT_CODEC = "int8"
+CODED = ".fmb"  # suffix of a coded K/V pair in the safetensors body
 _OLD_FORMAT = re.compile(r"^[0-9a-f]{40}\.safetensors$")
 
 
 class DamagedRecordError(Exception):
     """A record's bytes do not match its digest, or do not parse (internal: a miss)."""
+
+
+class OldFormatError(DamagedRecordError):
+    """A record of format 1 (full fp32 copies, before coded records): never used."""
+
+
+def check_codec(name: str) -> str:
+    """The record codec's name; ConfigError naming the allowed ones otherwise."""
+    if name not in CODECS:
+        raise ConfigError(f"prefix record codec {name!r}; allowed: {', '.join(sorted(CODECS))}")
+    return name
+
+
+def is_format_1(data: bytes) -> bool:
+    return data[: len(MAGIC_V1)] == MAGIC_V1
 
 
 @dataclass
@@ -88,14 +127,68 @@ def chain(tokens: list[int], block_tokens: int, fingerprint: str, salt: str, lim
     return keys
 
 
-def encode_record(key: str, parent: str, record: dict[str, torch.Tensor]) -> bytes:
-    """The file bytes of a record: magic, digest of the rest, safetensors (key and parent in its metadata)."""
-    body = st_save(record, metadata={"key": key, "parent": parent})
+def _is_pair(record: dict[str, torch.Tensor], name: str) -> bool:
+    """Whether `name` is the K of a K/V pair the codec codes: `<base>.k` with a `<base>.v` of
+    its shape and dtype, 4-D, a float dtype the cold tier knows, not empty."""
+    if not name.endswith(".k"):
+        return False
+    k, v = record[name], record.get(name[:-2] + ".v")
+    return (
+        v is not None
+        and k.dim() == 4
+        and k.shape == v.shape
+        and k.dtype == v.dtype
+        and k.dtype in DTYPE_CODES
+        and k.numel() > 0
+    )
+
+
+def _layer_of(name: str) -> int:
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else -1
+
+
+def encode_record(key: str, parent: str, record: dict[str, torch.Tensor], codec: str = DEFAULT_CODEC) -> bytes:
+    """The file bytes of a record: magic, digest of the rest, safetensors (key, parent and codec
+    in its metadata). Each K/V pair becomes one cold-tier block: header | coded payload."""
+    c = get_codec(codec)
+    tensors: dict[str, torch.Tensor] = {}
+    # pairs the codec makes smaller (a group of 32 pads a short one: a few CSA entries stay raw)
+    pairs = {
+        name[:-2]
+        for name, t in record.items()
+        if _is_pair(record, name) and c.nbytes(tuple(t.shape), t.dtype) < 2 * t.nbytes  # type: ignore[arg-type]
+    }
+    for name, t in record.items():
+        base = name[:-2]
+        if base in pairs and name in (base + ".k", base + ".v"):
+            if name.endswith(".v"):
+                continue
+            k, v = t, record[base + ".v"]
+            payload = c.encode(k, v).contiguous()
+            header = coldfmt.RecordHeader(
+                c.code,
+                DTYPE_CODES[k.dtype],
+                _layer_of(name),
+                0,
+                tuple(int(x) for x in k.shape),  # type: ignore[arg-type]
+                payload.numel(),
+                coldfmt.xxh64(payload.numpy()),
+            )
+            head = torch.frombuffer(bytearray(coldfmt.pack_header(header)), dtype=torch.uint8)
+            tensors[base + CODED] = torch.cat([head, payload])
+        else:
+            tensors[name] = t
+    body = st_save(tensors, metadata={"key": key, "parent": parent, "codec": c.name})
     return MAGIC + xxhash.xxh3_128_digest(body) + body
 
 
-def decode_record(key: str, data: bytes) -> dict[str, torch.Tensor]:
-    """The tensors of a record file's bytes; DamagedRecordError unless every byte checks out."""
+def decode_record(key: str, data: bytes, codec: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a record file's bytes (K/V pairs decoded); DamagedRecordError unless every
+    byte checks out (OldFormatError for a format 1 record), and unless the record was coded
+    with `codec` (when given)."""
+    if is_format_1(data):
+        raise OldFormatError("a format 1 record (full fp32 copies)")
     if len(data) < len(MAGIC) + DIGEST or data[: len(MAGIC)] != MAGIC:
         raise DamagedRecordError("bad magic or truncated")
     body = memoryview(data)[len(MAGIC) + DIGEST :]
@@ -105,20 +198,45 @@ def decode_record(key: str, data: bytes) -> dict[str, torch.Tensor]:
         tensors = st_load(bytes(body))
     except Exception as exc:  # noqa: BLE001 - verified bytes that do not parse are still damage
         raise DamagedRecordError(f"unreadable: {exc}") from None
-    if _metadata_key(bytes(body)) != key:
+    meta = _metadata(bytes(body))
+    if meta.get("key") != key:
         raise DamagedRecordError("record of another key")
-    return tensors
+    if codec is not None and meta.get("codec") != codec:
+        raise DamagedRecordError(f"record coded {meta.get('codec')!r}, the store codes {codec!r}")
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not name.endswith(CODED):
+            out[name] = t
+            continue
+        base = name[: -len(CODED)]
+        out[base + ".k"], out[base + ".v"] = _decode_block(name, t)
+    return out
 
 
-def _metadata_key(body: bytes) -> str | None:
-    """The `key` in a safetensors body's metadata (its JSON header: 8-byte length, then JSON)."""
+def _decode_block(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One coded K/V pair (cold-tier header | payload) -> (k, v); DamagedRecordError on any mismatch."""
+    raw = t.numpy()
+    h = coldfmt.unpack_header(raw[: coldfmt.HEADER_SIZE].tobytes()) if t.dtype == torch.uint8 else None
+    if h is None or h.codec not in CODECS_BY_CODE or h.dtype not in DTYPES_BY_CODE:
+        raise DamagedRecordError(f"{name}: not a cold-tier block")
+    payload = t[coldfmt.HEADER_SIZE :]
+    if payload.numel() != h.payload_len or coldfmt.xxh64(raw[coldfmt.HEADER_SIZE :]) != h.payload_sum:
+        raise DamagedRecordError(f"{name}: payload does not match its header")
+    try:
+        return CODECS_BY_CODE[h.codec].decode(payload, h.shape, DTYPES_BY_CODE[h.dtype])
+    except ValueError as exc:
+        raise DamagedRecordError(f"{name}: {exc}") from None
+
+
+def _metadata(body: bytes) -> dict[str, str]:
+    """The metadata of a safetensors body (its JSON header: 8-byte length, then JSON); {} if none."""
     n = int.from_bytes(body[:8], "little")
     try:
         header = json.loads(body[8 : 8 + n])
     except ValueError:
-        return None
-    meta = header.get("__metadata__") or {}
-    return meta.get("key") if isinstance(meta, dict) else None
+        return {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
 
 
 class PrefixBackend(Protocol):
@@ -141,9 +259,11 @@ class PrefixBackend(Protocol):
 
 
 class PrefixStore:
-    """Records keyed by hash-chain keys, on disk under `root`, LRU under `quota_bytes`."""
+    """Records keyed by hash-chain keys, on disk under `root`, LRU under `quota_bytes`; K/V pairs
+    coded with `codec` (a cold-tier codec: int8, the default, int4 or exact; module docstring)."""
 
-    def __init__(self, root: str | Path, quota_bytes: int | None = None) -> None:
+    def __init__(self, root: str | Path, quota_bytes: int | None = None, *, codec: str = DEFAULT_CODEC) -> None:
+        self.codec = check_codec(codec)
         self.root = Path(root)
         try:
             make_private_dirs(str(self.root))
@@ -163,12 +283,26 @@ class PrefixStore:
         self.evictions = 0
         self.damaged = 0  # records that failed their check (removed)
         self.unreachable = 0  # a local folder is always there (its write errors raise ColdStoreError)
+        old_records = 0
         for path in self.root.glob("*" + SUFFIX):  # a restart: what earlier runs left
             try:
                 st = path.stat()
+                with open(path, "rb") as f:
+                    head = f.read(len(MAGIC_V1))
             except OSError:
                 continue
+            if is_format_1(head):  # full fp32 copies: refused (computed again, coded)
+                path.unlink(missing_ok=True)
+                old_records += 1
+                continue
             self._entries[path.name[: -len(SUFFIX)]] = Entry(parent="", nbytes=st.st_size, used=st.st_mtime)
+        if old_records:
+            log.warning(
+                "prefix store %s: removed %d records of format 1 (full fp32 copies); "
+                "they are computed again, coded, by the next requests that need them",
+                self.root,
+                old_records,
+            )
         for tmp in self.root.glob("*.tmp"):  # a crash mid-write
             tmp.unlink(missing_ok=True)
         for old in self.root.iterdir():  # unchecked records of the earlier format are never used
@@ -209,9 +343,11 @@ class PrefixStore:
         """The records of the longest leading run of `keys` whose files are there and check
         out, each touched. The first one that is gone (deleted, evicted meanwhile) or fails
         its check ends the run: it is dropped from the index and its file removed; the
-        caller prefills from there."""
+        caller prefills from there. A damaged one also drops the keys after it (unchecked:
+        the prefill computes them and writes them again, so a chain of another codec or
+        format is replaced in one request, not one record per request)."""
         out = []
-        for k in keys:
+        for i, k in enumerate(keys):
             path = self._path(k)
             try:
                 data = path.read_bytes()
@@ -219,11 +355,13 @@ class PrefixStore:
                 self._drop(k)
                 break
             try:
-                out.append(decode_record(k, data))
-            except DamagedRecordError:
+                out.append(decode_record(k, data, self.codec))
+            except DamagedRecordError as exc:
                 with self._lock:
                     self.damaged += 1
-                self._drop(k)
+                log.warning("prefix store %s: record %s not used (%s); removed", self.root, k[:12], exc)
+                for later in keys[i:]:
+                    self._drop(later)
                 break
         now = time.time()
         for i, k in enumerate(keys[: len(out)]):  # parents before children: LRU evicts leaves first
@@ -235,7 +373,7 @@ class PrefixStore:
         path = self._path(key)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            data = encode_record(key, parent, record)
+            data = encode_record(key, parent, record, self.codec)
             fd = open_private(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC)
             try:
                 view = memoryview(data)

@@ -7,9 +7,11 @@
 - keys: the hash chain of `prefix.chain` (model, config, tenant salt and every
   token of the prefix are in the key), stored as `fmprefix:<h_j>`;
 - bytes: the record of `prefix.encode_record` (magic, xxh3-128 digest, then
-  safetensors whose metadata names the key). A value that fails
-  `prefix.decode_record` (garbage, truncation, another key's record) is never
-  used: it ends the reuse there, is counted (`damaged`) and deleted.
+  safetensors whose metadata names the key and codec; K/V pairs coded as
+  cold-tier blocks, `int8` by default). A value that fails
+  `prefix.decode_record` (garbage, truncation, another key's record, another
+  codec's, a format 1 record of full fp32 copies) is never used: it ends the
+  reuse there, is counted (`damaged`) and deleted.
 
 What differs, and why:
 
@@ -48,7 +50,7 @@ from urllib.parse import unquote, urlsplit
 import torch
 
 from flashmem.errors import FlashMemError
-from flashmem.serve.prefix import DamagedRecordError, decode_record, encode_record
+from flashmem.serve.prefix import DEFAULT_CODEC, DamagedRecordError, check_codec, decode_record, encode_record
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,10 @@ class RedisPrefixStore:
         timeout_s: float = 1.0,
         retry_s: float = 5.0,
         stats_every_s: float = 2.0,
+        codec: str = DEFAULT_CODEC,
     ) -> None:
+        """codec: the cold-tier codec of the records' K/V pairs (`prefix.PrefixStore`'s)."""
+        self.codec = check_codec(codec)
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -248,10 +253,11 @@ class RedisPrefixStore:
             if data is None:
                 break
             try:
-                out.append(decode_record(k, bytes(data)))
-            except DamagedRecordError:
+                out.append(decode_record(k, bytes(data), self.codec))
+            except DamagedRecordError as exc:
                 with self._lock:
                     self.damaged += 1
+                log.warning("prefix store %s: record %s not used (%s); deleted", self.root, k[:12], exc)
                 self._delete(k)
                 break
         if out:
@@ -277,7 +283,7 @@ class RedisPrefixStore:
             return  # not even encoded
         if not self._configured:
             self._configure()
-        data = encode_record(key, parent, record)
+        data = encode_record(key, parent, record, self.codec)
         ok: Any = self._call("set", lambda: self._client.set(NAMESPACE + key, data, ex=self.ttl_s), None)
         if not ok:
             with self._lock:

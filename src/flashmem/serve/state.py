@@ -1,13 +1,16 @@
 """Export and import a FlashMemoryCache's state at a prefix boundary, incrementally.
 
-A prefix record holds what the cache gained between two boundaries of the
-prompt (append-only parts: sealed blocks' exact K/V from the cold tier, their
-HCA entries and index pages, the validity of the new positions, the plain
-layers' new K/V) plus the bounded "tail" at the boundary (sinks, open block,
-window, recent queries, the near band's CSA entries, the sealed values' sum,
-sliding layers). Replaying
-records 1..j into a fresh cache rebuilds exactly the state the cache had after
-boundary j, so continuing from there computes what a fresh prefill computes.
+A prefix record holds what the cache gained between two boundaries of the prompt:
+per managed layer the K/V of every new position (in token order) and the small
+append-only parts (index pages, validity, summaries; `cache/layer_state.py`), per
+plain layer its new K/V, per sliding layer its window. Replaying records 1..j into a
+fresh cache rebuilds the state the cache had after boundary j, so continuing from
+there computes what a fresh prefill computes (exactly with the `exact` record codec;
+within the codec's error with `int8`, `flashmem.serve.prefix`).
+
+K/V pairs are named `<layer>.<part>.k` / `.v` ([b, h, n, d] each): the prefix store
+codes every such pair with the cold tier's codec and checksums (`prefix.encode_record`);
+the other tensors are stored as they are.
 
 A FlashLayer exports and loads its own part (`FlashLayer.export_state` /
 `load_state`, cache/layer_state.py); this module prefixes its tensors with the
@@ -67,13 +70,13 @@ def export_delta(cache: FlashMemoryCache, since: Mark) -> dict[str, torch.Tensor
             for name, t in layer.export_state(since.flash[i]).items():
                 put(p + name, t)
         elif isinstance(layer, DynamicSlidingWindowLayer):
-            put(p + "keys", layer.keys)
-            put(p + "values", layer.values)
+            put(p + "win.k", layer.keys)
+            put(p + "win.v", layer.values)
             put(p + "meta", torch.tensor([layer.cumulative_length], dtype=torch.long))
         elif isinstance(layer, DynamicLayer):
             assert layer.keys is not None and layer.values is not None  # initialized
-            put(p + "keys_delta", layer.keys[:, :, since.plain[i] :])
-            put(p + "values_delta", layer.values[:, :, since.plain[i] :])
+            put(p + "kv.k", layer.keys[:, :, since.plain[i] :])
+            put(p + "kv.v", layer.values[:, :, since.plain[i] :])
     return out
 
 
@@ -85,19 +88,19 @@ def import_records(cache: FlashMemoryCache, records: list[dict[str, torch.Tensor
     last = records[-1]
     for i, layer in enumerate(cache.layers):
         p = f"{i}."
-        if p + "meta" not in last and p + "keys_delta" not in last:
+        if p + "meta" not in last and p + "kv.k" not in last:
             continue  # the layer had not started when the record was written
         if isinstance(layer, FlashLayer):
             n = len(p)
             layer.load_state([{k[n:]: t for k, t in r.items() if k.startswith(p)} for r in records])
         elif isinstance(layer, DynamicSlidingWindowLayer):
-            k, v = last[p + "keys"], last[p + "values"]
+            k, v = last[p + "win.k"], last[p + "win.v"]
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k.clone(), v.clone()
             layer.cumulative_length = int(last[p + "meta"][0])
         elif isinstance(layer, DynamicLayer):
-            ks = [r[p + "keys_delta"] for r in records if p + "keys_delta" in r]
-            vs = [r[p + "values_delta"] for r in records if p + "values_delta" in r]
+            ks = [r[p + "kv.k"] for r in records if p + "kv.k" in r]
+            vs = [r[p + "kv.v"] for r in records if p + "kv.v" in r]
             layer.lazy_initialization(ks[0], vs[0])
             layer.keys, layer.values = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
 
