@@ -51,7 +51,69 @@ def timed(obj: Any, name: str, into: dict[str, float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def run_length(model: Any, tok: Any, cfg: Any, n_tokens: int, max_tokens: int, store_kw: dict[str, Any]) -> dict:
+def end_record_engine() -> type:
+    """The engine with end records, as proposed for serve/engine.py (prefix.end_point /
+    end_key): the prompt's chunk that holds its end point stops there, the state there is
+    stored under the end key, and a request whose whole chain and end record are stored
+    restores them and runs the last END_TAIL tokens only. Here so the change can be
+    measured before the engine takes it; nothing else differs from `Engine`."""
+    from flashmem.errors import FlashMemError
+    from flashmem.serve import state
+    from flashmem.serve.engine import Engine
+    from flashmem.serve.prefix import chain, end_key, end_point
+
+    class EndRecordEngine(Engine):
+        def _admit(self, seq: Any) -> None:
+            C, n, store = self.block_tokens, seq.prompt_tokens, self.prefix_store
+            seq.end_at, seq.end_key = end_point(n, C), None
+            if store is None or not seq.end_at:
+                return super()._admit(seq)
+            try:
+                seq.cache = self._attach(self.model, self.cfg)
+                seq.keys = chain(seq.prompt_ids, C, self.fingerprint, seq.salt, limit=(n - 1) // C)
+                full = len(seq.keys)  # == end_at // C
+                parent = seq.keys[full - 1] if full else ""
+                seq.end_key = end_key(parent, seq.prompt_ids[full * C : seq.end_at], self.fingerprint, seq.salt)
+                hit = store.longest(seq.keys)
+                want = seq.keys[:hit] + ([seq.end_key] if hit == full and seq.end_key in store else [])
+                records = store.load(want) if want else []
+                hit = len(records)
+                self._store_counters()
+                store.pin(want[:hit])
+                seq.pinned = want[:hit]
+                if hit:
+                    state.import_records(seq.cache, records)
+                    seq.pos = seq.reused_tokens = seq.end_at if hit > full else hit * C
+                    self.metrics.prefix_hits.inc()
+                    self.metrics.reused_tokens.inc(seq.reused_tokens)
+                else:
+                    self.metrics.prefix_misses.inc()
+                seq.mark = state.mark(seq.cache)
+            except Exception as exc:  # noqa: BLE001 - as Engine._admit
+                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+
+        def _prefill_chunk(self, seq: Any) -> None:
+            a, m, store = seq.pos, getattr(seq, "end_at", 0), self.prefix_store
+            if not (m and a < m < min(a + self.block_tokens, seq.prompt_tokens)):
+                return super()._prefill_chunk(seq)
+            self._forward(seq, seq.prompt_ids[a:m])  # the chunk stops at the end point
+            seq.pos = m
+            self.metrics.prefill_tokens.inc(m - a)
+            if store is not None and seq.mark is not None and seq.end_key is not None and seq.end_key not in store:
+                try:
+                    parent = seq.keys[-1] if seq.keys else ""
+                    store.save(seq.end_key, parent, state.export_delta(seq.cache, seq.mark), pin=True)
+                    seq.pinned.append(seq.end_key)
+                except FlashMemError as exc:
+                    print(f"end record not stored: {exc}", file=sys.stderr)
+            seq.mark = state.mark(seq.cache) if store is not None else None
+
+    return EndRecordEngine
+
+
+def run_length(
+    model: Any, tok: Any, cfg: Any, n_tokens: int, max_tokens: int, store_kw: dict[str, Any], end_record: bool
+) -> dict:
     from flashmem.serve import state
     from flashmem.serve.engine import Engine, Sampling, Sequence
     from flashmem.serve.prefix import PrefixStore
@@ -62,7 +124,8 @@ def run_length(model: Any, tok: Any, cfg: Any, n_tokens: int, max_tokens: int, s
     out: dict[str, Any] = {"prompt_tokens": len(ids)}
     with tempfile.TemporaryDirectory() as d:
         store = PrefixStore(d, **store_kw)
-        engine = Engine(model, tok, cfg, model_name="smollm2", prefix_store=store)
+        kind = end_record_engine() if end_record else Engine
+        engine = kind(model, tok, cfg, model_name="smollm2", prefix_store=store)
         spent: dict[str, float] = {}
         timed(store, "load", spent)
         timed(store, "save", spent)
@@ -127,6 +190,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--codec", default=None, help="prefix record codec (a PrefixStore keyword where it has one)")
     p.add_argument("--config", default=str(ROOT / "configs" / "cpu-small.yaml"))
+    p.add_argument("--end-record", action="store_true", help="the engine with end records (end_record_engine)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -144,12 +208,13 @@ def main() -> None:
         "model": "smollm2 (fp32)",
         "config": Path(args.config).name,
         "codec": args.codec or "default",
+        "end_record": args.end_record,
         "threads": args.threads,
         "machine": platform.processor() or platform.machine(),
         "lengths": [],
     }
     for n in args.tokens:
-        r = run_length(model, tok, cfg, n, args.max_tokens, store_kw)
+        r = run_length(model, tok, cfg, n, args.max_tokens, store_kw, args.end_record)
         report["lengths"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("cold", "reused")}), flush=True)
         print("  cold  ", json.dumps(r["cold"]), flush=True)

@@ -22,8 +22,11 @@ from flashmem.serve.prefix import (  # noqa: E402
     DamagedRecordError,
     OldFormatError,
     PrefixStore,
+    chain,
     decode_record,
     encode_record,
+    end_key,
+    end_point,
 )
 from flashmem.store import format as coldfmt  # noqa: E402
 from flashmem_eval.tiny import TINY_VOCAB, build_llama, tiny_tokenizer  # noqa: E402
@@ -159,3 +162,48 @@ def test_format_1_records_are_refused_with_a_message_never_used(tmp_path, caplog
 def test_unknown_codec_is_one_line() -> None:
     with pytest.raises(ConfigError, match="allowed: exact, int4, int8"):
         PrefixStore("/tmp/unused-prefix-codec-test", codec="zstd")
+
+
+def test_end_point_and_key() -> None:
+    assert end_point(150, 32) == 148  # after the last full block (128): the end record's place
+    assert end_point(130, 32) == 0 and end_point(129, 32) == 0  # no room after block 128..
+    assert end_point(131, 32) == 129
+    keys = chain(_prompt(150), 32, "fp", "s")
+    k = end_key(keys[-1], _prompt(150)[128:148], "fp", "s")
+    assert k not in keys
+    assert k != end_key(keys[-1], _prompt(150)[128:147], "fp", "s")
+    assert k != end_key(keys[-1], _prompt(150)[128:148], "fp", "other-tenant")
+
+
+@pytest.mark.parametrize("codec", ["exact", "int8"])
+def test_state_restored_mid_block_continues_as_the_cache_did(codec) -> None:
+    """An end record cuts the state where no block ends (position 148, blocks of 16 and 32):
+    every position once, the tail rebuilt from the records; the last two tokens then give the
+    logits the original cache gave (exact codec: to 1e-4), and so does the next step."""
+    import flashmem
+    from flashmem.serve import state
+
+    m, cfg = tiny_model(), EXACT_PROMPT
+    prompt = _prompt(150)
+
+    def forward(cache, ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return m(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+
+    cache = flashmem.attach(m, cfg)
+    records, mark = [], state.mark(cache)
+    for a, e in [(0, 32), (32, 64), (64, 96), (96, 128), (128, 148)]:
+        forward(cache, prompt[a:e])
+        data = encode_record(f"k{e}", "", state.export_delta(cache, mark), codec)
+        records.append(decode_record(f"k{e}", data, codec))
+        mark = state.mark(cache)
+    want = forward(cache, prompt[148:150])
+    want_next = forward(cache, [int(want.argmax())])
+    restored = flashmem.attach(m, cfg)
+    state.import_records(restored, records)
+    got = forward(restored, prompt[148:150])
+    got_next = forward(restored, [int(got.argmax())])
+    tol = 1e-4 if codec == "exact" else 0.05
+    assert (want - got).abs().max().item() <= tol
+    assert (want_next - got_next).abs().max().item() <= tol
+    assert int(want.argmax()) == int(got.argmax())

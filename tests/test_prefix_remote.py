@@ -147,6 +147,28 @@ def test_a_damaged_record_is_never_used_counted_and_deleted(server: Server) -> N
     assert len(b.load(keys)) == 1 and b.damaged == 3
 
 
+def test_format_1_and_other_codec_values_are_refused_never_used(server: Server) -> None:
+    """A value another (older) replica wrote: format 1 (full fp32 copies) or another codec's
+    records. Not used, counted, deleted; the records this replica writes are int8 blocks."""
+    import xxhash
+    from safetensors.torch import save as st_save
+
+    from flashmem.serve.prefix import MAGIC_V1
+
+    keys = chain(_prompt(96), 32, "model-fp", "t")
+    body = st_save({"0.sink_k": torch.zeros(1, 2, 4, 16)}, metadata={"key": keys[0], "parent": ""})
+    server.raw.set(NAMESPACE + keys[0], MAGIC_V1 + xxhash.xxh3_128_digest(body) + body)
+    b = RedisPrefixStore(server.url)
+    assert b.load(keys[:1]) == [] and b.damaged == 1 and not server.raw.exists(NAMESPACE + keys[0])
+    pair = {"0.kv.k": torch.randn(1, 2, 32, 32), "0.kv.v": torch.randn(1, 2, 32, 32)}
+    RedisPrefixStore(server.url, codec="exact").save(keys[0], "", pair)
+    assert b.load(keys[:1]) == [] and b.damaged == 2  # an exact record in an int8 store
+    b.save(keys[0], "", pair)
+    got = b.load(keys[:1])
+    assert len(got) == 1 and (got[0]["0.kv.k"] - pair["0.kv.k"]).abs().max() < 0.05
+    assert len(server.raw.get(NAMESPACE + keys[0])) < 0.4 * 2 * pair["0.kv.k"].nbytes  # coded, not fp32
+
+
 def test_a_killed_server_costs_reuse_never_an_exception(server: Server) -> None:
     a = RedisPrefixStore(server.url, timeout_s=0.5, retry_s=0.2)
     keys = chain(_prompt(64), 32, "model-fp", "t")

@@ -110,6 +110,33 @@ class Entry:
     pins: int = 0
 
 
+# An end record: the state a prompt reaches END_TAIL tokens before its end, stored beside
+# its full blocks so that the same prompt again re-runs END_TAIL tokens, not up to a whole
+# block (the reused request's time at the recipe's 512-token blocks went almost all to that
+# re-prefilled tail: benchmarks/prefix_bytes.py). Two, not one: the final forward must be a
+# prompt forward (more than one token) to attend the prompt exactly as the cold request's did.
+END_TAIL = 2
+
+
+def end_point(n_tokens: int, block_tokens: int) -> int:
+    """Where a prompt of n_tokens has its end record: n_tokens - END_TAIL when that lies after
+    its last full prefix block (the blocks that end before its last token), else 0 (none).
+    The prompt's chunks end there too, cold or reused, so both run the same forwards."""
+    last_block_end = ((n_tokens - 1) // block_tokens) * block_tokens
+    m = n_tokens - END_TAIL
+    return m if m > last_block_end else 0
+
+
+def end_key(parent: str, tokens: list[int], fingerprint: str, salt: str) -> str:
+    """The key of an end record: its parent (the last full block's key, "" for none) and the
+    tokens after that block up to the end point; tagged, so no full block's key equals it."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(parent.encode())
+    h.update(b"|end|" + fingerprint.encode() + b"|" + salt.encode() + b"|")
+    h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
 def chain(tokens: list[int], block_tokens: int, fingerprint: str, salt: str, limit: int | None = None) -> list[str]:
     """Hash keys of the prompt's full prefix blocks (at most `limit`)."""
     n = len(tokens) // block_tokens
