@@ -10,20 +10,32 @@ buffer) for comparison, the step's transients (attention's reused buffers and th
 prompt's largest run, `scratch_bytes` / `prompt_stream_bytes`), and the cold-tier bytes the
 prompt read back (`traffic_report()`), next to what a full cache holds.
 
+With `--rank-on-host` the re-rank scores its candidates where the cold tier holds them (as
+on an accelerator; `BlockReader.rank_on_host`), and the row gives the link's bytes per decode
+step over the bytes of the pages that step newly attends (`h2d_over_new_pages`). With
+`--cold-store disk` the row also gives the process's peak RSS over the request, less the RSS
+before the prompt, against the budget (on a CPU the disk tier is what takes the cold K/V out
+of RAM).
+
     python benchmarks/budget_peak.py --model tiny --lengths 8192,32768 --budget 0.125
     python benchmarks/budget_peak.py --model smollm2 --lengths 4096,8192 --budget 0.0625
+    python benchmarks/budget_peak.py --model tiny --lengths 32768,131072 --budget 0.0625 \
+        --codecs exact --rank-on-host --prefill-chunk 4096 --steps 64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import flashmem
+from flashmem.cache.block_reads import BlockReader
 from flashmem.sizing.budget import full_kv_bytes
 
 
@@ -35,11 +47,48 @@ def _model(name: str, tokens: int) -> tuple[Any, Any]:
     return flashmem.load_model(name)
 
 
-def measure(name: str, tokens: int, budget: float, steps: int, codec: str) -> dict[str, Any]:
+def _rss_kib(field: str) -> int | None:
+    """VmRSS / VmHWM of this process in KiB (Linux), None elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure(
+    name: str,
+    tokens: int,
+    budget: float,
+    steps: int,
+    codec: str,
+    cold_store: str = "memory",
+    prefill_chunk: int | None = None,
+) -> dict[str, Any]:
     model, tok = _model(name, tokens)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
-    cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, cold_codec=codec)
+    keys: dict[str, Any] = {"cold_codec": codec}
+    tmp = None
+    if cold_store == "disk":
+        tmp = tempfile.TemporaryDirectory(prefix="budget_peak_")
+        keys.update(cold_store="disk", cold_dir=tmp.name, prefetch_threads=0)
+    if prefill_chunk:
+        keys["prefill_chunk"] = prefill_chunk
+    cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, **keys)
+    rss0 = _rss_kib("VmRSS")
+    rss_ok = _reset_peak_rss() and rss0 is not None
     t0 = time.perf_counter()
     logits = flashmem.prefill(model, cache, ids)
     prefill_s = time.perf_counter() - t0
@@ -47,6 +96,7 @@ def measure(name: str, tokens: int, budget: float, steps: int, codec: str) -> di
     with torch.no_grad():
         for _ in range(steps):
             nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    rss_peak = _rss_kib("VmHWM")
     mem, traffic = cache.memory_report(), cache.traffic_report()
     full = mem["full_cache_bytes"]
     # the budget is over the managed layers (docs/design.md, "Budget"); a model's own sliding
@@ -72,9 +122,25 @@ def measure(name: str, tokens: int, budget: float, steps: int, codec: str) -> di
         "decode_host_read_median": traffic["per_decode_step_median"]["host_read_bytes"],
         "decode_full_cache_read": traffic["per_decode_step_median"]["full_cache_bytes"],
         "page_hit_rate": traffic["page_cache"]["hit_rate"],
+        "rank_on_host": bool(BlockReader.rank_on_host),
+        "decode_new_page_bytes_median": traffic["per_decode_step_median"]["new_page_bytes"],
+        # the link's bytes over the bytes of the pages each decode step newly attends (median)
+        "h2d_over_new_pages": traffic["h2d_over_new_pages_median"],
+        "decode_h2d_over_full_cache": traffic["per_decode_step_median"]["h2d_bytes"] / full if full else None,
+        "decode_host_read_over_full_cache": traffic["per_decode_step_median"]["host_read_bytes"] / full
+        if full
+        else None,
+        "cold_store": cold_store,
+        "prefill_chunk": cache.cfg.prefill_chunk,
         "prefill_s": round(prefill_s, 1),
     }
+    if rss_ok and rss_peak is not None and rss0 is not None:
+        # the process's peak RSS over the request less its RSS before the prompt: the cache's
+        # part, transients (activations, attention's buffers) included, in RAM
+        row["rss_peak_over_budget"] = (rss_peak - rss0) * 1024 / (budget * managed_full)
     cache.close()
+    if tmp is not None:
+        tmp.cleanup()
     return row
 
 
@@ -85,12 +151,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget", type=float, default=0.125)
     p.add_argument("--steps", type=int, default=8, help="decode steps after the prompt")
     p.add_argument("--codecs", default="exact,int8", help="exact: the prompt streamed; int8: held (comparison)")
+    p.add_argument("--cold-store", default="memory", choices=["memory", "disk"], help="the cold tier")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per forward (default: the recipe's)")
+    p.add_argument(
+        "--rank-on-host", action="store_true", help="score re-rank candidates where the cold tier holds them"
+    )
     p.add_argument("--out", default=None, help="JSON lines of the rows")
     a = p.parse_args(argv)
+    if a.rank_on_host:
+        BlockReader.rank_on_host = True
     rows = []
     for n in (int(x) for x in a.lengths.split(",")):
         for codec in a.codecs.split(","):
-            row = measure(a.model, n, a.budget, a.steps, codec)
+            row = measure(a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk)
             rows.append(row)
             print(json.dumps(row))
     if a.out:

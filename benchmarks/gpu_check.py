@@ -9,9 +9,10 @@
 2. **Decode at 32K and 128K** on a random-weight Llama with Llama-3.1-8B's attention
    geometry (hidden 4096, 32 heads, 8 KV heads x 128, MLP 14336, vocab 128256, bf16) and
    `--layers` layers (4): decode ms per step for DynamicCache in HBM and for flashmem (the
-   recipe at `--budget`, cold tier `memory` in host RAM, prefetch on), the bytes across
-   the link per step (`cache.traffic_report()` when the cache has it, else "n/a"), and
-   `torch.cuda.max_memory_allocated`.
+   recipe at `--budget`, cold tier `memory` in host RAM, prefetch on; on CUDA the re-rank
+   scores its candidates on the host, `BlockReader.host_ranking`), the bytes across the link
+   per step and their ratio to the pages the step newly attends (`cache.traffic_report()`
+   when the cache has it, else "n/a"), and `torch.cuda.max_memory_allocated`.
    - DynamicCache is filled directly with random K/V of the length (`cache.update`, seconds;
      decode cost does not depend on the values), then decoded.
    - flashmem's prompt goes through the model (`flashmem.prefill`, model-level chunks of
@@ -424,6 +425,8 @@ def run_length(
                 if traffic and "per_decode_step_median" in traffic
                 else "n/a"
             ),
+            # the link's bytes over the bytes of the pages a step newly attends (1.0: only those)
+            "h2d_over_new_pages": traffic.get("h2d_over_new_pages_median", "n/a") if traffic else "n/a",
             "traffic_report": traffic if traffic is not None else "n/a",
         }
         if traffic and "per_decode_step_median" in traffic:
@@ -462,7 +465,8 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             f"{r['tokens']:>7} tokens: DynamicCache {ms(d.get('decode_ms_median'))} ms/step "
             f"(modelled {ms(p.get('dynamic_decode_ms'))}); flashmem {ms(f.get('decode_ms_median'))} ms/step "
             f"(modelled {ms(p.get('flashmem_decode_ms'))}, {p.get('flashmem_bound', '?')}-bound); link/step "
-            f"{f.get('link_bytes_per_step', 'n/a')} (modelled {p.get('flashmem_link_bytes_per_step', 0):.3g}); "
+            f"{f.get('link_bytes_per_step', 'n/a')} (modelled {p.get('flashmem_link_bytes_per_step', 0):.3g}, "
+            f"{f.get('h2d_over_new_pages', 'n/a')} x the new pages); "
             f"max_memory_allocated {d.get('max_memory_allocated') or 'n/a'} / {f.get('max_memory_allocated') or 'n/a'} B"
             + (
                 f"; flashmem: {f['error'] if 'error' in f else f.get('skipped')}"

@@ -245,3 +245,19 @@ def test_budget_peak_tiny(tmp_path: Path):
     rows = {r["cold_codec"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert rows["exact"]["peak_over_budget"] < 1.2 < rows["int8"]["peak_over_budget"]
     assert rows["exact"]["prompt_h2d_bytes"] > 0 and rows["exact"]["decode_full_cache_read"] > 0
+
+
+def test_budget_peak_host_ranking_on_disk(tmp_path: Path):
+    """As on an accelerator (candidates ranked where the cold tier holds them) and with the disk
+    tier: the link carries the newly attended pages, and the row gives the RSS over the budget."""
+    out = tmp_path / "peak.jsonl"
+    run_script(
+        BENCH / "budget_peak.py",
+        *("--lengths", "2048", "--budget", "0.25", "--steps", "6", "--codecs", "exact"),
+        *("--rank-on-host", "--cold-store", "disk", "--prefill-chunk", "512", "--out", str(out)),
+    )
+    (row,) = map(json.loads, out.read_text().splitlines())
+    assert row["rank_on_host"] and row["cold_store"] == "disk" and row["prefill_chunk"] == 512
+    assert row["h2d_over_new_pages"] is None or 0 < row["h2d_over_new_pages"] <= 1.5
+    assert row["peak_over_budget"] < 1.2
+    assert "rss_peak_over_budget" in row

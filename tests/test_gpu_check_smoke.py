@@ -29,6 +29,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
         assert r["dynamic"]["decode_ms_median"] > 0 and len(r["dynamic"]["decode_ms"]) == 3
         assert r["flashmem"]["decode_ms_median"] > 0 and r["flashmem"]["prefill_s"] > 0
         assert r["flashmem"]["cold_bytes"] > 0
+        assert "h2d_over_new_pages" in r["flashmem"]
         p = r["prediction"]
         assert p["label"] == "modelled, not measured" and p["dynamic_decode_ms"] > p["ideal_full_decode_ms"] > 0
         assert p["offloaded_decode_ms"] > 0 and r["offloaded"].startswith("n/a")  # transformers offloads on CUDA

@@ -85,17 +85,27 @@ def test_a_decode_step_copies_exactly_the_pages_it_did_not_hold():
             moved.append((new, total, cache.traffic_report()["totals"]["h2d_bytes"] - h2d))
     assert any(new for new, _, _ in moved) and any(new < total for new, total, _ in moved)  # some held over
     assert all(copied == new * page_bytes for new, _, copied in moved)
+    report = cache.traffic_report()  # the same figure, as the report gives it per step
+    assert report["h2d_over_new_pages_median"] == 1.0
+    assert report["per_decode_step_median"]["new_page_bytes"] % page_bytes == 0
 
 
-@pytest.mark.parametrize("floor", [0, 10_000])
-def test_candidates_ranked_on_the_host_choose_the_same_and_copy_only_new_pages(monkeypatch, floor):
+@pytest.mark.parametrize(
+    "floor, store, threads", [(0, "memory", 0), (10_000, "memory", 0), (0, "disk", 0), (0, "memory", 2), (0, "disk", 2)]
+)
+def test_candidates_ranked_on_the_host_choose_the_same_and_copy_only_new_pages(
+    monkeypatch, tmp_path, floor, store, threads
+):
     """`host_ranking` (on by itself on an accelerator; forced here on the CPU): the re-rank reads
-    candidates' keys where the cold tier holds them, so the choice and the logits are those of
-    the default path, and what is copied to the device per decode step is the pages that newly
-    enter the working set (at most 1.5x their bytes), not the candidates."""
+    candidates' keys where the cold tier holds them (a memory store's arena, or a disk store's
+    blocks read into host memory), so the choice and the logits are those of the default path,
+    and what is copied to the device per decode step is the pages that newly enter the working
+    set (at most 1.5x their bytes), not the candidates or their whole blocks."""
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(6))
-    cfg = flashmem.FlashMemoryConfig(**RERANKED, lsa_rerank_min_pages=floor)
+    where = {"cold_store": "disk", "cold_dir": str(tmp_path / "cold")} if store == "disk" else {}
+    # threads: through the prefetcher, which then stages blocks in host memory
+    cfg = flashmem.FlashMemoryConfig(**{**RERANKED, "prefetch_threads": threads}, lsa_rerank_min_pages=floor, **where)
     ref_out, ref_sel = _decode(model, flashmem.attach(model, cfg), ids, 8)
     monkeypatch.setattr(BlockReader, "rank_on_host", True)
     cache = flashmem.attach(model, cfg)
@@ -119,4 +129,5 @@ def test_candidates_ranked_on_the_host_choose_the_same_and_copy_only_new_pages(m
         assert copied <= 1.5 * new * page_bytes
     report = cache.traffic_report()
     assert report["per_decode_step_median"]["host_read_bytes"] > 0  # the candidates, read where they lie
+    assert report["h2d_over_new_pages_median"] <= 1.5
     assert 0 < report["page_cache"]["hit_rate"] < 1

@@ -81,11 +81,13 @@ class BlockReader:
 
     @property
     def host_ranking(self) -> bool:
-        """Candidates are scored on the host, next to their keys: reads go straight to an exact
-        host-memory store (its arena), and the device is another one (or `rank_on_host`).
-        Then a step moves query rows and page ids across the link, and the chosen pages: not
-        the candidates' keys (1 GiB a step at 128K for Llama-3.1-8B's shape at 1/16)."""
-        if not self.direct or self.latent is not None or self.store.codec.name != "exact":
+        """Candidates are scored on the host, next to their keys, when the device is another one
+        (or `rank_on_host`): in place in a memory store's arena, or in blocks read into host
+        memory (a disk store, or through the prefetcher, which then stages blocks on the host).
+        Then a step moves query rows and page ids across the link, and the chosen pages, cut on
+        the host: not the candidates' keys (1 GiB a step at 128K for Llama-3.1-8B's shape at
+        1/16) nor whole blocks. Not with a low-rank cold tier (its pages decode on the device)."""
+        if self.latent is not None:
             return False
         return self.device.type != "cpu" if self.rank_on_host is None else self.rank_on_host
 
@@ -95,38 +97,52 @@ class BlockReader:
         return self.prefetcher is None
 
     # ------------------------------------------------------------------ whole blocks
-    def fetch_block(self, block_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact (or codec-decoded) K/V of a sealed block on the layer's device, [b, h, B, d] each."""
+    def fetch_block(self, block_idx: int, on_host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact (or codec-decoded) K/V of a sealed block on the layer's device, [b, h, B, d] each;
+        on_host: left in host memory (read by host compute, nothing copied to the device)."""
         key = (self.layer_idx, int(block_idx))
+        where = torch.device("cpu") if on_host else self.device
         pf = self.prefetcher
         if pf is not None:
-            out = pf.get(key, self.device)
+            out = pf.get(key, where)
         else:
             t0 = time.perf_counter()
-            out = self.store.get(key, self.device)
+            out = self.store.get(key, where)
             self._count_sync(1, t0)
-        self.traffic.cold_read(self.store, self.device, self._coded_bytes(out[0]))
+        self.traffic.cold_read(self.store, self.device, self._coded_bytes(out[0]), in_place=on_host)
         if self.latent is not None:  # coefficients -> K/V, keys rotated at their positions
             out = self.latent.decode_block(*out, self.block_start + int(block_idx) * self.cfg.hca_chunk_size)
         return out
 
     def pages_of_blocks(
-        self, idx: torch.Tensor, need: torch.Tensor, only: torch.Tensor | None = None
+        self, idx: torch.Tensor, need: torch.Tensor, only: torch.Tensor | None = None, on_host: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the blocks `need` (sorted ids) once each and cut pages idx [b, h, k] out of
         them -> k, v [b, h, k, P, d] (pages of blocks not in `need`: arbitrary rows); with
-        `only` [b, h, k] bool just those pages, flat [n, P, d]."""
+        `only` [b, h, k] bool just those pages, flat [n, P, d]. on_host: the blocks are read
+        and cut in host memory and the pages left there (`to_device` copies what is kept)."""
         ppb = self.cfg.pages_per_block
         need_ids = need.tolist()
         if self.prefetcher is not None and self.demand_batch:
             # Queue every block this step needs before waiting for the first: the loader
             # threads then read them in parallel (already ready or in flight: skipped).
             self.prefetcher.request([(self.layer_idx, j) for j in need_ids], urgent=True)
-        blocks = [self.fetch_block(j) for j in need_ids]
+        blocks = [self.fetch_block(j, on_host) for j in need_ids]
         pool_k = torch.stack([bk for bk, _ in blocks])  # [u, b, h, B, d]
         pool_v = torch.stack([bv for _, bv in blocks])
-        slot = torch.searchsorted(need, idx // ppb).clamp_max(len(need_ids) - 1)  # [b, h, k]
-        return cut_pages(pool_k, slot, idx % ppb, ppb, only), cut_pages(pool_v, slot, idx % ppb, ppb, only)
+        where = pool_k.device
+        slot = torch.searchsorted(need.to(where), (idx // ppb).to(where)).clamp_max(len(need_ids) - 1)  # [b, h, k]
+        sub, keep = (idx % ppb).to(where), None if only is None else only.to(where)
+        return cut_pages(pool_k, slot, sub, ppb, keep), cut_pages(pool_v, slot, sub, ppb, keep)
+
+    def to_device(self, t: torch.Tensor, from_host: bool = True) -> torch.Tensor:
+        """Pages cut on the host (`pages_of_blocks(on_host=True)`) copied to the layer's device
+        and counted as crossing the link (on a CPU the same RAM: counted, as the copies
+        `fetch_block` makes are); from_host False: already on the device and counted, as is."""
+        if not from_host:
+            return t
+        self.traffic.add("h2d_bytes", t.nbytes)
+        return t.to(self.device, non_blocking=t.is_pinned())
 
     # ------------------------------------------------------------------ runs of blocks
     def stream_runs(self, num_sealed: int, run_blocks: int) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
@@ -184,10 +200,10 @@ class BlockReader:
         """Pages idx [b, h, k] from the store's `gather_pages` (k, v [b, h, k, P, d], a part
         not asked for None; with `only` [b, h, k] bool just those, flat [n, P, d]), counted
         as synchronous reads (one per block touched, as fetch_block counts); None without a
-        prefetcher-free path or when the store declines. on_host: left where the store holds
-        them (read by host compute, nothing copied to the device). The pages arrive as one
+        prefetcher-free path (on_host: with one too) or when the store declines. on_host: left
+        where the store holds them (read by host compute, nothing copied to the device). The pages arrive as one
         contiguous buffer: one copy across the link, not one per 16-token page."""
-        if self.prefetcher is not None:
+        if self.prefetcher is not None and not on_host:  # device reads go through the prefetcher
             return None
         ppb = self.cfg.pages_per_block
         lat = self.latent
@@ -208,9 +224,10 @@ class BlockReader:
     def block_keys(self, num_sealed: int) -> torch.Tensor | None:
         """Every sealed block's keys where the store holds them ([n, b, h, B, d], read-only, no
         copy): on the compute device, or on the host with `host_ranking`; None where it
-        cannot (a prefetcher, a latent tier, coded blocks, another device). Counted as a read
+        cannot (a prefetcher unless ranked on the host, a latent tier, coded blocks, another
+        device). Counted as a read
         of every block by compute where they lie."""
-        if self.prefetcher is not None or self.latent is not None:
+        if self.latent is not None or (self.prefetcher is not None and not self.host_ranking):
             return None
         t0 = time.perf_counter()
         keys = self.store.block_keys(self.layer_idx, num_sealed, "cpu" if self.host_ranking else self.device)
@@ -247,6 +264,11 @@ class BlockReader:
                 n = 2 * b * h * self.cfg.hca_chunk_size * d * self.dtype.itemsize
             self._block_bytes = n = max(1, n)
         return n
+
+    def page_bytes(self) -> int:
+        """Bytes one page of one row and KV head takes as the cold tier hands it over (K and V)."""
+        b, h, _ = self._shape
+        return self.prefetch_block_bytes() // max(1, b * h * self.cfg.pages_per_block)
 
     def _coded_bytes(self, k: torch.Tensor) -> int:
         """Bytes a block with keys like k [b, h, B, d] takes as the cold tier hands it over (K and V)."""

@@ -46,11 +46,13 @@ IN_PLACE_CANDIDATES = 3
 @dataclass
 class Candidates:
     """Re-rank candidates read this step: page ids [b, h, c] sorted, their keys
-    [b, h, c, P, d] and values (None: only keys were read)."""
+    [b, h, c, P, d] and values (None: only keys were read), on the device or, ranked on
+    the host (`BlockReader.host_ranking`), in host memory."""
 
     ids: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor | None
+    on_host: bool = False
 
 
 @dataclass
@@ -136,6 +138,15 @@ class CandidateRanker:
                     qg.to(ck.device), ck, cvalid.to(ck.device), scaling, cfg.lsa_pool, cfg.lsa_share_heads
                 ).to(cand.device)
                 return Selection(self._top(cand, mass, page_tokens_valid, k_sel))
+            # a store without an arena (disk): the candidates' blocks are read into host memory
+            # and scored there; the winners are cut from them and only those cross the link
+            hk, hv = self.reader.pages_of_blocks(cand, torch.unique(cand // cfg.pages_per_block), on_host=True)
+            mass = exact_page_mass(
+                qg.to(hk.device), hk, cvalid.to(hk.device), scaling, cfg.lsa_pool, cfg.lsa_share_heads
+            )
+            return Selection(
+                self._top(cand, mass.to(cand.device), page_tokens_valid, k_sel), Candidates(cand, hk, hv, True)
+            )
         ck, cv = self._read_candidates(cand)  # [b, h, c, P, d]; cv None: read for the winners only
         mass = exact_page_mass(qg, ck, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)  # [b, h, c]
         return Selection(self._top(cand, mass, page_tokens_valid, k_sel), Candidates(cand, ck, cv))

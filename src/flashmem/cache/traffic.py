@@ -43,6 +43,9 @@ class StepTraffic:
     # selected pages the device already held from the step before (hits) and pages read (misses)
     page_hits: int = 0
     page_misses: int = 0
+    # what the missed pages take as the cold tier hands them over: the least a step that
+    # reads only what it newly attends can copy to the device
+    new_page_bytes: int = 0
     full_cache_bytes: int = 0  # what a full cache reads for the same step
 
 
@@ -70,11 +73,13 @@ class Traffic:
         if self.steps:
             self.steps[-1].counts[path] += int(nbytes)
 
-    def pages(self, hits: int, misses: int) -> None:
-        """A working set gathered: `hits` selected pages were held already, `misses` were read."""
+    def pages(self, hits: int, misses: int, page_bytes: int = 0) -> None:
+        """A working set gathered: `hits` selected pages were held already, `misses` were read
+        (`page_bytes` each, K and V as the cold tier hands them over)."""
         if self.steps:
             self.steps[-1].page_hits += int(hits)
             self.steps[-1].page_misses += int(misses)
+            self.steps[-1].new_page_bytes += int(misses) * int(page_bytes)
 
     def cold_read(self, store: ColdStore, device: torch.device, nbytes: int, in_place: bool = False) -> None:
         """`nbytes` of K/V read from the cold tier for `device`: copied to the device, or
@@ -109,6 +114,14 @@ class Traffic:
             med = {p: int(statistics.median(s.counts[p] for s in steps)) if steps else 0 for p in PATHS}
             med["full_cache_bytes"] = int(statistics.median(s.full_cache_bytes for s in steps)) if steps else 0
             out[name] = med
+        # the link's bytes over the least a step must copy (its newly attended pages), per
+        # decode step with any: 1.0 reads only what it attends; the candidates' keys or whole
+        # blocks copied to the device raise it
+        ratios = [s.counts["h2d_bytes"] / s.new_page_bytes for s in decode if s.new_page_bytes]
+        out["per_decode_step_median"]["new_page_bytes"] = (
+            int(statistics.median(s.new_page_bytes for s in decode)) if decode else 0
+        )
+        out["h2d_over_new_pages_median"] = statistics.median(ratios) if ratios else None
         return out
 
     # ------------------------------------------------------------------ internals

@@ -151,7 +151,7 @@ class WorkingSet:
         one op without a prefetcher; else whole blocks are read once each and the
         selected pages cut out of them."""
         prev = self.idx
-        reader.traffic.pages(*_held_count(prev, idx))
+        reader.traffic.pages(*_held_count(prev, idx), reader.page_bytes())
         if prev is not None and prev.shape == idx.shape and torch.equal(prev, idx):
             return
         held = self.held_over(idx, reader)  # pages the last working set holds, kept as they are
@@ -164,7 +164,10 @@ class WorkingSet:
             new = ~held[0]
             need = torch.unique(idx[new] // ppb)
             if need.numel():
-                k_new, v_new = reader.pages_of_blocks(idx, need, only=new)
+                # ranked on the host: blocks read and cut there, only the new pages cross the link
+                on_host = reader.host_ranking
+                k_new, v_new = reader.pages_of_blocks(idx, need, only=new, on_host=on_host)
+                k_new, v_new = reader.to_device(k_new, on_host), reader.to_device(v_new, on_host)
             else:
                 k_new = v_new = self.no_pages()
             self.merge(idx, held, k_new, v_new, page_tokens_valid)
@@ -187,7 +190,9 @@ class WorkingSet:
             src = torch.zeros_like(idx)
         need = torch.unique(idx[~held] // ppb)  # blocks to read
         if need.numel():
-            new_k, new_v = reader.pages_of_blocks(idx, need)
+            on_host = reader.host_ranking
+            new_k, new_v = reader.pages_of_blocks(idx, need, on_host=on_host)
+            new_k, new_v = reader.to_device(new_k, on_host), reader.to_device(new_v, on_host)
         if held.any():
             assert self.k is not None and self.v is not None  # held: a previous working set exists
             d = self.k.shape[-1]
@@ -240,7 +245,8 @@ class WorkingSet:
             rows = rows[new.reshape(-1)]
 
         def cut(t: torch.Tensor) -> torch.Tensor:
-            out = t.reshape(-1, P * d).index_select(0, rows)
+            # candidates ranked on the host: the pages are cut there and only they cross the link
+            out = reader.to_device(t.reshape(-1, P * d).index_select(0, rows.to(t.device)), candidates.on_host)
             return out.view(-1, P, d) if new is not None else out.view(b, h, k, P, d)
 
         if cv is not None:
