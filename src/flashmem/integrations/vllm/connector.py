@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from flashmem.errors import FlashMemError
@@ -95,6 +96,9 @@ class FlashmemConnector(KVConnectorBase_V1):
             "model_dtype": str(mc.dtype),
             "quantization": str(getattr(mc, "quantization", None)),
             "layers": ",".join(sorted(groups[0].layer_names)),
+            # the paged buffer's physical layout differs between platforms and attention backends
+            "platform": str(getattr(current_platform, "device_type", "")),
+            "attn_backend": str(getattr(getattr(vllm_config, "attention_config", None), "backend", None)),
             "chunk_tokens": self.opts.chunk_tokens,
         }
         self.model_id = str(model_id or f"{mc.model}@{getattr(mc, 'revision', None)}")
@@ -119,6 +123,10 @@ class FlashmemConnector(KVConnectorBase_V1):
             self.opts.chunk_tokens,
             self.opts.quota_bytes,
         )
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # save_kv_layer runs between layers: a full CUDA graph would skip it
 
     @property
     def requires_kv_delivery(self) -> bool:
