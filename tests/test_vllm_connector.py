@@ -396,3 +396,46 @@ def test_connector_implements_vllms_interface() -> None:
         "request_finished",
     ):
         assert getattr(FlashmemConnector, name) is not getattr(KVConnectorBase_V1, name), name
+
+
+def test_preempted_request_saves_into_its_new_blocks(tmp_path: Path) -> None:
+    """A request preempted mid-prefill resumes with new blocks (vLLM sends the whole list) and
+    recomputes from 0: the chunks saved before are not saved twice, the rest come from the new blocks."""
+    tokens = prompt(4 * CHUNK + 5)
+    e = Engine("disk", str(tmp_path / "s"))
+    ext = e.planner.lookup("r", tokens, "", 0)
+    e.planner.allocated("r", tokens, "", ext)
+    old = list(range(9))
+    plan = e.planner.build([("r", old, 0)], [], {"r": CHUNK + 3})
+    forward(e.kv, tokens, old, 0, CHUNK + 3)
+    for name in LAYERS:
+        e.worker.stage(name, e.kv[name], plan.saves)
+    e.worker.flush(plan.saves)
+    assert e.worker.counters["saved_chunks"] == 1
+    new = list(range(30, 39))  # preempted; resumed in other blocks, recomputed from token 0
+    plan = e.planner.build([], [("r", new, True, 0)], {"r": len(tokens)})
+    assert [j for s in plan.saves for j, _, _ in s.chunks] == [1, 2, 3]
+    assert plan.saves[0].block_ids == new
+    forward(e.kv, tokens, new, 0, len(tokens))
+    for name in LAYERS:
+        e.worker.stage(name, e.kv[name], plan.saves)
+    e.worker.flush(plan.saves)
+    b = Engine("disk", str(tmp_path / "s"))
+    blocks = list(range(50, 59))
+    ext, errors = b.serve("r2", tokens, blocks)
+    assert ext == 4 * CHUNK and not errors
+    assert_holds(b.kv, tokens, blocks, 0, len(tokens))
+
+
+def test_plan_survives_pickling(tmp_path: Path) -> None:
+    """vLLM sends the step's metadata to its worker processes."""
+    import pickle
+
+    tokens = prompt(3 * CHUNK + 1)
+    Engine("disk", str(tmp_path / "s")).serve("r1", tokens, list(range(7)))
+    b = Engine("disk", str(tmp_path / "s"))
+    ext = b.planner.lookup("r2", tokens, "", 0)
+    b.planner.allocated("r2", tokens, "", ext)
+    plan = b.planner.build([("r2", list(range(7)), ext)], [], {"r2": 1})
+    again = pickle.loads(pickle.dumps(plan))
+    assert again == plan and again.loads["r2"].keys == plan.loads["r2"].keys
