@@ -80,6 +80,25 @@ def test_the_streamed_prompt_equals_the_buffered_one_at_every_chunk_size_with_pa
     assert (streamed - held).abs().max() <= 1e-4
 
 
+def test_the_streamed_runs_shrink_under_the_score_budget_with_the_same_logits(monkeypatch):
+    """A run's scores stay under STREAM_SCORE_BYTES whatever the chunk: with a budget of one
+    block's scores the runs are single blocks, the logits are the same, and the largest
+    transient is smaller than with chunk-sized runs."""
+    from flashmem.cache import exact_prompt
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 640), generator=torch.Generator().manual_seed(8))
+    # forwards of 32 tokens; runs sized for a 512-token chunk: 16x the forward's own part
+    cfg = flashmem.FlashMemoryConfig(**dict(SPARSE, prefill_chunk=512), prefill_exact_tokens=4096)
+    wide = flashmem.attach(model, cfg)
+    ref = flashmem.prefill(model, wide, ids, chunk=32)
+    monkeypatch.setattr(exact_prompt, "STREAM_SCORE_BYTES", 1)  # one block per run
+    narrow = flashmem.attach(model, cfg)
+    got = flashmem.prefill(model, narrow, ids, chunk=32)
+    assert (got - ref).abs().max() <= 1e-4
+    assert 0 < narrow.memory_report()["prompt_stream_bytes"] < wide.memory_report()["prompt_stream_bytes"]
+
+
 def test_a_streamed_prompt_reads_the_cold_tier_once_per_chunk_and_layer():
     """Traffic of a streamed prompt: each chunk after the first reads every block sealed before
     it, once per managed layer, from the cold tier (h2d_bytes), and nothing is held."""

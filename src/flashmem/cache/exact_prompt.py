@@ -157,6 +157,10 @@ class OnlineSoftmax:
         return (self.O / self.L).view(b, hq, m, -1).to(dtype)
 
 
+# The most a streamed prompt's run of scores may take (one layer at a time).
+STREAM_SCORE_BYTES = 64 << 20
+
+
 def attend_streamed(
     layer: FlashLayer,
     q: torch.Tensor,
@@ -174,7 +178,11 @@ def attend_streamed(
     S = layer.block_start
     acc.add(layer.sink_k, layer.sink_v, valid[:, None, :S])
     B = layer.cfg.hca_chunk_size
-    run_blocks = max(1, -(-layer.cfg.prefill_chunk // B))  # about one chunk's tokens per run
+    # About one chunk's tokens per run, fewer where the run's fp32 scores [b, Hq, m, run] would
+    # pass STREAM_SCORE_BYTES: the transient stays bounded whatever the chunk (4096-token chunks
+    # of a tiny model's prompt held 281 MB of scores, 4x its full cache at 8K).
+    per_token = b * q.shape[1] * m * 4
+    run_blocks = max(1, min(-(-layer.cfg.prefill_chunk // B), STREAM_SCORE_BYTES // (per_token * B)))
     for j0, j1, k, v in layer.reader.stream_runs(layer.num_sealed, run_blocks):
         acc.add(k, v, valid[:, None, S + j0 * B : S + j1 * B])
         del k, v  # the run leaves the device before the next but one arrives
