@@ -207,3 +207,37 @@ def test_state_restored_mid_block_continues_as_the_cache_did(codec) -> None:
     assert (want - got).abs().max().item() <= tol
     assert (want_next - got_next).abs().max().item() <= tol
     assert int(want.argmax()) == int(got.argmax())
+
+
+def test_low_rank_cold_tier_records_its_blocks_in_its_own_form(tmp_path) -> None:
+    """A layer whose cold tier holds coefficients (`cold_low_rank`) cannot give its sealed
+    blocks' exact K/V back: its records hold the new blocks as the tier holds them and the
+    exact tail; the restored state continues as the cache did."""
+    import flashmem
+    from flashmem.calibration import calibrate
+    from flashmem.serve import state
+    from test_cache import ALL_EXACT
+    from test_pages_calibration import _Tok
+    from tiny_models import tiny_llama
+
+    m = tiny_llama()
+    calibrate(m, _Tok(), tokens=512, seq_tokens=256, rank=8, steps=0, window=16, out=tmp_path, progress=False)
+    cfg = flashmem.FlashMemoryConfig(**ALL_EXACT, cold_low_rank="kv", low_rank_dim=8, calibration=str(tmp_path))
+    prompt = _prompt(150)
+
+    def forward(cache, ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return m(torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+
+    cache = flashmem.attach(m, cfg)
+    records, mark = [], state.mark(cache)
+    for a, e in [(0, 64), (64, 128), (128, 148)]:
+        forward(cache, prompt[a:e])
+        records.append(decode_record("k", encode_record("k", "", state.export_delta(cache, mark), "exact"), "exact"))
+        mark = state.mark(cache)
+    assert cache.flash_layers[0].latent is not None and any(n.endswith(".block.1.k") for n in records[0])
+    want = forward(cache, prompt[148:150])
+    restored = flashmem.attach(m, cfg)
+    state.import_records(restored, records)
+    got = forward(restored, prompt[148:150])
+    assert (want - got).abs().max().item() <= 1e-4
