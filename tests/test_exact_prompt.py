@@ -99,6 +99,27 @@ def test_the_streamed_runs_shrink_under_the_score_budget_with_the_same_logits(mo
     assert 0 < narrow.memory_report()["prompt_stream_bytes"] < wide.memory_report()["prompt_stream_bytes"]
 
 
+@pytest.mark.parametrize("rest", [False, True])
+def test_a_chunk_attends_its_selection_in_query_slices_under_the_mask_budget(monkeypatch, rest):
+    """A prompt chunk that attends its selection (no exact prompt) builds a [b, Hq, m, L] mask;
+    past MASK_BYTES its queries attend in slices with the same logits, padding and the rest
+    entry included."""
+    from flashmem.cache import assembly
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 300), generator=torch.Generator().manual_seed(10))
+    mask = torch.ones_like(ids)
+    mask[1, :21] = 0
+    keys = dict(SPARSE, prefill_chunk=100, prefill_exact_tokens=0)
+    if rest:
+        keys.update(use_summaries=False, rest_entry=True)
+    cfg = flashmem.FlashMemoryConfig(**keys)
+    ref = run(model, flashmem.attach(model, cfg), ids, 4, mask)
+    monkeypatch.setattr(assembly, "MASK_BYTES", 1)  # one query per slice
+    got = run(model, flashmem.attach(model, cfg), ids, 4, mask)
+    assert (got - ref).abs().max() <= 1e-4
+
+
 def test_a_streamed_prompt_reads_the_cold_tier_once_per_chunk_and_layer():
     """Traffic of a streamed prompt: each chunk after the first reads every block sealed before
     it, once per managed layer, from the cold tier (h2d_bytes), and nothing is held."""

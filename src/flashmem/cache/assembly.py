@@ -22,6 +22,9 @@ from flashmem.cache.working_set import Part
 from flashmem.compress import page_code
 
 NEG = float("-inf")
+# The most one attention's mask may take: a chunk whose [b, Hq, m, L] mask is larger attends
+# in slices of its queries (a 4096-token chunk over 4.7K selected keys: 600 MB at one layer).
+MASK_BYTES = 64 << 20
 
 
 def step_scratch() -> Scratch:
@@ -71,27 +74,44 @@ class Assembly:
         new_bias = torch.zeros(b, 1, m, m, dtype=q.dtype, device=dev).masked_fill(~allowed[:, None], NEG)
         keys, values = [*self.keys, k_new], [*self.values, v_new]
         group = q.shape[1] // hkv
-        # The mask [b, Hq, m, L] is written into a reused buffer laid out [b, h, group, m, L]
-        # (query head h * group + g, as enable_gqa pairs them): a prefill chunk's mask is
-        # 100+ MB per layer, and a fresh one each time costs its page faults.
         L = sum(bias.shape[-1] for bias in self.biases) + m + (rest is not None)
         scratch = step_scratch()
-        mask = scratch.take("mask", (b, hkv, group, m, L), q.dtype, dev)
+        if rest is not None:  # a zero key: its logit is all bias, per query head and query
+            v_rest, logit = rest
+            keys.append(torch.zeros_like(v_rest, dtype=k_new.dtype))
+            values.append(v_rest.to(v_new.dtype))
+        K = concat(keys, lambda shape: scratch.take("keys", shape, k_new.dtype, dev))
+        V = concat(values, lambda shape: scratch.take("values", shape, v_new.dtype, dev))
+        # The mask [b, Hq, rows, L] is written into a reused buffer laid out [b, h, group, rows, L]
+        # (query head h * group + g, as enable_gqa pairs them): a prefill chunk's mask is 100+ MB
+        # per layer, and a fresh one each time costs its page faults. Past MASK_BYTES the chunk's
+        # queries attend in slices of rows, so the transient does not grow with the chunk.
+        elem = torch.finfo(q.dtype).bits // 8
+        rows = max(1, min(m, MASK_BYTES // max(1, b * hkv * group * L * elem)))
+        mask = scratch.take("mask", (b, hkv, group, rows, L), q.dtype, dev)
         at = 0
         for bias in self.biases:  # [b, h, n]: one row for every query
             n = bias.shape[-1]
             mask[..., at : at + n] = bias[:, :, None, None, :]
             at += n
-        mask[..., at : at + m] = new_bias[:, :, None]  # [b, 1, 1, m, m]
-        if rest is not None:  # a zero key: its logit is all bias, per query head and query
-            v_rest, logit = rest
-            keys.append(torch.zeros_like(v_rest, dtype=k_new.dtype))
-            values.append(v_rest.to(v_new.dtype))
-            mask[..., -1] = logit.view(b, hkv, group, m)
-        mask = mask.view(b, hkv * group, m, L)
-        K = concat(keys, lambda shape: scratch.take("keys", shape, k_new.dtype, dev))
-        V = concat(values, lambda shape: scratch.take("values", shape, v_new.dtype, dev))
-        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+        outs = []
+        for i0 in range(0, m, rows):
+            i1 = min(m, i0 + rows)
+            part = mask[..., : i1 - i0, :]
+            part[..., at : at + m] = new_bias[:, :, None, i0:i1]  # [b, 1, 1, rows, m]
+            if rest is not None:
+                part[..., -1] = logit.view(b, hkv, group, m)[..., i0:i1]
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, i0:i1],
+                    K,
+                    V,
+                    attn_mask=part.reshape(b, hkv * group, i1 - i0, L),
+                    scale=scaling,
+                    enable_gqa=group > 1,
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def part_len(p: Part) -> int:
