@@ -97,6 +97,15 @@ def test_the_streamed_runs_shrink_under_the_score_budget_with_the_same_logits(mo
     got = flashmem.prefill(model, narrow, ids, chunk=32)
     assert (got - ref).abs().max() <= 1e-4
     assert 0 < narrow.memory_report()["prompt_stream_bytes"] < wide.memory_report()["prompt_stream_bytes"]
+    # padded rows (a part where a row sees nothing) and decoding after: the same
+    ids2 = torch.randint(0, 128, (2, 300), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids2)
+    mask[1, :37] = 0
+    cfg2 = flashmem.FlashMemoryConfig(**dict(SPARSE, prefill_chunk=64), prefill_exact_tokens=4096)
+    got2 = run(model, flashmem.attach(model, cfg2), ids2, 4, mask)
+    monkeypatch.undo()
+    ref2 = run(model, flashmem.attach(model, cfg2), ids2, 4, mask)
+    assert (got2 - ref2).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("rest", [False, True])

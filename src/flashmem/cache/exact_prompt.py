@@ -192,6 +192,10 @@ def attend_streamed(
     acc.add(layer.win_k, layer.win_v, valid[:, None, o1:])
     causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
     eye = torch.eye(m, dtype=torch.bool, device=q.device)  # each sees itself, so no row is empty
-    acc.add(k_new, v_new, (causal[None] & valid_new[:, None, :]) | eye[None])
+    cols = max(1, STREAM_SCORE_BYTES // per_token)  # the chunk's own keys, in parts as the runs
+    for c0 in range(0, m, cols):
+        c1 = min(m, c0 + cols)
+        seen = (causal[None, :, c0:c1] & valid_new[:, None, c0:c1]) | eye[None, :, c0:c1]
+        acc.add(k_new[:, :, c0:c1], v_new[:, :, c0:c1], seen)
     layer.exact.peak_transient_bytes = max(layer.exact.peak_transient_bytes, acc.peak_bytes)
     return acc.result(q.dtype)
