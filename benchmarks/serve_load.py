@@ -16,6 +16,25 @@ Reports throughput, p50/p99 TTFT and inter-token latency, prefix hit rate,
 errors (must be 0) and the server's peak RSS, as JSON (--out).
 
     python benchmarks/serve_load.py --out results/serve_load_smollm2.json
+
+`--mode batch`: continuous batching, batched against unbatched in the same run.
+Two servers in turn (no prefix reuse): `--max-batch 1 --restore-on-worker` (the
+engine before batching: one forward per sequence per round) and the default (every
+decode step of a round in one forward); each serves 1, 4 and 8 concurrent clients
+(short chat prompts of different lengths, greedy, `--max-tokens` each,
+`--batch-requests` per client); aggregate generated tokens/s, TTFT and inter-token
+p50/p99 per point, and the answers of the two servers compared.
+
+    python benchmarks/serve_load.py --mode batch --out results/serve_load_batch_smollm2.json
+
+`--mode restore`: the stall a prefix restore costs the other streams. A document
+of `--doc-tokens` is stored once; then, for a server restoring on the worker thread
+(`--restore-on-worker`, as before) and one restoring on its helper thread (the
+default), a long answer streams while the document is asked again (restored):
+the streaming answer's largest inter-token gap while the restore is under way,
+beside its median gap.
+
+    python benchmarks/serve_load.py --mode restore --out results/serve_load_restore_smollm2.json
 """
 
 from __future__ import annotations
@@ -123,13 +142,35 @@ def document(n_tokens: int) -> str:
 
 
 def start_server(
-    port: int, prefix_dir: str, keys_file: str, max_concurrent: int, threads: int
+    port: int, prefix_dir: str | None, keys_file: str, max_concurrent: int, threads: int, extra: tuple[str, ...] = ()
 ) -> subprocess.Popen[bytes]:
+    """`flashmem serve` on loopback; prefix_dir None: no prefix reuse; extra: more flags."""
     cmd = [sys.executable, "-m", "flashmem.cli.main", "serve", "--model", "smollm2"]
-    cmd += ["--config", str(ROOT / "configs" / "cpu-small.yaml"), "--port", str(port), "--prefix-dir", prefix_dir]
+    cmd += ["--config", str(ROOT / "configs" / "cpu-small.yaml"), "--port", str(port)]
+    cmd += ["--prefix-dir", prefix_dir] if prefix_dir is not None else ["--no-prefix-cache"]
     cmd += ["--api-keys", keys_file, "--max-concurrent", str(max_concurrent), "--max-queue", "64"]
-    cmd += ["--threads", str(threads)]
+    cmd += ["--threads", str(threads), *extra]
     return subprocess.Popen(cmd, cwd=ROOT)
+
+
+async def wait_up(client: httpx.AsyncClient, server: subprocess.Popen[bytes], deadline: float) -> None:
+    while True:
+        try:
+            if (await client.get("/health")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None or time.time() > deadline:
+            raise SystemExit("the server did not start")
+        await asyncio.sleep(0.5)
+
+
+def stop_server(server: subprocess.Popen[bytes]) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def watch_rss(pid: int, stop: threading.Event, peak: list[int]) -> None:
@@ -156,15 +197,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     deadline = time.time() + args.deadline
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=args.timeout) as client:
-            while True:
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if server.poll() is not None or time.time() > deadline:
-                    raise SystemExit("the server did not start")
-                await asyncio.sleep(0.5)
+            await wait_up(client, server, deadline)
             print("server up; warm-up and cold request...", file=sys.stderr, flush=True)
             await chat(client, "key-main", "Hello.", 2, args.timeout)  # first-forward costs, not counted
             cold_first = await chat(client, "key-main", prompt(QUESTIONS[0]), args.max_tokens, args.timeout)
@@ -211,11 +244,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             metrics = (await client.get("/metrics")).text
     finally:
         stop.set()
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
         shutil.rmtree(tmp, ignore_errors=True)  # the stored prefixes (hundreds of MB)
     hits = _metric(metrics, "flashmem_prefix_hits_total")
     misses = _metric(metrics, "flashmem_prefix_misses_total")
@@ -267,6 +296,210 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------- --mode batch
+# Short chat prompts of different lengths: decoding dominates, as in a chat server.
+BATCH_PROMPTS = (
+    UNRELATED
+    + [q.replace(" above", "") for q in QUESTIONS]
+    + [
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Explain in simple words how a rainbow forms after the rain.",
+    ]
+)
+SERVERS = {  # name -> extra serve flags
+    "unbatched": ("--max-batch", "1", "--restore-on-worker"),  # the engine before batching
+    "batched": (),
+}
+
+
+def summarize(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    done = [r for r in results if r["error"] is None]
+    gaps = [g for r in done for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
+    tokens = sum(r["tokens"] for r in done)
+    return {
+        "requests": len(results),
+        "completed": len(done),
+        "wall_s": wall,
+        "generated_tokens": tokens,
+        "tokens_per_s": tokens / wall if wall else None,
+        "ttft_s": {"p50": pct(ttfts, 50), "p99": pct(ttfts, 99)},
+        "inter_token_s": {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": max(gaps, default=None)},
+    }
+
+
+async def batch_point(client: httpx.AsyncClient, clients: int, args: argparse.Namespace) -> dict[str, Any]:
+    """`clients` concurrent clients, `--batch-requests` requests each (prompts in turn)."""
+    work = [BATCH_PROMPTS[i % len(BATCH_PROMPTS)] for i in range(clients * args.batch_requests)]
+    queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+    for i, w in enumerate(work):
+        queue.put_nowait((i, w))
+    results: list[dict[str, Any]] = []
+
+    async def client_loop() -> None:
+        while not queue.empty():
+            i, content = queue.get_nowait()
+            r = await chat(client, "key-main", content, args.max_tokens, args.timeout)
+            results.append({**r, "i": i})
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(clients)))
+    point = summarize(results, time.perf_counter() - t0)
+    point["answers"] = {r["i"]: r["text"] for r in results}
+    point["errors"] = [r["error"] for r in results if r["error"]]
+    return point
+
+
+async def batch_async(args: argparse.Namespace) -> dict[str, Any]:
+    tmp = tempfile.mkdtemp(prefix="flashmem-serve-batch-")
+    keys = Path(tmp) / "keys.txt"
+    keys.write_text("key-main main\n")
+    levels = [int(c) for c in args.batch_clients.split(",")]
+    runs: dict[str, Any] = {}
+    try:
+        for name, extra in SERVERS.items():
+            server = start_server(args.port, None, str(keys), max(levels), args.threads, extra)
+            try:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=args.timeout) as c:
+                    await wait_up(c, server, time.time() + args.deadline)
+                    await chat(c, "key-main", "Hello.", 2, args.timeout)  # first-forward costs, not counted
+                    runs[name] = {}
+                    for k in levels:
+                        print(f"{name}: {k} clients...", file=sys.stderr, flush=True)
+                        runs[name][str(k)] = await batch_point(c, k, args)
+            finally:
+                stop_server(server)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    errors = [e for run in runs.values() for p in run.values() for e in p["errors"]]
+    same = all(runs["batched"][str(k)]["answers"] == runs["unbatched"][str(k)]["answers"] for k in levels)
+    speedup = {
+        str(k): runs["batched"][str(k)]["tokens_per_s"] / runs["unbatched"][str(k)]["tokens_per_s"]
+        for k in levels
+        if runs["unbatched"][str(k)]["tokens_per_s"]
+    }
+    top = str(max(levels))
+    for run in runs.values():
+        for p in run.values():
+            p.pop("answers")
+    return {
+        "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
+        "model": "smollm2 (SmolLM2-135M, fp32, CPU)",
+        "config": "configs/cpu-small.yaml",
+        "servers": {name: " ".join(["flashmem serve --no-prefix-cache", *extra]) for name, extra in SERVERS.items()},
+        "server_torch_threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "requests_per_client": args.batch_requests,
+        "runs": runs,
+        "batched_over_unbatched_tokens_per_s": speedup,
+        "p99_inter_token_batched_over_unbatched": {
+            str(k): runs["batched"][str(k)]["inter_token_s"]["p99"] / runs["unbatched"][str(k)]["inter_token_s"]["p99"]
+            for k in levels
+            if runs["unbatched"][str(k)]["inter_token_s"]["p99"] and runs["batched"][str(k)]["inter_token_s"]["p99"]
+        },
+        "target_met": bool(
+            speedup.get(top, 0) >= 4
+            and (runs["batched"][top]["inter_token_s"]["p99"] or 0)
+            <= (runs["unbatched"][top]["inter_token_s"]["p99"] or 0)
+        ),
+        "answers_identical": same,
+        "errors": errors,
+        "error_count": len(errors),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+# ---------------------------------------------------------------- --mode restore
+STREAM_PROMPT = "Count from one to two hundred in words, separated by commas."
+
+
+async def restore_async(args: argparse.Namespace) -> dict[str, Any]:
+    """Store a document, then per server: stream a long answer, ask the document again
+    while it streams, and take the stream's gaps while the restore is under way."""
+    doc = document(args.doc_tokens)
+    prompt = f"{doc}\n\nQuestion: {QUESTIONS[1]}"
+    tmp = tempfile.mkdtemp(prefix="flashmem-serve-restore-")
+    keys = Path(tmp) / "keys.txt"
+    keys.write_text("key-main main\n")
+    prefix = str(Path(tmp) / "prefix")  # shared by both servers: stored once
+    out: dict[str, Any] = {}
+    errors: list[str] = []
+    try:
+        for i, (name, extra) in enumerate((("on_worker", ("--restore-on-worker",)), ("off_thread", ()))):
+            server = start_server(args.port, prefix, str(keys), 2, args.threads, extra)
+            try:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=args.timeout) as c:
+                    await wait_up(c, server, time.time() + args.deadline)
+                    await chat(c, "key-main", "Hello.", 2, args.timeout)
+                    if i == 0:
+                        print("storing the document (cold prefill)...", file=sys.stderr, flush=True)
+                        cold = await chat(c, "key-main", prompt, 1, args.timeout)
+                        out["cold_ttft_s"] = cold["ttft"]
+                        errors += [cold["error"]] if cold["error"] else []
+                    print(f"{name}: a stream and a restore...", file=sys.stderr, flush=True)
+                    out[name] = await restore_point(c, prompt, args)
+                    errors += out[name].pop("errors")
+            finally:
+                stop_server(server)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
+        "model": "smollm2 (SmolLM2-135M, fp32, CPU)",
+        "config": "configs/cpu-small.yaml",
+        "doc_tokens_requested": args.doc_tokens,
+        "server_torch_threads": args.threads,
+        **out,
+        "errors": errors,
+        "error_count": len(errors),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+async def restore_point(c: httpx.AsyncClient, prompt: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The stream's token times, with the reused request sent after its 4th token."""
+    times: list[float] = []
+    started = asyncio.Event()
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": STREAM_PROMPT}],
+        "max_tokens": args.stream_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+
+    async def stream() -> None:
+        async with c.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"Authorization": "Bearer key-main"}
+        ) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    if json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                        times.append(time.perf_counter())
+                        if len(times) == 4:
+                            started.set()
+
+    task = asyncio.create_task(stream())
+    await asyncio.wait_for(started.wait(), args.timeout)
+    t_send = time.perf_counter()
+    reused = await chat(c, "key-main", prompt, 1, args.timeout)
+    t_first = t_send + (reused["ttft"] or 0.0)
+    await task
+    gaps = [(b - a, a, b) for a, b in zip(times, times[1:])]
+    # gaps that overlap the reused request's admission, restore and tail prefill
+    during = [g for g, a, b in gaps if b > t_send and a < t_first]
+    before = [g for g, a, b in gaps if b <= t_send]
+    return {
+        "reused_ttft_s": reused["ttft"],
+        "reused_cached_tokens": reused["cached"],
+        "stream_tokens": len(times),
+        "stream_gap_p50_before_s": pct(before, 50),
+        "stream_max_gap_during_restore_s": max(during, default=None),
+        "stream_gaps_during_restore_s": during,
+        "errors": [reused["error"]] if reused["error"] else [],
+    }
+
+
 def _metric(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " "):
@@ -276,6 +509,7 @@ def _metric(text: str, name: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=["reuse", "batch", "restore"], default="reuse")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--requests", type=int, default=15, help="requests of the load phase (at most 15)")
     ap.add_argument("--doc-tokens", type=int, default=7700)
@@ -287,9 +521,13 @@ def main() -> None:
     # One torch thread: on this shared 2-core machine two threads ran a 256-token
     # SmolLM2 chunk in ~35 s against ~4 s for one (oversubscribed OpenMP spinning).
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    ap.add_argument("--batch-clients", default="1,4,8", help="--mode batch: concurrent clients, comma-separated")
+    ap.add_argument("--batch-requests", type=int, default=2, help="--mode batch: requests per client")
+    ap.add_argument("--stream-tokens", type=int, default=96, help="--mode restore: tokens of the streaming answer")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    result = asyncio.run(main_async(args))
+    run = {"reuse": main_async, "batch": batch_async, "restore": restore_async}[args.mode]
+    result = asyncio.run(run(args))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -98,7 +98,7 @@ def test_a_row_that_fails_mid_batch_fails_only_its_request() -> None:
     def broken(*a, **k):
         raise RuntimeError("disk gone")
 
-    layer.step = broken  # its next decode step raises in layer 1's attention
+    layer.append = broken  # its next decode step raises in layer 1, after attention
     while not all(s.done.is_set() for s in seqs):
         engine.step()
     assert seqs[1].finish_reason == "error"

@@ -20,6 +20,14 @@ longest, the padded positions compute garbage that no real token reads (attentio
 is the only place tokens meet, and there each row sees only its own real tokens),
 and each row's logits are taken at its last real token.
 
+Decode steps of rows whose managed layer holds no sealed block yet (a short chat:
+sinks, open block and window only; nothing to select) attend in one SDPA over the
+rows' padded keys (`_attend_short`): with one query each, a row's attention is then
+just its sinks | open block | window | new token, and a per-row step would cost
+more in Python than the attention itself (at SmolLM2's size, 8 rows x 30 layers of
+it took about as long as the batched linear layers). Other rows take the layer's
+own step (`FlashLayer.step` through `flashmem_attention`).
+
 A row whose step raises (a damaged cold block, a closed cache) is marked failed
 and skipped for the rest of the forward; the others finish the step
 (`BatchedCache.failures`). Rows join and leave between forwards: the batch is a
@@ -32,10 +40,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from flashmem.cache.flash_cache import FlashMemoryCache
+from flashmem.cache.flash_layer import FlashLayer
+from flashmem.cache.tiered_attention import group_queries
 from flashmem.errors import FlashMemError
 
 
@@ -145,8 +156,12 @@ def rows_attention(
     b, hq, q, d = query.shape
     out = query.new_zeros(b, q, hq, d)
     kwargs.pop("position_ids", None)  # the batch's, not a row's; attention does not read them
+    short: list[RowKV] = []
     for ans in answers:
         if ans is None or ans.row in batch.failures:
+            continue
+        if _short_decode(ans):
+            short.append(ans)
             continue
         r, n = ans.row, ans.n
         q_r = query[r : r + 1, :, :n]
@@ -162,7 +177,65 @@ def rows_attention(
             batch.fail(r, exc)
             continue
         out[r, :n] = o[0]
+    if short:
+        _attend_short(batch, query, short, d**-0.5 if scaling is None else scaling, out)
     return out, None
+
+
+def _short_decode(ans: RowKV) -> bool:
+    """Whether row `ans` is a one-token step of a FlashLayer with no sealed block (what
+    `_attend_short` computes as the layer's step would), not a prompt attended exactly."""
+    layer = getattr(ans.k, "_flashmem_layer", None)
+    return (
+        isinstance(layer, FlashLayer)
+        and ans.n == 1
+        and layer.num_sealed == 0
+        and layer.selection_hook is None
+        and not layer.exact_prompt(1)  # as _layer_step asks: it ends an exact prompt's buffer
+    )
+
+
+def _attend_short(
+    batch: BatchedCache, query: torch.Tensor, rows: list[RowKV], scaling: float, out: torch.Tensor
+) -> None:
+    """One decode step of every row in `rows` (see `_short_decode`) in one SDPA: row r's
+    query over its sinks | open block | window | new token (its own padding hidden, the
+    batch's padding to the longest row hidden), then each layer's bookkeeping and append,
+    as `FlashLayer.step` does them. out[r, 0] gets row r's output [Hq, d]."""
+    layers = [ans.k._flashmem_layer for ans in rows]  # type: ignore[attr-defined]
+    pending = [layer.take_pending() for layer in layers]
+    b, (hq, d), dev = len(rows), query.shape[1::2], query.device
+    hkv = pending[0][0].shape[1]
+    lengths = [layer.valid.shape[-1] + 1 for layer in layers]
+    L = max(lengths)
+    K = query.new_zeros(b, hkv, L, d)
+    V = query.new_zeros(b, hkv, L, d)
+    mask = torch.zeros(b, 1, 1, L, dtype=torch.bool, device=dev)
+    for i, (layer, (k_new, v_new)) in enumerate(zip(layers, pending)):
+        n = lengths[i]
+        torch.cat([layer.sink_k, layer.open_k, layer.win_k, k_new], dim=-2, out=K[i : i + 1, :, :n])
+        torch.cat([layer.sink_v, layer.open_v, layer.win_v, v_new], dim=-2, out=V[i : i + 1, :, :n])
+        mask[i, 0, 0, : n - 1] = layer.valid[0]
+        mask[i, 0, 0, n - 1] = True  # the new token sees itself
+    q = torch.stack([query[ans.row, :, :1] for ans in rows])
+    o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=hq > hkv)
+    valid = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    for i, (ans, layer, (k_new, v_new)) in enumerate(zip(rows, layers, pending)):
+        try:  # FlashLayer.step's bookkeeping after its attention
+            layer.scaling = scaling
+            group = hq // hkv
+            tiers = layer.resident_bytes()  # what FlashLayer._attended_bytes counts: every tier it reads
+            read = sum(nb for name, nb in tiers.items() if name not in ("query_buffer", "prefill_kv"))
+            layer.reader.traffic.add("device_read_bytes", read + 2 * k_new.nbytes)
+            layer.working_set.end_step()
+            layer.append(k_new, v_new, valid, group_queries(query[ans.row : ans.row + 1, :, :1], group), group)
+            layer.peak_resident_bytes = max(layer.peak_resident_bytes, sum(layer.resident_bytes().values()))
+        except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
+            if layer.guard is not None:
+                layer.guard.fail(exc)
+            batch.fail(ans.row, exc)
+            continue
+        out[ans.row, 0] = o[i, :, 0]
 
 
 def _plain_mask(layer: Any, n: int, kv: int, device: torch.device) -> torch.Tensor | None:

@@ -52,6 +52,9 @@ from flashmem.serve.prefix import PrefixBackend, chain
 log = logging.getLogger("flashmem.serve")
 
 
+GAUGE_S = 0.5  # seconds between updates of the memory and prefix-store gauges
+
+
 class QueueFullError(FlashMemError):
     """Every slot and every queue place is taken."""
 
@@ -185,6 +188,7 @@ class Engine:
         self.decode_forwards = 0
         self.decode_rows = 0
         self.max_admit_s = 0.0
+        self._gauges_at = 0.0  # when the memory and store gauges were last updated
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -510,6 +514,13 @@ class Engine:
 
     def _gauges(self) -> None:
         m = self.metrics
+        m.active.set(len(self._active))
+        # Walking every live cache's layers (and asking a shared store its size) costs about
+        # a millisecond per sequence: at most every GAUGE_S, not every round of a batched decode.
+        now = time.monotonic()
+        if self._active and now - self._gauges_at < GAUGE_S:
+            return
+        self._gauges_at = now
         device = cold = 0
         for seq in self._active:
             if seq.cache is not None:
@@ -518,7 +529,6 @@ class Engine:
                 cold += rep["cold_bytes"]
         m.device_bytes.set(device)
         m.cold_bytes.set(cold)
-        m.active.set(len(self._active))
         if self.prefix_store is not None:
             m.prefix_bytes.set(self.prefix_store.nbytes())
             m.prefix_records.set(len(self.prefix_store))
