@@ -241,3 +241,31 @@ def test_low_rank_cold_tier_records_its_blocks_in_its_own_form(tmp_path) -> None
     state.import_records(restored, records)
     got = forward(restored, prompt[148:150])
     assert (want - got).abs().max().item() <= 1e-4
+
+
+def test_end_records_proposed_for_the_engine_reuse_all_but_two_tokens(tmp_path) -> None:
+    """benchmarks/prefix_bytes.py's engine with end records (the change proposed for
+    serve/engine.py): the same prompt again restores all but its last END_TAIL tokens and
+    runs the same forwards from there, so with exact records its logits are the cold
+    request's bit for bit, and within float tolerance of an engine without the split."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_bytes.py"
+    spec = importlib.util.spec_from_file_location("prefix_bytes_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    m, cfg = tiny_model(), EXACT_PROMPT
+    prompt = _prompt(150)
+    fresh = _run(_engine(m, cfg), prompt)
+    store = PrefixStore(tmp_path, codec="exact")
+    engine = bench.end_record_engine()(m, tiny_tokenizer(), cfg, model_name="tiny", prefix_store=store)
+    cold, again = _run(engine, prompt), _run(engine, prompt)
+    assert cold.reused_tokens == 0 and again.reused_tokens == 148
+    assert again.generated == cold.generated == fresh.generated
+    assert all(torch.equal(a, b) for a, b in zip(cold.logits, again.logits))
+    assert max((a - b).abs().max().item() for a, b in zip(fresh.logits, again.logits)) <= 1e-4
+    other = list(prompt)
+    other[140] = other[140] % 120 + 4  # after the last full block: the end record is not this prompt's
+    assert _run(engine, other).reused_tokens == 128
