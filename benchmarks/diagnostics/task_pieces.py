@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wording", type=int, default=0)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--variant", default="default")
+    ap.add_argument("--skip-full", action="store_true", help="skip the full cache's answer (known from a run)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     ld = H.load(a.model)
@@ -69,11 +70,12 @@ def main(argv: list[str] | None = None) -> None:
     out: dict[str, Any] = {"family": a.family, "hay": a.hay, "length": a.length, "seed": a.seed, "budget": a.budget}
     print(f"items {p.items}; context {ctx.shape[1]} tokens; window {cfg.gpu_cache_limit}, top_k {cfg.lsa_top_k}")
 
-    shared: dict[str, Any] = {}
-    cache, _, _ = local_cache(ld, parse_method("full"), 1.0, ctx, shared)
-    full_text = tok.decode(H.greedy(model, cache, q, p.max_new, stop), skip_special_tokens=True)
-    out["full"] = score_output(full_text, p)[0]
-    print(f"full     {out['full']:.2f} {full_text!r}")
+    if not a.skip_full:
+        shared: dict[str, Any] = {}
+        cache, _, _ = local_cache(ld, parse_method("full"), 1.0, ctx, shared)
+        full_text = tok.decode(H.greedy(model, cache, q, p.max_new, stop), skip_special_tokens=True)
+        out["full"] = score_output(full_text, p)[0]
+        print(f"full     {out['full']:.2f} {full_text!r}")
 
     def answer(config: FlashMemoryConfig, hook: Any = None, record: list | None = None) -> tuple[float, str]:
         cache, _, _ = H.prefill_flashmem(model, ctx, config)
