@@ -75,6 +75,7 @@ def measure(
     codec: str,
     cold_store: str = "memory",
     prefill_chunk: int | None = None,
+    cold_pending_mb: int = 256,
 ) -> dict[str, Any]:
     model, tok = _model(name, tokens)
     vocab = model.config.vocab_size
@@ -83,7 +84,7 @@ def measure(
     tmp = None
     if cold_store == "disk":
         tmp = tempfile.TemporaryDirectory(prefix="budget_peak_")
-        keys.update(cold_store="disk", cold_dir=tmp.name, prefetch_threads=0)
+        keys.update(cold_store="disk", cold_dir=tmp.name, prefetch_threads=0, cold_pending_mb=cold_pending_mb)
     if prefill_chunk:
         keys["prefill_chunk"] = prefill_chunk
     cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, **keys)
@@ -131,6 +132,7 @@ def measure(
         if full
         else None,
         "cold_store": cold_store,
+        "cold_pending_mb": cold_pending_mb if cold_store == "disk" else None,
         "prefill_chunk": cache.cfg.prefill_chunk,
         "prefill_s": round(prefill_s, 1),
     }
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--codecs", default="exact,int8", help="exact: the prompt streamed; int8: held (comparison)")
     p.add_argument("--cold-store", default="memory", choices=["memory", "disk"], help="the cold tier")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per forward (default: the recipe's)")
+    p.add_argument("--cold-pending-mb", type=int, default=256, help="disk tier: MiB of blocks held before written")
     p.add_argument(
         "--rank-on-host", action="store_true", help="score re-rank candidates where the cold tier holds them"
     )
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for n in (int(x) for x in a.lengths.split(",")):
         for codec in a.codecs.split(","):
-            row = measure(a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk)
+            row = measure(a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb)
             rows.append(row)
             print(json.dumps(row))
     if a.out:

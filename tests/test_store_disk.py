@@ -237,3 +237,18 @@ def test_close_from_the_writer_thread_is_deferred(tmp_path):
     s.put((0, 0), *block(0, 0))
     core.thread.join(timeout=10)
     assert not core.thread.is_alive() and core.closed and not os.path.exists(core.folder)
+
+
+def test_cold_pending_mb_bounds_the_disk_tiers_write_behind(tmp_path):
+    """`cold_pending_mb` reaches the disk and LMDB tiers as their write-behind bound."""
+    import flashmem
+    from flashmem.store import open_disk
+
+    cfg = flashmem.FlashMemoryConfig(cold_store="disk", cold_dir=str(tmp_path), cold_pending_mb=3)
+    store = open_disk(cfg, dtype=torch.float32, name="t")
+    try:
+        assert store._core.max_pending_bytes == 3 << 20
+    finally:
+        store.close()
+    with pytest.raises(flashmem.FlashMemError, match="cold_pending_mb"):
+        flashmem.FlashMemoryConfig(cold_pending_mb=0)

@@ -179,6 +179,12 @@ class FlashMemoryConfig(BaseModel):
     prefetch_window: int = Field(16384, ge=0, description="tokens around selected blocks that may be prefetched")
     prefetch_threads: int = Field(2, ge=0, le=64, description="background loader threads (0: off)")
     persist: bool = Field(False, description="keep the disk cold tier after the cache closes")
+    # A disk or LMDB cold tier writes behind: sealed blocks wait in RAM until written. On a CPU,
+    # where the disk tier is what takes the cold K/V out of RAM, this is what bounds the process's
+    # RAM beyond the budget (a long prompt seals faster than the disk writes).
+    cold_pending_mb: int = Field(
+        256, ge=1, le=1 << 20, description="MiB of sealed blocks a disk/LMDB cold tier holds before puts wait"
+    )
     # --- layers and projections -------------------------------------------------
     keep_full_layers: list[int] = Field(
         default_factory=list, description="layers with a plain full cache; negatives from the end"

@@ -39,7 +39,14 @@ def open_memory(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None 
 
 def open_disk(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> DiskStore:
     assert cfg.cold_dir is not None  # the config validator requires it
-    return DiskStore(cfg.cold_dir, codec=cfg.cold_codec, dtype=dtype, name=name, persist=cfg.persist)
+    return DiskStore(
+        cfg.cold_dir,
+        codec=cfg.cold_codec,
+        dtype=dtype,
+        name=name,
+        persist=cfg.persist,
+        max_pending_bytes=cfg.cold_pending_mb << 20,
+    )
 
 
 def open_layered(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> LayeredStore:
@@ -50,7 +57,14 @@ def open_lmdb(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = 
     from flashmem.store.lmdb_store import LmdbStore  # imported only when chosen
 
     assert cfg.cold_dir is not None  # the config validator requires it
-    return LmdbStore(cfg.cold_dir, codec=cfg.cold_codec, dtype=dtype, name=name, persist=cfg.persist)
+    return LmdbStore(
+        cfg.cold_dir,
+        codec=cfg.cold_codec,
+        dtype=dtype,
+        name=name,
+        persist=cfg.persist,
+        max_pending_bytes=cfg.cold_pending_mb << 20,
+    )
 
 
 def open_prefetcher(cfg: FlashMemoryConfig, store: ColdStore) -> Prefetcher:
