@@ -131,3 +131,20 @@ def test_candidates_ranked_on_the_host_choose_the_same_and_copy_only_new_pages(
     assert report["per_decode_step_median"]["host_read_bytes"] > 0  # the candidates, read where they lie
     assert report["h2d_over_new_pages_median"] <= 1.5
     assert 0 < report["page_cache"]["hit_rate"] < 1
+
+
+@pytest.mark.parametrize("store, threads", [("memory", 0), ("disk", 0), ("memory", 2), ("disk", 2)])
+def test_every_page_selected_and_ranked_on_the_host_is_the_full_cache(monkeypatch, tmp_path, store, threads):
+    """Exactness of the host-side path: with every page selected (nothing left to rank; the
+    pages cut on the host and copied to the device, from a memory or disk cold tier, with or
+    without the prefetcher) decoding gives DynamicCache's logits."""
+    from test_cache import reference, run
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 260), generator=torch.Generator().manual_seed(11))
+    ref = reference(model, ids, 12)
+    monkeypatch.setattr(BlockReader, "rank_on_host", True)
+    where = {"cold_store": "disk", "cold_dir": str(tmp_path / "cold")} if store == "disk" else {}
+    keys = {**RERANKED, "lsa_top_k": 10_000, "prefetch_threads": threads}
+    out = run(model, flashmem.attach(model, flashmem.FlashMemoryConfig(**keys, **where)), ids, 12)
+    assert (out - ref).abs().max() <= 1e-4
