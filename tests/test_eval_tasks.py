@@ -90,6 +90,7 @@ def test_scoring_on_hand_made_outputs():
     assert score_output(" 999999, 888888, 777777, 111111, 222222, 333333", nums)[0] == 0.0
     # a repeated number counts once; the answer stops at a blank line
     assert score_output(" 111111, 111111, 222222\n\n333333", nums)[1] == [True, True, False]
+    assert score_output("\n\n111111, 333333\n\nQuestion", nums)[1] == [True, False, True]
     names = _probe("names", ["ABCDE", "FGHJK"])
     assert score_output(" ABCDE, FGHJK", names) == (1.0, [True, True])
     assert score_output(" VAR ABCDE and VAR ABCDEF", names)[1] == [True, False]
@@ -160,3 +161,13 @@ def test_suite_rows_and_share_of_the_full_cache(tmp_path):
     assert "Task families" in md and "Prompts the full cache answers (1)" in md
     with pytest.raises(FlashMemError, match="--plot: the tasks suite has no figure"):
         report.plot(fake, "tasks", tmp_path / "t.png")
+
+
+def test_rescore_rebuilds_the_prompt_and_scores_the_saved_output(tok):
+    from flashmem_eval.task_suite import rescore
+
+    p = make_task(tok, "multiquery", 1024, 2, hay="stdlib-doc", wording=2)
+    row = {"suite": "tasks", "family": "multiquery", "length": 1024, "seed": 2, "haystack": "stdlib-doc"}
+    row.update(wording=2, output=f"\n\n{p.items[1]}, 42", hits=[False, False, False], score=0.0)
+    assert rescore([row], tok) == 1 and row["hits"] == [False, True, False] and row["score"] == 1 / 3
+    assert rescore([row], tok) == 0  # already current

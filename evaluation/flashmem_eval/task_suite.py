@@ -119,3 +119,56 @@ def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.Resul
 
     _run_kvpress(args, loaded, jobs, bases, store, finish, prog)
     prog.close()
+
+
+def rescore(rows: list[dict[str, Any]], tok: Any) -> int:
+    """Score the rows' saved outputs again with the current `score_output` (the prompt rebuilt
+    from its seed: no model run); returns how many rows changed."""
+    changed = 0
+    probes: dict[tuple, TaskProbe] = {}
+    for r in rows:
+        if r.get("suite") != "tasks" or r.get("error") or "output" not in r:
+            continue
+        k = (r["family"], r["length"], r["seed"], r["haystack"], r["wording"])
+        if k not in probes:
+            probes[k] = make_task(tok, r["family"], r["length"], r["seed"], hay=r["haystack"], wording=r["wording"])
+        score, hits = score_output(r["output"], probes[k])
+        if hits != r.get("hits"):
+            changed += 1
+            r.update(score=score, hits=hits)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m flashmem_eval.task_suite rescore FILE.json [--model smollm2]`: rescore a tasks
+    run's rows (its .json and .partial.jsonl) in place, with the model's tokenizer only."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from flashmem.models.loading import resolve
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("command", choices=["rescore"])
+    ap.add_argument("file", type=Path)
+    ap.add_argument("--model", default="smollm2")
+    a = ap.parse_args(argv)
+    src = resolve(a.model)
+    tok = AutoTokenizer.from_pretrained(str(src.cache_dir() if src.kind != "folder" else src.path))
+    partial = a.file.with_name(a.file.name + ".partial.jsonl")
+    if partial.is_file():
+        rows = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+        n = rescore(rows, tok)
+        partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"{partial}: {n} rows rescored")
+    if a.file.is_file():
+        doc = json.loads(a.file.read_text())
+        n = rescore(doc["rows"], tok)
+        a.file.write_text(json.dumps(doc, indent=1))
+        print(f"{a.file}: {n} rows rescored")
+
+
+if __name__ == "__main__":
+    main()

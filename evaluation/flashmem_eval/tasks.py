@@ -278,8 +278,9 @@ def make_task(tok: Any, family: str, length: int, seed: int, hay: str = "kjv", w
 
 # ----------------------------------------------------------------------------- scoring
 def answer_part(text: str) -> str:
-    """The answer proper: the output up to its first blank line or a new question."""
-    return re.split(r"\n\s*\n|\nQuestion", text, maxsplit=1)[0]
+    """The answer proper: the output up to its first blank line or a new question (blank
+    lines before it skipped: "they are:" is often followed by a line break)."""
+    return re.split(r"\n\s*\n|\nQuestion", text.lstrip(), maxsplit=1)[0]
 
 
 def score_output(text: str, probe: TaskProbe) -> tuple[float, list[bool]]:
