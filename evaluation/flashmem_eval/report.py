@@ -450,8 +450,8 @@ def tasks_markdown(rows: list[dict[str, Any]], length: int = 0) -> str:
         cells = []
         for f in fams:
             s = by.get((f, meth, b))
-            if s is None or s["full_items"] is None:
-                cells.append("-")
+            if s is None or s["full_items"] is None or (meth != "full" and not s["full_items"]):
+                cells.append("-")  # no reference: the full cache ran none of these prompts or answered none
             elif meth == "full":
                 cells.append(f"{s['full_items']} items, score {s['score']:.2f}")
             else:
