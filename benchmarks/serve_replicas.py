@@ -202,6 +202,44 @@ def replica_metrics(text: str) -> dict[str, float]:
     return {n: metric(text, f"flashmem_{n}_total") for n in names}
 
 
+# `--model tiny`: a 2-layer random Llama on a small trained BPE (flashmem_eval.tiny), written as
+# an HF folder the replicas load, with a config of 32-token blocks and prefill chunks (fast: for
+# the mechanics, not for times). The same sizes as the serve tests' model (tests/serve_helpers.py).
+TINY_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+TINY_CONFIG = {
+    "sink_tokens": 4,
+    "gpu_cache_limit": 16,
+    "hca_chunk_size": 16,
+    "csa_band_tokens": 32,
+    "lsa_top_k": 2,
+    "prefill_chunk": 32,
+    "prefetch_threads": 0,
+}
+
+
+def write_tiny(root: Path) -> tuple[str, Path]:
+    """The tiny model as an HF folder and its config YAML under `root`."""
+    import yaml
+
+    from flashmem_eval.tiny import TINY_VOCAB, build_llama, tiny_tokenizer
+
+    folder = root / "tiny-llama"
+    model = build_llama(0, vocab_size=TINY_VOCAB, **TINY_SIZES)
+    model.generation_config.eos_token_id = None  # greedy answers of max_tokens tokens: easier to compare
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    cfg = root / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump({"flash_memory": TINY_CONFIG}))
+    return str(folder), cfg
+
+
 def documents(tok: Any, doc_tokens: int, short_tokens: int) -> tuple[str, str, str]:
     """The document, a shorter one for the outage and another for the requests the kill cuts into."""
     from flashmem.texts import haystack
@@ -445,10 +483,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python benchmarks/serve_replicas.py " + " ".join(sys.argv[1:]),
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
         "code": code_version(),
-        "model": args.model,
-        "config": str(Path(args.config).resolve().relative_to(ROOT))
-        if Path(args.config).resolve().is_relative_to(ROOT)
-        else str(args.config),
+        "model": args.model_shown,
+        "config": args.config_shown,
         "store": version,
         "replicas": "2 processes, flashmem serve --prefix-store redis://127.0.0.1:PORT/0, loopback",
         "replica_torch_threads": args.threads,
@@ -465,8 +501,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", help="built-in name or HF folder (both replicas)")
-    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "cpu-small.yaml")
+    ap.add_argument("--model", default="smollm2", help="built-in name, HF folder, or tiny (both replicas)")
+    ap.add_argument("--config", type=Path, default=None, help="default: configs/cpu-small.yaml (tiny: its own)")
     ap.add_argument("--doc-tokens", type=int, default=7700, help="tokens of the shared document")
     ap.add_argument("--short-tokens", type=int, default=1100, help="tokens of the outage phase's prompts")
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -481,10 +517,18 @@ def main() -> None:
     for flag, v in (("--doc-tokens", args.doc_tokens), ("--short-tokens", args.short_tokens)):
         if v < 1:
             ap.error(f"{flag} {v}: allowed: a positive number of tokens")
-    if not args.config.is_file():
+    if args.config is not None and not args.config.is_file():
         ap.error(f"--config {args.config}: no such file; allowed: a FlashMemory YAML such as configs/cpu-small.yaml")
     args.store_binary = store_binary(args.store_binary, ap)
-    result = asyncio.run(main_async(args))
+    args.model_shown, args.config_shown = args.model, str(args.config or "configs/cpu-small.yaml")
+    with tempfile.TemporaryDirectory(prefix="flashmem-tiny-") as tiny_root:
+        if args.model == "tiny":
+            args.model, tiny_cfg = write_tiny(Path(tiny_root))
+            args.model_shown = "tiny (2-layer random Llama, benchmarks/serve_replicas.py TINY_SIZES)"
+            if args.config is None:
+                args.config, args.config_shown = tiny_cfg, f"TINY_CONFIG {TINY_CONFIG}"
+        args.config = args.config or ROOT / "configs" / "cpu-small.yaml"
+        result = asyncio.run(main_async(args))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -1,5 +1,5 @@
 """Smoke test of benchmarks/serve_replicas.py: a real `valkey-server`/`redis-server` and two
-`flashmem serve` processes on the tiny random Llama (an HF folder written here), a short
+`flashmem serve` processes on the tiny random Llama (`--model tiny`: an HF folder it writes), a short
 document. The report must show B reusing A's blocks with A's answer, and both replicas
 answering every request after the store is killed, the outage counted in /metrics.
 Skips, saying why, when neither server binary is installed (`.ci/run` installs one)."""
@@ -18,33 +18,15 @@ import pytest
 pytest.importorskip("redis")
 pytest.importorskip("prometheus_client")
 
-from flashmem_eval.tiny import tiny_tokenizer  # noqa: E402
-from serve_helpers import tiny_cfg, tiny_model  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = shutil.which("valkey-server") or shutil.which("redis-server")
-
-
-def _tiny_folder(root: Path) -> tuple[Path, Path]:
-    """The tiny model as an HF folder (what `flashmem serve --model` loads) and its config YAML."""
-    import yaml
-
-    folder = root / "tiny-llama"
-    model = tiny_model()
-    model.generation_config.eos_token_id = None  # greedy answers of a fixed length, easier to compare
-    model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    cfg = root / "tiny.yaml"
-    cfg.write_text(yaml.safe_dump({"flash_memory": tiny_cfg().model_dump(exclude_defaults=True)}))
-    return folder, cfg
 
 
 def test_serve_replicas_on_the_tiny_model(tmp_path: Path) -> None:
     if SERVER is None:
         pytest.skip("neither valkey-server nor redis-server is installed (apt-get install valkey-server)")
-    folder, cfg = _tiny_folder(tmp_path)
     out = tmp_path / "replicas.json"
-    args = ["--model", str(folder), "--config", str(cfg), "--doc-tokens", "300", "--short-tokens", "80"]
+    args = ["--model", "tiny", "--doc-tokens", "300", "--short-tokens", "80"]
     args += ["--max-tokens", "4", "--kill-after", "0", "--deadline", "120", "--timeout", "120", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -58,7 +40,8 @@ def test_serve_replicas_on_the_tiny_model(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["error_count"] == 0 and r["errors"] == []
-    assert r["command"].startswith("python benchmarks/serve_replicas.py --model") and r["date_utc"]
+    assert r["command"].startswith("python benchmarks/serve_replicas.py --model tiny") and r["date_utc"]
+    assert r["model"].startswith("tiny") and "prefill_chunk" in r["config"]
     cross = r["cross"]
     runs = cross["runs"]
     # B restored the blocks A stored (every full 32-token block before the last token), with A's answer
