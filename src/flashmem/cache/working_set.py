@@ -79,29 +79,36 @@ class WorkingSet:
         self.idx = self.valid = None
 
     # ------------------------------------------------------------------ writes
-    def _store(self, slot: int, t: torch.Tensor) -> None:
+    def _store(self, slot: int, t: Part) -> None:
         self.plain[slot] = None
+        if isinstance(t, tuple):  # int8 codes and scales made where the pages were cut (the host)
+            self.code[slot] = t
+            return
         if self.codec == "int8":  # this step reads the decoded copy made in passing
             codes, scale, self.plain[slot] = page_code.encode_and_decode(t, self.dtype)
             self.code[slot] = (codes, scale)
         else:
             self.code[slot] = (t,)
 
-    def set(self, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_tokens_valid: torch.Tensor) -> None:
-        """idx [b, h, k] pages with their K/V [b, h, k, P, d] become the working set."""
+    def set(self, idx: torch.Tensor, k: Part, v: Part, page_tokens_valid: torch.Tensor) -> None:
+        """idx [b, h, k] pages with their K/V [b, h, k, P, d] (int8: or given coded, (codes,
+        scale [b, h, k, P, 1])) become the working set."""
         b, h, _ = idx.shape
-        d = k.shape[-1]
-        self._store(0, k.reshape(b, h, -1, d))
-        self._store(1, v.reshape(b, h, -1, d))
+
+        def rows(t: Part) -> Part:
+            if isinstance(t, tuple):
+                return t[0].reshape(b, h, -1, t[0].shape[-1]), t[1].reshape(b, h, -1, 1)
+            return t.reshape(b, h, -1, t.shape[-1])
+
+        self._store(0, rows(k))
+        self._store(1, rows(v))
         self.valid = page_tokens_valid[torch.arange(b, device=idx.device)[:, None, None], idx].reshape(b, h, -1)
         self.idx = idx
 
-    def merge(
-        self, idx: torch.Tensor, held: Held, k_new: torch.Tensor, v_new: torch.Tensor, page_tokens_valid: torch.Tensor
-    ) -> None:
+    def merge(self, idx: torch.Tensor, held: Held, k_new: Part, v_new: Part, page_tokens_valid: torch.Tensor) -> None:
         """The working set of pages idx [b, h, k]: the pages `held` keep their rows (int8:
         their codes) from the last step's; the others' K/V k_new, v_new [n_new, P, d] (in
-        (b, h, k) order) are added (int8: coded now)."""
+        (b, h, k) order) are added (int8: coded now, or given coded as (codes, scale [n_new, P, 1]))."""
         keep, src = held
         b, h, k = idx.shape
         assert self.idx is not None
@@ -119,11 +126,13 @@ class WorkingSet:
             assert code is not None
             d = code[0].shape[-1]
             if len(code) == 1:  # the model's dtype: rows kept as they are
+                assert isinstance(fresh, torch.Tensor)
                 out = torch.cat([code[0].reshape(-1, P * d), fresh.reshape(-1, P * d)]).index_select(0, pick)
                 self.code[slot] = (out.view(b, h, k * P, d),)
                 continue
             codes, scale = code
-            new_c, new_s = page_code.encode(fresh)  # [n_new, P, d], [n_new, P, 1]
+            # [n_new, P, d], [n_new, P, 1]: coded where they were cut (the host), or now
+            new_c, new_s = fresh if isinstance(fresh, tuple) else page_code.encode(fresh)
             out_c = torch.cat([codes.view(-1, P * d), new_c.view(-1, P * d)]).index_select(0, pick)
             out_s = torch.cat([scale.view(-1, P), new_s.view(-1, P)]).index_select(0, pick)
             self.code[slot] = (out_c.view(b, h, k * P, d), out_s.view(b, h, k * P, 1))
@@ -166,8 +175,8 @@ class WorkingSet:
             if need.numel():
                 # ranked on the host: blocks read and cut there, only the new pages cross the link
                 on_host = reader.host_ranking
-                k_new, v_new = reader.pages_of_blocks(idx, need, only=new, on_host=on_host)
-                k_new, v_new = reader.to_device(k_new, on_host), reader.to_device(v_new, on_host)
+                k_host, v_host = reader.pages_of_blocks(idx, need, only=new, on_host=on_host)
+                k_new, v_new = self._over_link(k_host, on_host, reader), self._over_link(v_host, on_host, reader)
             else:
                 k_new = v_new = self.no_pages()
             self.merge(idx, held, k_new, v_new, page_tokens_valid)
@@ -192,6 +201,11 @@ class WorkingSet:
         if need.numel():
             on_host = reader.host_ranking
             new_k, new_v = reader.pages_of_blocks(idx, need, on_host=on_host)
+            if on_host and self.codec == "int8" and not bool(held.any()):  # every page new: sent coded
+                self.set(
+                    idx, self._over_link(new_k, True, reader), self._over_link(new_v, True, reader), page_tokens_valid
+                )
+                return
             new_k, new_v = reader.to_device(new_k, on_host), reader.to_device(new_v, on_host)
         if held.any():
             assert self.k is not None and self.v is not None  # held: a previous working set exists
@@ -244,11 +258,15 @@ class WorkingSet:
         if new is not None:
             rows = rows[new.reshape(-1)]
 
-        def cut(t: torch.Tensor) -> torch.Tensor:
+        def cut(t: torch.Tensor) -> Part:
             # candidates ranked on the host: the pages are cut there and only they cross the link
-            out = reader.to_device(t.reshape(-1, P * d).index_select(0, rows.to(t.device)), candidates.on_host)
-            return out.view(-1, P, d) if new is not None else out.view(b, h, k, P, d)
+            # (new pages of an int8 working set as their codes)
+            out = t.reshape(-1, P * d).index_select(0, rows.to(t.device))
+            return self._over_link(
+                out.view(-1, P, d) if new is not None else out.view(b, h, k, P, d), candidates.on_host, reader
+            )
 
+        v: Part
         if cv is not None:
             v = cut(cv)
         elif new is not None and not bool(new.any()):
@@ -258,11 +276,21 @@ class WorkingSet:
             if got is None or got[1] is None:
                 return False
             v = got[1]
+        kc = cut(ck)
         if held is None:
-            self.set(idx, cut(ck), v, page_tokens_valid)
+            self.set(idx, kc, v, page_tokens_valid)
         else:
-            self.merge(idx, held, cut(ck), v, page_tokens_valid)
+            self.merge(idx, held, kc, v, page_tokens_valid)
         return True
+
+    def _over_link(self, pages: torch.Tensor, from_host: bool, reader: BlockReader) -> Part:
+        """New pages [n, P, d] for the device: cut on the host (from_host), an int8 working set's
+        pages cross the link as their codes and scales (1 + 4/d bytes an element, the same codes
+        the device would make: coding is per token), else as they are."""
+        if from_host and self.codec == "int8":
+            codes, scale = page_code.encode(pages)
+            return reader.to_device(codes), reader.to_device(scale)
+        return reader.to_device(pages, from_host)
 
     def _gather_from_arena(
         self, idx: torch.Tensor, page_tokens_valid: torch.Tensor, held: Held | None, reader: BlockReader
@@ -273,14 +301,17 @@ class WorkingSet:
         if held is not None and not bool((~held[0]).any()):
             self.merge(idx, held, self.no_pages(), self.no_pages(), page_tokens_valid)
             return True
-        got = reader.arena_pages(idx, only=None if held is None else ~held[0])
+        # ranked on the host, an int8 working set's new pages are cut there and cross as codes
+        on_host = reader.host_ranking and self.codec == "int8"
+        got = reader.arena_pages(idx, only=None if held is None else ~held[0], on_host=on_host)
         if got is None:
             return False
         assert got[0] is not None and got[1] is not None
+        k_new, v_new = self._over_link(got[0], on_host, reader), self._over_link(got[1], on_host, reader)
         if held is None:
-            self.set(idx, got[0], got[1], page_tokens_valid)
+            self.set(idx, k_new, v_new, page_tokens_valid)
         else:
-            self.merge(idx, held, got[0], got[1], page_tokens_valid)
+            self.merge(idx, held, k_new, v_new, page_tokens_valid)
         return True
 
 
