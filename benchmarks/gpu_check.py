@@ -302,7 +302,7 @@ def predictions(hw: hwm.Hardware, model: Any, tokens: int, cfg: Any, traffic: di
     )  # fmt: skip
     flash = est.flashmem
     assert flash is not None
-    pred = hwm.predicted_traffic(flash, cfg, tokens, a)
+    pred = hwm.predicted_traffic(flash, cfg, tokens, a, c.head_dim, eb)
     fm = hwm.flashmem_row(hw, cost, tokens, 1, a, pred, flash.cold_bytes, None)
     out: dict[str, Any] = {
         "label": "modelled, not measured",

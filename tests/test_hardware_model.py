@@ -130,6 +130,13 @@ def test_flashmem_row_predicted_from_the_recipe(h200):
     host = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions())
     assert host.parts["rerank_keys"] == 0 and host.host_read_bytes == 1024 * 16 * KV_TOKEN / 2
     assert host.link_bytes == pytest.approx(0.4 * 4096 * KV_TOKEN)
+    # given the head size and dtype, the int8 working set's new pages cross as codes: (1 + 4/128) / 2 of bf16
+    coded = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(), head_dim=128, dtype_bytes=2)
+    assert coded.link_bytes == pytest.approx(0.4 * 4096 * KV_TOKEN * (1 + 4 / 128) / 2)
+    assert coded.host_read_bytes == host.host_read_bytes
+    # over the link (the old path) the pages cross as the cold tier holds them
+    linked = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(rerank_keys="link"), 128, 2)
+    assert linked.parts["new_pages"] == pytest.approx(0.4 * 4096 * KV_TOKEN)
     a = hwm.Assumptions(rerank_keys="link")
     tr = hwm.predicted_traffic(flash, cfg, TOKENS, a)
     assert tr.parts["rerank_keys"] == 1024 * 16 * KV_TOKEN / 2 == 2**30

@@ -267,7 +267,12 @@ def _flashmem_traffic(
     if traffic is not None:
         report = hwm.load_traffic(traffic)
         return flash, hwm.counted_traffic(report, flash.device_resident_bytes, flash.prompt_kv_bytes, str(traffic))
-    return flash, hwm.predicted_traffic(flash, cfg, est.tokens, a)
+    head_dim = dims[2]
+    if model is not None:
+        from flashmem.sizing.budget import model_geometry
+
+        head_dim = model_geometry(model)["head_dim"]
+    return flash, hwm.predicted_traffic(flash, cfg, est.tokens, a, head_dim, est.element_bytes)
 
 
 def _check_budget_and_host(

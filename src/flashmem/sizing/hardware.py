@@ -258,10 +258,9 @@ class Assumptions:
     # cache of recently fetched chunks cut its fetches by about 60%, so 0.4)
     new_page_fraction: float = 0.4
     # where a re-ranking config reads its candidates' exact keys: "host" (scored by host compute
-    # where a memory cold tier holds them, only page ids cross: the code on CUDA with
-    # cold_store: memory, `BlockReader.host_ranking`), "link" (copied from the cold tier to the
-    # device: a disk or layered tier read through the prefetcher) or "device" (ranked on
-    # device-resident data: not built)
+    # next to the cold tier, only page ids cross: the code on CUDA, `BlockReader.host_ranking`),
+    # "link" (copied from the cold tier to the device: the code before 2026-12-02) or "device"
+    # (ranked on device-resident data: not built)
     rerank_keys: str = "host"
 
     def check(self) -> None:
@@ -292,25 +291,35 @@ class FlashTraffic:
     parts: dict[str, float] = field(default_factory=dict)  # where link_bytes come from
 
 
-def predicted_traffic(flash: Any, cfg: Any, tokens: int, a: Assumptions) -> FlashTraffic:
+def predicted_traffic(
+    flash: Any, cfg: Any, tokens: int, a: Assumptions, head_dim: int | None = None, dtype_bytes: float | None = None
+) -> FlashTraffic:
     """flashmem's traffic predicted from a config: `flash` is the calculator's
-    `FlashEstimate` for ONE sequence (`estimate(..., batch=1, config=cfg).flashmem`)."""
+    `FlashEstimate` for ONE sequence (`estimate(..., batch=1, config=cfg).flashmem`).
+    head_dim, dtype_bytes (the model's): with them, ranked on the host, an int8 working set's
+    new pages are counted as they cross the link, as codes (1 + 4/head_dim bytes an element)."""
     counts = flash.tier_counts  # per managed layer, per sequence, token-equivalents
     cold_tok = float(flash.cold_bytes_per_token)  # K+V of one sealed token, every managed layer
     page = int(cfg.page_tokens)
     sealed_pages = int(counts["sealed_blocks"]) * int(cfg.pages_per_block)
     selected_tokens = int(counts["working_set"])
-    new_pages = a.new_page_fraction * selected_tokens * cold_tok
+    new_exact = a.new_page_fraction * selected_tokens * cold_tok
+    new_pages = new_exact
+    if a.rerank_keys == "host" and cfg.working_set_codec == "int8" and head_dim and dtype_bytes:
+        # cut on the host, an int8 working set's new pages cross as their codes (cache/working_set.py)
+        new_pages = new_exact * (1 + 4 / head_dim) / dtype_bytes
     rerank = host = 0.0
     if int(cfg.lsa_rerank) > 1 and a.rerank_keys != "device" and selected_tokens:
         # the index picks max(rerank x selected, floor) candidate pages per head and layer; their
         # exact keys (half of K+V) are read from the cold tier (issue 27: 1 GiB/step at 128K, 1/16):
-        # over the link, or by host compute where a memory cold tier holds them
+        # over the link, or by host compute next to the cold tier (memory, or disk blocks read
+        # into host memory)
         cand = min(sealed_pages, max(int(cfg.lsa_rerank) * (selected_tokens // page), int(cfg.lsa_rerank_min_pages)))
         keys = cand * page * cold_tok / 2
-        host, rerank = (keys, 0.0) if a.rerank_keys == "host" and cfg.cold_store == "memory" else (0.0, keys)
+        host, rerank = (keys, 0.0) if a.rerank_keys == "host" else (0.0, keys)
     link = new_pages + rerank
-    disk = link if cfg.cold_store in ("disk", "lmdb") else 0.0  # worst case: no host RAM cache hits
+    # worst case: no host RAM cache hits; a disk tier's blocks are read whole (K and V)
+    disk = new_exact + 2 * (host + rerank) if cfg.cold_store in ("disk", "lmdb") else 0.0
     # the streamed exact prompt (issue 27 item 3): chunk j of C tokens reads every earlier token
     # that is not resident (sinks + window) from the cold tier
     chunk = max(1, int(cfg.prefill_chunk))
