@@ -137,6 +137,12 @@ class FlashMemoryConfig(BaseModel):
         "them below it): a layer with few pages still has its selection checked against exact keys, "
         "while the reads per step stay bounded at long inputs",
     )
+    lsa_open_room: bool = Field(
+        False,
+        description="the working set borrows the open block's unused room: while it holds n of its B - 1 "
+        "tokens, a step selects as many more pages as (B - 1 - n) tokens' bytes buy, so the device holds "
+        "the budget on every step (the solver sizes for the open block full) and uses it on every step",
+    )
     prefill_exact_tokens: int = Field(
         0,
         ge=0,

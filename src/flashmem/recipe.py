@@ -74,6 +74,11 @@ RECIPE: dict[str, Any] = {
     # "The prompt attended exactly"). The prompt is read back from the tiers chunk by chunk
     # (cache/exact_prompt.py), so the device holds no more than the budget through it.
     "prefill_exact_tokens": 32768,
+    # The solver sizes the budget with the open block full (63 tokens); while it holds fewer, the
+    # bytes it leaves buy working-set pages, so every step uses the budget and none passes it
+    # (Gemma3 at 2K and 1/16: 6 pages sized, up to 21 with the room; docs/results.md, "The
+    # budget on every step").
+    "lsa_open_room": True,
 }
 # From this budget up a selected page brings the page after it (the answer after
 # its cue, `lsa_follow_pages: 1`); below it the pairs halve too few distinct pages

@@ -60,6 +60,8 @@ def _add_history(
     n, ppb = layer.num_sealed, cfg.pages_per_block
     page_tokens_valid = layer.block_valid_tokens().reshape(b, n * ppb, cfg.page_tokens)  # [b, pages, P]
     k_sel = cfg.blocks_to_select(n * ppb)
+    if cfg.lsa_open_room and k_sel > 0:
+        k_sel = min(n * ppb, k_sel + open_room_pages(layer, m))
     selected = torch.zeros(b, hkv, n * ppb, dtype=torch.bool, device=qg.device)  # per page
     # The rest entry needs every query's scores; a selection pools them, so a sample will do.
     q_index = qg if cfg.keeps_rest_entry else sample_queries(qg, m, cfg.lsa_prefill_queries)
@@ -82,6 +84,23 @@ def _add_history(
         ws = (ws_v, ws_valid) if k_sel > 0 and ws_v is not None and ws_valid is not None else None
         rest = rest_entry(scores, selected, page_tokens_valid, layer.v_sum, ws, scaling, m)
     return shown, rest
+
+
+def open_room_pages(layer: FlashLayer, m: int) -> int:
+    """Pages the open block's unused room buys (`lsa_open_room`): the solver sizes the budget
+    with the open block full (B - 1 tokens, `predicted_ratio(peak=True)`); while it holds fewer,
+    the bytes it does not use buy working-set pages, held back for the m tokens this chunk may
+    add to it. Per row and KV head: a token is its K and V in the model's dtype, a page P of
+    them as the working set holds them (int8: d codes and an fp32 scale each)."""
+    cfg = layer.cfg
+    d = layer.sink_k.shape[-1]
+    free = cfg.hca_chunk_size - 1 - layer.open_k.shape[-2] - m
+    if free <= 0:
+        return 0
+    token = 2 * d * layer.sink_k.element_size()
+    per_elem = d + 4 if cfg.working_set_codec == "int8" else d * layer.sink_k.element_size()
+    page = 2 * cfg.page_tokens * per_elem
+    return free * token // page
 
 
 def _select_and_gather(
