@@ -190,3 +190,20 @@ def test_the_open_blocks_room_buys_pages_and_no_step_passes_the_peak():
             assert max(pages) > min(pages) >= cache.cfg.lsa_top_k and sorted(over)[len(over) // 2] > 0.95
         else:
             assert max(pages) == min(pages) == cache.cfg.lsa_top_k
+
+
+def test_the_recipe_on_an_accelerator_streams_the_prompt_in_4096_token_chunks(monkeypatch):
+    """On a GPU the recipe's prompt chunk is 4,096 tokens (the streamed prompt is compute-bound,
+    not link-bound); on a CPU 512; a caller's prefill_chunk wins; a given config is used as is."""
+    from flashmem.cache import attach as attach_mod
+
+    model = tiny_llama()
+    try:
+        assert _attach(model, budget=1 / 8, tokens=2048).cfg.prefill_chunk == 512
+        monkeypatch.setattr(attach_mod, "_device_type", lambda m: "cuda")
+        assert _attach(model, budget=1 / 8, tokens=2048).cfg.prefill_chunk == 4096
+        assert _attach(model, budget=1 / 8, tokens=2048, prefill_chunk=1024).cfg.prefill_chunk == 1024
+        given = FlashMemoryConfig.for_budget(1 / 8, 2048, model)
+        assert _attach(model, given).cfg.prefill_chunk == given.prefill_chunk == 512
+    finally:
+        model.set_attn_implementation("sdpa")
