@@ -153,3 +153,21 @@ def test_every_page_selected_and_ranked_on_the_host_is_the_full_cache(monkeypatc
     keys = {**RERANKED, "lsa_top_k": 10_000, "prefetch_threads": threads}
     out = run(model, flashmem.attach(model, flashmem.FlashMemoryConfig(**keys, **where)), ids, 12)
     assert (out - ref).abs().max() <= 1e-4
+
+
+def test_past_lsa_rerank_max_tokens_the_index_choice_stands_and_no_keys_are_read():
+    """`lsa_rerank_max_tokens`: once more tokens are sealed the re-rank is off, so decoding
+    selects as `lsa_rerank: 1` does and reads no candidate keys; below it, the re-rank runs."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(12))
+    plain_out, plain_sel = _decode(
+        model, flashmem.attach(model, flashmem.FlashMemoryConfig(**RERANKED | {"lsa_rerank": 1})), ids, 6
+    )
+    capped = flashmem.attach(model, flashmem.FlashMemoryConfig(**RERANKED, lsa_rerank_max_tokens=64))
+    out, sel = _decode(model, capped, ids, 6)
+    assert torch.allclose(out, plain_out, atol=1e-6)
+    assert all(torch.equal(a, b) for step_a, step_b in zip(sel, plain_sel) for a, b in zip(step_a, step_b))
+    assert capped.traffic_report()["per_decode_step_median"]["host_read_bytes"] == 0
+    on = flashmem.attach(model, flashmem.FlashMemoryConfig(**RERANKED, lsa_rerank_max_tokens=10_000))
+    _decode(model, on, ids, 6)
+    assert on.traffic_report()["per_decode_step_median"]["host_read_bytes"] > 0

@@ -137,6 +137,13 @@ class FlashMemoryConfig(BaseModel):
         "them below it): a layer with few pages still has its selection checked against exact keys, "
         "while the reads per step stay bounded at long inputs",
     )
+    lsa_rerank_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="re-rank (lsa_rerank) only while at most this many tokens are sealed; past it the "
+        "index's choice stands, and no candidate keys are read (null: always re-rank). On an accelerator "
+        "the candidates' keys bound decode throughput at long contexts (docs/accelerator.md)",
+    )
     lsa_open_room: bool = Field(
         False,
         description="the working set borrows the open block's unused room: while it holds n of its B - 1 "

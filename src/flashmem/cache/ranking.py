@@ -94,7 +94,9 @@ class CandidateRanker:
         [b, n_pages, P] given) the index picks r * k_sel candidates (at least
         `lsa_rerank_min_pages`) and their exact keys pick the k_sel."""
         cfg = self.cfg
+        cap = cfg.lsa_rerank_max_tokens
         rerank = qg is not None and page_tokens_valid is not None
+        rerank = rerank and (cap is None or num_sealed * cfg.hca_chunk_size <= cap)
         n_pages = scores.shape[-1]
         n_cand = min(max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages) if rerank else k_sel, n_pages)
         sel: Selection | None = None

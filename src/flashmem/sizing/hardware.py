@@ -309,7 +309,9 @@ def predicted_traffic(
         # cut on the host, an int8 working set's new pages cross as their codes (cache/working_set.py)
         new_pages = new_exact * (1 + 4 / head_dim) / dtype_bytes
     rerank = host = 0.0
-    if int(cfg.lsa_rerank) > 1 and a.rerank_keys != "device" and selected_tokens:
+    cap = cfg.lsa_rerank_max_tokens
+    reranks = cap is None or int(counts["cold_tokens"]) <= cap  # past the cap the index's choice stands
+    if int(cfg.lsa_rerank) > 1 and a.rerank_keys != "device" and selected_tokens and reranks:
         # the index picks max(rerank x selected, floor) candidate pages per head and layer; their
         # exact keys (half of K+V) are read from the cold tier (issue 27: 1 GiB/step at 128K, 1/16):
         # over the link, or by host compute next to the cold tier (memory, or disk blocks read
