@@ -141,11 +141,14 @@ def document(n_tokens: int) -> str:
     return haystack(tok, n_tokens, seed=3, name="kjv")
 
 
+SERVER_MODEL = ["smollm2"]  # --model: what the server loads (it serves it as "smollm2")
+
+
 def start_server(
     port: int, prefix_dir: str | None, keys_file: str, max_concurrent: int, threads: int, extra: tuple[str, ...] = ()
 ) -> subprocess.Popen[bytes]:
     """`flashmem serve` on loopback; prefix_dir None: no prefix reuse; extra: more flags."""
-    cmd = [sys.executable, "-m", "flashmem.cli.main", "serve", "--model", "smollm2"]
+    cmd = [sys.executable, "-m", "flashmem.cli.main", "serve", "--model", SERVER_MODEL[0], "--served-name", "smollm2"]
     cmd += ["--config", str(ROOT / "configs" / "cpu-small.yaml"), "--port", str(port)]
     cmd += ["--prefix-dir", prefix_dir] if prefix_dir is not None else ["--no-prefix-cache"]
     cmd += ["--api-keys", keys_file, "--max-concurrent", str(max_concurrent), "--max-queue", "64"]
@@ -469,15 +472,20 @@ async def restore_point(c: httpx.AsyncClient, prompt: str, args: argparse.Namesp
     }
 
     async def stream() -> None:
-        async with c.stream(
-            "POST", "/v1/chat/completions", json=body, headers={"Authorization": "Bearer key-main"}
-        ) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    if json.loads(line[6:])["choices"][0]["delta"].get("content"):
+        try:
+            async with c.stream(
+                "POST", "/v1/chat/completions", json=body, headers={"Authorization": "Bearer key-main"}
+            ) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    if choices[0].get("delta", {}).get("content"):
                         times.append(time.perf_counter())
                         if len(times) == 4:
                             started.set()
+        finally:
+            started.set()  # a stream that ended early does not hold the run
 
     task = asyncio.create_task(stream())
     await asyncio.wait_for(started.wait(), args.timeout)
@@ -510,6 +518,7 @@ def _metric(text: str, name: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["reuse", "batch", "restore"], default="reuse")
+    ap.add_argument("--model", default="smollm2", help="what the server loads (a built-in name or an HF folder)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--requests", type=int, default=15, help="requests of the load phase (at most 15)")
     ap.add_argument("--doc-tokens", type=int, default=7700)
@@ -526,6 +535,7 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=96, help="--mode restore: tokens of the streaming answer")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    SERVER_MODEL[0] = args.model
     run = {"reuse": main_async, "batch": batch_async, "restore": restore_async}[args.mode]
     result = asyncio.run(run(args))
     text = json.dumps(result, indent=2)
