@@ -145,7 +145,7 @@ def _max_logprob_diff(a: dict[str, float], b: dict[str, float]) -> float:
     return max((abs(a[k] - b[k]) for k in common), default=float("inf"))
 
 
-def measure(work: Path, baseline: bool = True) -> dict[str, Any]:
+def measure(work: Path, baseline: bool = True, damaged: bool = True) -> dict[str, Any]:
     """The whole experiment; returns the numbers (no asserts)."""
     model = _model_folder()
     ids = _prompt_ids(model, PROMPT_TOKENS)
@@ -158,17 +158,18 @@ def measure(work: Path, baseline: bool = True) -> dict[str, Any]:
     runs["cold"]["records"] = len(records)
     runs["cold"]["store_bytes"] = sum(p.stat().st_size for p in records)
     runs["warm"] = run_child(model, prompt, work / "warm.json", store)
-    victim, index = _flip_middle_record(store)
-    runs["damaged"] = run_child(model, prompt, work / "damaged.json", store)
-    runs["damaged"]["flipped_record"] = {"chain_index": index, "file": victim[:12] + "..."}
+    if damaged:
+        from flashmem.serve.prefix import decode_record
+
+        victim, index = _flip_middle_record(store)
+        runs["damaged"] = run_child(model, prompt, work / "damaged.json", store)
+        runs["damaged"]["flipped_record"] = {"chain_index": index, "file": victim[:12] + "..."}
+        runs["damaged"]["record_rewritten_and_valid"] = bool(
+            (store / victim).exists()
+            and decode_record(victim[: -len(".fmprefix")], (store / victim).read_bytes()) is not None
+        )
     if baseline:  # vLLM alone, for the cold TTFT without the connector's saves
         runs["no_connector"] = run_child(model, prompt, work / "base.json", None)
-    from flashmem.serve.prefix import decode_record
-
-    runs["damaged"]["record_rewritten_and_valid"] = bool(
-        (store / victim).exists()
-        and decode_record(victim[: -len(".fmprefix")], (store / victim).read_bytes()) is not None
-    )
     cold = runs["cold"]
     for name in ("warm", "damaged", "no_connector"):
         if name in runs:
@@ -209,12 +210,13 @@ if __name__ == "__main__":
     ap.add_argument("--store", default="disk")
     ap.add_argument("--store-path")
     ap.add_argument("--out", help="measure everything and write the numbers here")
+    ap.add_argument("--quick", action="store_true", help="only the cold and the warm engine")
     a = ap.parse_args()
     if a.child:
         child(a)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            res = measure(Path(tmp))
+            res = measure(Path(tmp), baseline=not a.quick, damaged=not a.quick)
         res["command"] = "flock /work/notes/bench.lock env OMP_NUM_THREADS=1 " + " ".join(
             [Path(sys.executable).as_posix(), "tests/test_vllm_connector_engine.py"] + sys.argv[1:]
         )
