@@ -35,6 +35,7 @@ MAINTAINED = [
     "decode_alternating.py",
     "needle_selected.py",
     "page_retrieval.py",
+    "prefix_bytes.py",
     "serve_load.py",
     "serve_replicas.py",
 ]
