@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -261,8 +262,17 @@ def test_keepalive_comments_do_not_disturb_clients(server, monkeypatch) -> None:
     openai = pytest.importorskip("openai")
     from flashmem.serve import app as app_module
 
-    _, url = server
+    engine, url = server
     monkeypatch.setattr(app_module, "KEEPALIVE_S", 0.001)
+    # each round takes at least 20 ms, so the first token is always past a keep-alive interval
+    # (a tiny model's whole answer can otherwise be queued before the stream starts waiting)
+    step = engine.step
+
+    def slow_step() -> None:
+        time.sleep(0.02)
+        step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
     body = {"model": MODEL, "prompt": "And God said", "max_tokens": 6, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         lines = [ln for ln in r.iter_lines() if ln]
