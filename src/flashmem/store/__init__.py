@@ -9,6 +9,8 @@ pf.request(keys); k, v = pf.get(key, device); pf.stats()
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from flashmem import policies
@@ -38,15 +40,7 @@ def open_memory(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None 
 
 
 def open_disk(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> DiskStore:
-    assert cfg.cold_dir is not None  # the config validator requires it
-    return DiskStore(
-        cfg.cold_dir,
-        codec=cfg.cold_codec,
-        dtype=dtype,
-        name=name,
-        persist=cfg.persist,
-        max_pending_bytes=cfg.cold_pending_mb << 20,
-    )
+    return DiskStore(**_on_disk(cfg, dtype, name))
 
 
 def open_layered(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> LayeredStore:
@@ -56,15 +50,20 @@ def open_layered(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None
 def open_lmdb(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> ColdStore:
     from flashmem.store.lmdb_store import LmdbStore  # imported only when chosen
 
+    return LmdbStore(**_on_disk(cfg, dtype, name))
+
+
+def _on_disk(cfg: FlashMemoryConfig, dtype: torch.dtype, name: str | None) -> dict[str, Any]:
+    """The keywords a disk or LMDB cold tier opens with (`OnDiskStore`)."""
     assert cfg.cold_dir is not None  # the config validator requires it
-    return LmdbStore(
-        cfg.cold_dir,
-        codec=cfg.cold_codec,
-        dtype=dtype,
-        name=name,
-        persist=cfg.persist,
-        max_pending_bytes=cfg.cold_pending_mb << 20,
-    )
+    return {
+        "cold_dir": cfg.cold_dir,
+        "codec": cfg.cold_codec,
+        "dtype": dtype,
+        "name": name,
+        "persist": cfg.persist,
+        "max_pending_bytes": cfg.cold_pending_mb << 20,
+    }
 
 
 def open_prefetcher(cfg: FlashMemoryConfig, store: ColdStore) -> Prefetcher:
