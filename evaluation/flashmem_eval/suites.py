@@ -153,6 +153,53 @@ def local_cache(
     raise FlashMemError(f"method {m.name!r} does not run in this process")
 
 
+def answer_job(
+    cell: str, m: Method, b: float, ctx: torch.Tensor, q: torch.Tensor, max_new: int, stop: list[int], model: Any
+) -> dict[str, Any]:
+    """The kvpress runner's job for `cell`: press `m` at budget `b` over context ctx [1, n], then a
+    greedy answer of at most max_new tokens to question q [1, n_q]."""
+    from flashmem_eval.baselines.kvpress_env import press_ratio
+
+    return {
+        "cell": cell,
+        "kind": "retrieval",  # the runner's job: context, question, greedy answer
+        "press": m.variant,
+        "compression_ratio": press_ratio(b),
+        "context": ctx[0].tolist(),
+        "question": q[0].tolist(),
+        "max_new": max_new,
+        "stop": stop,
+        "global_layers": global_layers(model),
+    }
+
+
+def local_answer(
+    loaded: H.Loaded,
+    m: Method,
+    b: float,
+    ctx: torch.Tensor,
+    q: torch.Tensor,
+    max_new: int,
+    stop: list[int],
+    shared: dict[str, Any],
+    row: dict[str, Any],
+) -> tuple[list[int], dict[str, Any]]:
+    """Method `m` at budget `b` over context ctx [1, n], then its greedy answer to q [1, n_q]
+    -> (the answer's ids, timing/config info); the cache's byte ratios go into `row`."""
+    model = loaded.model
+    cache, _, info = local_cache(loaded, m, b, ctx, shared)
+    row.update(H.cache_ratios(model, cache, int(ctx.shape[1])))
+    gen = H.greedy(model, cache, q, max_new, stop)
+    if m.kind == "flashmem":
+        # at the context's end nothing is selected yet (an exact prompt's K/V, if held, is
+        # reported apart); decoding's is measured after the answer, the peak beside it
+        end = H.cache_ratios(model, cache, int(ctx.shape[1] + q.shape[1]) + len(gen) - 1)
+        row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
+        row["ratio_whole"] = end["ratio_whole"]
+        row["ratio_peak"] = end.get("ratio_peak")
+    return gen, info
+
+
 def done_local(shared: dict[str, Any], loaded: H.Loaded) -> None:
     if "restore" in shared:
         H.restore_attn(loaded.model, shared.pop("restore"))
@@ -437,32 +484,11 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
                 row["compression_ratio"] = press_ratio(b)
                 bases[cell] = row
                 answers[cell] = probe.answer
-                jobs.append(
-                    {
-                        "cell": cell,
-                        "kind": "retrieval",
-                        "press": m.variant,
-                        "compression_ratio": press_ratio(b),
-                        "context": ctx[0].tolist(),
-                        "question": q[0].tolist(),
-                        "max_new": args.max_new,
-                        "stop": stop,
-                        "global_layers": global_layers(model),
-                    }
-                )
+                jobs.append(answer_job(cell, m, b, ctx, q, args.max_new, stop, model))
                 continue
             t0 = time.perf_counter()
             try:
-                cache, _, info = local_cache(loaded, m, b, ctx, shared)
-                row.update(H.cache_ratios(model, cache, int(ctx.shape[1])))
-                gen = H.greedy(model, cache, q, args.max_new, stop)
-                if m.kind == "flashmem":
-                    # at the context's end nothing is selected yet (an exact prompt's K/V, if held,
-                    # is reported apart); decoding's is measured after the answer, the peak beside it
-                    end = H.cache_ratios(model, cache, int(ctx.shape[1] + q.shape[1]) + len(gen) - 1)
-                    row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
-                    row["ratio_whole"] = end["ratio_whole"]
-                    row["ratio_peak"] = end.get("ratio_peak")
+                gen, info = local_answer(loaded, m, b, ctx, q, args.max_new, stop, shared, row)
                 text = tok.decode(gen, skip_special_tokens=True)
                 row.update(output=text, correct=score_answer(text, probe.answer))
                 row.update({k: v for k, v in info.items() if k != "config"})

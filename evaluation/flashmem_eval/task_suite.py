@@ -41,10 +41,10 @@ def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.Resul
         _err_row,
         _progress,
         _run_kvpress,
+        answer_job,
         cells_for,
         done_local,
-        global_layers,
-        local_cache,
+        local_answer,
     )
 
     model, tok = loaded.model, loaded.tokenizer
@@ -74,30 +74,12 @@ def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.Resul
 
                 row["compression_ratio"] = press_ratio(b)
                 bases[cell], probes[cell] = row, probe
-                jobs.append(
-                    {
-                        "cell": cell,
-                        "kind": "retrieval",  # the runner's job: context, question, greedy answer
-                        "press": m.variant,
-                        "compression_ratio": press_ratio(b),
-                        "context": ctx[0].tolist(),
-                        "question": q[0].tolist(),
-                        "max_new": probe.max_new,
-                        "stop": stop,
-                        "global_layers": global_layers(model),
-                    }
-                )
+                jobs.append(answer_job(cell, m, b, ctx, q, probe.max_new, stop, model))
                 continue
             t0 = time.perf_counter()
             try:
-                cache, _, info = local_cache(loaded, m, b, ctx, shared)
-                row.update(H.cache_ratios(model, cache, int(ctx.shape[1])))
-                gen = H.greedy(model, cache, q, probe.max_new, stop)
-                if m.kind == "flashmem":
-                    # as in the retrieval suite: what decoding holds, measured after the answer
-                    end = H.cache_ratios(model, cache, int(ctx.shape[1] + q.shape[1]) + len(gen) - 1)
-                    row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
-                    row["ratio_peak"] = end.get("ratio_peak")
+                # as in the retrieval suite: what decoding holds, measured after the answer
+                gen, info = local_answer(loaded, m, b, ctx, q, probe.max_new, stop, shared, row)
                 text = tok.decode(gen, skip_special_tokens=True)
                 score, hits = score_output(text, probe)
                 row.update(output=text, score=score, hits=hits)
