@@ -36,6 +36,19 @@ FusionRope = Literal["rerotate", "raw"]
 PositionMode = Literal["real", "window"]
 SelectionPool = Literal["mean", "max"]
 ColdLowRank = Literal["none", "keys", "values", "kv"]
+RerankCodec = Literal["exact", "int4", "int2", "sign"]
+# Bits per key element of each re-rank code (compress/key_code.py); each channel of a block
+# also keeps an fp16 scale and zero (RERANK_CODE_BLOCK_BYTES per channel and block).
+RERANK_CODE_BITS = {"int4": 4, "int2": 2, "sign": 1}
+RERANK_CODE_BLOCK_BYTES = 4
+
+
+def rerank_key_bytes(codec: str, dtype_bytes: float, block_tokens: int) -> float:
+    """Bytes one key element costs the re-rank to read: the model's dtype when exact, else
+    the code's bits plus its per-block scale and zero spread over the block's tokens."""
+    if codec == "exact":
+        return float(dtype_bytes)
+    return RERANK_CODE_BITS[codec] / 8 + RERANK_CODE_BLOCK_BYTES / max(1, block_tokens)
 ColdKeyBasis = Literal["attention", "pca"]
 # lsa_layer_shares are relative weights (a layer profile gives 0.1-3): past this they only
 # overflow the split's arithmetic
@@ -143,6 +156,13 @@ class FlashMemoryConfig(BaseModel):
         description="re-rank (lsa_rerank) only while at most this many tokens are sealed; past it the "
         "index's choice stands, and no candidate keys are read (null: always re-rank). On an accelerator "
         "the candidates' keys bound decode throughput at long contexts (docs/accelerator.md)",
+    )
+    lsa_rerank_codec: RerankCodec = Field(
+        "exact",
+        description="what the re-rank (lsa_rerank) scores candidates by: exact (their keys as the cold "
+        "tier holds them) or a code of each sealed block's keys kept beside the cold tier: int4, int2 "
+        "or sign (1 bit), each channel with a scale and zero per block (KIVI's per-channel keys). The "
+        "re-rank then reads bits/16 of a bf16 key (docs/accelerator.md)",
     )
     lsa_open_room: bool = Field(
         False,
