@@ -171,3 +171,38 @@ def test_rescore_rebuilds_the_prompt_and_scores_the_saved_output(tok):
     row.update(wording=2, output=f"\n\n{p.items[1]}, 42", hits=[False, False, False], score=0.0)
     assert rescore([row], tok) == 1 and row["hits"] == [False, True, False] and row["score"] == 1 / 3
     assert rescore([row], tok) == 0  # already current
+
+
+def test_answered_only_runs_the_other_methods_where_the_full_cache_answered(tmp_path):
+    """answered_only: the full cache's row decides; a prompt it answered nothing of gets no row of
+    the other methods, one it answered an item of gets them."""
+    import json
+
+    from flashmem_eval.suites import BenchArgs, run_suite
+
+    out = tmp_path / "t.json"
+    args = BenchArgs(
+        suite="tasks",
+        model="tiny",
+        methods=["full", "streaming"],
+        budgets=[0.25],
+        lengths=[512],
+        json_out=out,
+        seeds=[0, 1],
+        haystacks=["kjv"],
+        families=["keyed"],
+        answered_only=True,
+        threads=1,
+        progress=False,
+    )
+    # the full cache's rows given: seed 0 answered, seed 1 not
+    full = []
+    for seed, hits in ((0, [True]), (1, [False])):
+        key = dict(family="keyed", haystack="kjv", length=512, seed=seed, wording=seed)
+        cell = H.cell_id(suite="tasks", model="tiny", method="full", budget=1.0, **key)
+        full.append(dict(suite="tasks", model="tiny", method="full", budget=1.0, **key, cell=cell, hits=hits))
+    out.write_text(json.dumps({"meta": {}, "rows": full}))
+    rows = list(run_suite(args, H.load("tiny")).rows.values())
+    ran = sorted((r["method"], r["seed"]) for r in rows)
+    assert ran == [("full", 0), ("full", 1), ("streaming", 0)]
+    assert json.loads(out.read_text())["meta"]["runs"][-1]["answered_only"] is True

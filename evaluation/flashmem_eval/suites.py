@@ -57,6 +57,9 @@ class BenchArgs:
     # tasks suite (flashmem_eval.tasks): the families and the wording set (dev / heldout / all)
     families: list[str] = field(default_factory=lambda: ["keyed"])
     wordings: str = "dev"
+    # tasks suite: run the other methods only on prompts whose full-cache row answered an item
+    # (the share of the full cache's answers counts nothing else); the full cache runs first
+    answered_only: bool = False
     n_cont: int = 256
     chunk: int = 64
     max_new: int = 12
@@ -91,6 +94,7 @@ def run_suite(args: BenchArgs, loaded: H.Loaded | None = None, store: H.ResultSt
             "haystacks": args.haystacks if args.suite in ("retrieval", "tasks") else None,
             "families": args.families if args.suite == "tasks" else None,
             "wordings": args.wordings if args.suite == "tasks" else None,
+            "answered_only": args.answered_only if args.suite == "tasks" else None,
             "n_cont": args.n_cont if args.suite == "fidelity" else None,
             "chunk": args.chunk,
             "threads": args.threads,

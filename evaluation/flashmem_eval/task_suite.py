@@ -17,7 +17,7 @@ import torch
 
 from flashmem_eval import harness as H
 from flashmem_eval.baselines import Method
-from flashmem_eval.tasks import TaskProbe, make_task, score_output, wordings
+from flashmem_eval.tasks import FAMILIES, WORDING_SETS, TaskProbe, make_task, score_output, wordings
 
 
 def prompts_for(args: Any) -> list[tuple[str, str, int, int, int]]:
@@ -32,6 +32,13 @@ def prompts_for(args: Any) -> list[tuple[str, str, int, int, int]]:
         for hay in args.haystacks
         for fam in args.families
     ]
+
+
+def full_answered(args: Any, store: H.ResultStore, key: dict[str, Any]) -> bool:
+    """Whether the full cache's row for this prompt (family, haystack, length, seed, wording)
+    found at least one item; a prompt without a full-cache row counts as answered (run it)."""
+    row = store.rows.get(H.cell_id(suite=args.suite, model=args.model, method="full", budget=1.0, **key))
+    return row is None or any(row.get("hits") or [])
 
 
 def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.ResultStore) -> None:
@@ -58,6 +65,8 @@ def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.Resul
     for fam, hay, L, s, w in prompts:
         key = dict(family=fam, haystack=hay, length=L, seed=s, wording=w)
         todo = [(m, b) for m, b in cells if not store.done(_cell(args, m, b, **key))]
+        # the full cache first, so that answered_only can read its row
+        todo.sort(key=lambda mb: mb[0].kind != "full")
         if hasattr(prog, "bar"):
             prog.bar.update(len(cells) - len(todo))
         if not todo:
@@ -68,6 +77,9 @@ def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.Resul
         shared: dict[str, Any] = {}
         for m, b in todo:
             cell = _cell(args, m, b, **key)
+            if m.kind != "full" and getattr(args, "answered_only", False) and not full_answered(args, store, key):
+                prog.step(f"{m.name} b={b:.3g} {fam} L={L} s={s}: skipped, the full cache answered nothing")
+                continue
             row = _base_row(args, m, b, **key, cell=cell, context_tokens=int(ctx.shape[1]), items=probe.items)
             if m.kind == "kvpress":
                 from flashmem_eval.baselines.kvpress_env import press_ratio
@@ -123,20 +135,57 @@ def rescore(rows: list[dict[str, Any]], tok: Any) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m flashmem_eval.task_suite rescore FILE.json [--model smollm2]`: rescore a tasks
-    run's rows (its .json and .partial.jsonl) in place, with the model's tokenizer only."""
+    run's rows (its .json and .partial.jsonl) in place, with the model's tokenizer only.
+    `python -m flashmem_eval.task_suite run FILE.json --answered-only [--methods ...] ...`: the
+    `flashmem bench tasks` run, with the other methods only where the full cache answered."""
     import argparse
     import json
     from pathlib import Path
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("command", choices=["rescore", "run"])
+    ap.add_argument("file", type=Path)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--methods", default="full,flashmem")
+    ap.add_argument("--budgets", default="1/16,1/32")
+    ap.add_argument("--lengths", default="4096")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--haystacks", default="kjv,stdlib-doc")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--wordings", default="dev", choices=list(WORDING_SETS))
+    ap.add_argument("--answered-only", action="store_true")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    if a.command == "run":
+        from flashmem_eval.suites import BenchArgs, run_suite
+
+        def frac(t: str) -> float:
+            n, _, d = t.partition("/")
+            return float(n) / float(d) if d else float(n)
+
+        args = BenchArgs(
+            suite="tasks",
+            model=a.model,
+            methods=a.methods.split(","),
+            budgets=[frac(b) for b in a.budgets.split(",")],
+            lengths=[int(x) for x in a.lengths.split(",")],
+            json_out=a.file,
+            seeds=[int(x) for x in a.seeds.split(",")],
+            haystacks=a.haystacks.split(","),
+            families=a.families.split(","),
+            wordings=a.wordings,
+            answered_only=a.answered_only,
+            threads=a.threads,
+            progress=False,
+        )
+        run_suite(args)
+        print(f"wrote {a.file}")
+        return
 
     from transformers import AutoTokenizer
 
     from flashmem.models.loading import resolve
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("command", choices=["rescore"])
-    ap.add_argument("file", type=Path)
-    ap.add_argument("--model", default="smollm2")
-    a = ap.parse_args(argv)
     src = resolve(a.model)
     tok = AutoTokenizer.from_pretrained(str(src.cache_dir() if src.kind != "folder" else src.path))
     partial = a.file.with_name(a.file.name + ".partial.jsonl")
