@@ -247,7 +247,11 @@ def test_hardware_model_table_and_overrides(capsys):
     args = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200")
     code, out, _ = run(capsys, *args)
     assert code == 0 and "MODELLED, not measured" in out and "offloaded" in out
-    assert "issue 27 targets (modelled)" in out and "re-rank keys read on the host" in out
+    assert (
+        "issue 27 targets (modelled, re-rank codec exact" in out
+        and "re-rank exact keys read and scored on the host" in out
+    )
+    assert "at measured new-page fractions" in out and "0.067 (SmolLM2 measured)" in out
     code, out, _ = run(capsys, *args, "--json", "--hbm-gib", "1000", "--link-gbps", "110", "--rerank-keys", "device")
     hm = json.loads(out)["hardware_model"]
     assert hm["hardware"]["hbm_bytes"] == 1000 * 2**30 and hm["hardware"]["link_bytes_per_s"] == 110e9
@@ -276,6 +280,17 @@ def test_hardware_model_when_the_full_cache_does_not_fit(capsys):
             "not allowed together with --config",
         ),
         (["--budget", "0.1"], "only with --hardware"),
+        (
+            ["--hardware", "h200", "--rerank-codec", "int3"],
+            "--rerank-codec: 'int3' is not allowed; allowed: exact, int4, int2, sign",
+        ),
+        (["--rerank-codec", "sign"], "--rerank-codec: only with --hardware"),
+        (["--hardware", "h200", "--host-tflops", "0"], "--host-tflops"),
+        (["--host-tflops", "2"], "--host-tflops: only with --hardware"),
+        (
+            ["--hardware", "h200", "--rerank-codec", "sign", "--traffic", "/nonexistent.json"],
+            "--rerank-codec: not allowed together with --traffic",
+        ),
     ],
 )
 def test_hardware_mistakes_are_one_line(capsys, args, needle):
@@ -293,3 +308,47 @@ def test_hardware_needs_params_for_an_unknown_model(capsys):
     # the flashmem row sizes the model given by dimensions: 4 layers x 8 KV heads x 128
     flash = estimate(None, tokens=32768, layers=4, kv_heads=8, head_dim=128, config=_recipe(32768, 1)).flashmem
     assert hm["rows"]["flashmem"]["device_bytes_per_seq"] == flash.device_resident_bytes
+
+
+def test_rerank_codec_overrides_the_config(capsys):
+    """--rerank-codec sign: the recipe at 1/16 and 128K re-ranks 1,024 pages of 16 tokens per KV head
+    and layer by 1-bit codes of blocks of 64 tokens: 16,384 x 32 layers x 8 KV heads x 128 elements x
+    (1/8 + 4/64) bytes read on the host; 4 query heads score each key."""
+    from typing import get_args
+
+    from flashmem.cli.estimate_cmd import RERANK_CODECS
+    from flashmem.config import RerankCodec
+
+    assert RERANK_CODECS == get_args(RerankCodec)
+    base = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "--json")
+    out = {}
+    for codec in ("exact", "sign"):
+        code, text, _ = run(capsys, *base, "--rerank-codec", codec.upper() if codec == "sign" else codec)
+        assert code == 0
+        out[codec] = json.loads(text)["hardware_model"]
+    hm = out["sign"]
+    assert hm["rerank_codec"] == "sign" and "lsa_rerank_codec sign (--rerank-codec)" in hm["flashmem_config"]
+    elems = 16384 * 32 * 8 * 128
+    assert hm["flashmem_traffic"]["host_read_bytes_per_step"] == elems * (1 / 8 + 4 / 64) == 100663296
+    assert out["exact"]["flashmem_traffic"]["host_read_bytes_per_step"] == elems * 2 == 2**30
+    assert hm["flashmem_traffic"]["host_flops_per_step"] == 16384 * 4 * 32 * 8 * (2 * 128 + 4)
+    # exact: 212 sequences x 1 GiB of keys on 200 GB/s of host DRAM; sign: 212 x 4.36 GFLOP at 1.43 TFLOP/s
+    big = hm["rows"]["flashmem"]["largest_batch"]
+    assert out["exact"]["rows"]["flashmem"]["bound_at_largest"] == "host DRAM"
+    assert out["exact"]["rows"]["flashmem"]["step_s_at_largest"] == pytest.approx(big * 2**30 / 200e9)
+    assert hm["rows"]["flashmem"]["bound_at_largest"] == "host compute"
+    flops = 16384 * 4 * 32 * 8 * (2 * 128 + 4)
+    assert hm["rows"]["flashmem"]["step_s_at_largest"] == pytest.approx(big * flops / (2 * 56 * 64 * 2.0e9 * 0.1))
+    # the measured fractions beside the default
+    measured = hm["at_measured_new_page_fractions"]
+    assert [m["new_page_fraction"] for m in measured] == [0.067, 0.361]
+    assert all(m["throughput_ratio_at_largest_batch"] > 0 for m in measured)
+
+
+def test_host_tflops_moves_the_bound(capsys):
+    args = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "--rerank-codec", "sign")
+    code, out, _ = run(capsys, *args)
+    assert code == 0 and "host compute" in out and "1.43 TFLOP/s" in out
+    code, out, _ = run(capsys, *args, "--host-tflops", "1000", "--json")
+    hm = json.loads(out)["hardware_model"]
+    assert hm["hardware"]["host_flops"] == 1000e12 and hm["rows"]["flashmem"]["bound_at_largest"] == "link"

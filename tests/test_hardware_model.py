@@ -127,19 +127,27 @@ def test_flashmem_row_predicted_from_the_recipe(h200):
     cfg = FlashMemoryConfig.for_budget(1 / 16, TOKENS, group=4, head_dim=128, dtype_bytes=2)
     flash = estimate("llama-3.1-8b", tokens=TOKENS, config=cfg).flashmem
     assert flash is not None and flash.tier_counts["working_set"] == 4096
-    host = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions())
+    # without the head size and dtype, a re-ranking config's keys and FLOPs cannot be counted
+    with pytest.raises(ConfigError, match="needs head_dim, dtype_bytes and group"):
+        hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions())
+    # a working set in the model's dtype: the new pages cross as the cold tier holds them
+    plain = cfg.model_copy(update={"working_set_codec": "model"})
+    host = hwm.predicted_traffic(flash, plain, TOKENS, hwm.Assumptions(), 128, 2, 4)
     assert host.parts["rerank_keys"] == 0 and host.host_read_bytes == 1024 * 16 * KV_TOKEN / 2
     assert host.link_bytes == pytest.approx(0.4 * 4096 * KV_TOKEN)
+    # the host scores them: 16,384 keys x 4 query heads x 32 layers x 8 KV heads x (2 x 128 + 4)
+    assert host.host_flops == 16384 * 4 * 32 * 8 * (2 * 128 + 4)
     # given the head size and dtype, the int8 working set's new pages cross as codes: (1 + 4/128) / 2 of bf16
-    coded = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(), head_dim=128, dtype_bytes=2)
+    coded = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(), head_dim=128, dtype_bytes=2, group=4)
     assert coded.link_bytes == pytest.approx(0.4 * 4096 * KV_TOKEN * (1 + 4 / 128) / 2)
     assert coded.host_read_bytes == host.host_read_bytes
     # over the link (the old path) the pages cross as the cold tier holds them
     linked = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(rerank_keys="link"), 128, 2)
     assert linked.parts["new_pages"] == pytest.approx(0.4 * 4096 * KV_TOKEN)
     a = hwm.Assumptions(rerank_keys="link")
-    tr = hwm.predicted_traffic(flash, cfg, TOKENS, a)
+    tr = hwm.predicted_traffic(flash, cfg, TOKENS, a, 128, 2, 4)
     assert tr.parts["rerank_keys"] == 1024 * 16 * KV_TOKEN / 2 == 2**30
+    assert tr.host_flops == 0 and tr.rerank_device_flops == 16384 * 4 * 32 * 8 * (2 * 128 + 4)  # on the device
     assert tr.parts["new_pages"] == pytest.approx(0.4 * 4096 * KV_TOKEN)
     assert tr.link_bytes == pytest.approx(2**30 + 0.4 * 4096 * KV_TOKEN)
     assert tr.device_read_bytes == pytest.approx(flash.device_resident_bytes + tr.link_bytes)
@@ -229,3 +237,92 @@ def test_a_cache_that_does_not_fit_has_no_ratio():
     assert flash.fits and flash.largest_batch == (81559 * 2**20 - WEIGHTS - ALLOW) // 2**30
     tg = hwm.targets(hw, cost, a, full, flash, tr)
     assert tg["throughput_ratio_at_largest_batch"] is None and "the full cache does not fit" in tg["note"]
+
+
+# ----------------------------------------------------------------------------- the re-rank on the host
+# By hand: 2 layers x 2 KV heads x 16 dims, bf16: a sealed token is 2 x 2 x 16 x (K + V) x 2 B =
+# 256 B in the cold tier, 64 key elements. Blocks of 64 tokens in pages of 16 (4 a block).
+SMALL = dict(layers=2, kv_heads=2, head_dim=16, dtype="bfloat16")
+
+
+def small_config(**kw) -> FlashMemoryConfig:
+    base = dict(sink_tokens=4, gpu_cache_limit=124, hca_chunk_size=64, lsa_page_tokens=16, lsa_top_k=8,
+                lsa_rerank=4, lsa_rerank_min_pages=16, csa_band_tokens=0, working_set_codec="model")  # fmt: skip
+    return FlashMemoryConfig(**{**base, **kw})
+
+
+def small_traffic(cfg: FlashMemoryConfig, a: hwm.Assumptions | None = None) -> hwm.FlashTraffic:
+    flash = estimate(None, tokens=8192, config=cfg, **SMALL).flashmem
+    assert flash is not None and flash.cold_bytes_per_token == 256
+    # 8,192 tokens: 126 sealed blocks (504 pages); 8 pages of 16 tokens selected per layer
+    assert flash.tier_counts["sealed_blocks"] == 126 and flash.tier_counts["working_set"] == 128
+    return hwm.predicted_traffic(flash, cfg, 8192, a or hwm.Assumptions(), head_dim=16, dtype_bytes=2, group=3)
+
+
+# bytes one key element costs each codec: bf16; bits/8 + an fp16 scale and zero per channel over 64 tokens
+@pytest.mark.parametrize(
+    "codec,key_bytes", [("exact", 2.0), ("int4", 0.5 + 4 / 64), ("int2", 0.25 + 4 / 64), ("sign", 0.125 + 4 / 64)]
+)
+def test_rerank_host_bytes_and_flops_by_codec(codec, key_bytes):
+    """max(4 x 8, 16) = 32 candidate pages (512 tokens) per KV head and layer, 64 key elements a
+    token over the layers: 32,768 key elements read on the host; 3 query heads score each key."""
+    tr = small_traffic(small_config(lsa_rerank_codec=codec))
+    assert tr.host_read_bytes == {"exact": 65536, "int4": 18432, "int2": 10240, "sign": 6144}[codec]
+    assert tr.host_read_bytes == 512 * 64 * key_bytes
+    # 512 keys x 3 queries x (2 x 64 elements + 4 softmax FLOPs x 4 scores: 2 layers x 2 KV heads)
+    assert tr.host_flops == 512 * 3 * (2 * 64 + 4 * 4) == 221184
+    assert tr.link_bytes == pytest.approx(0.4 * 128 * 256)  # only new pages cross
+    assert f"re-rank {codec} " in tr.source and "on the host" in tr.source
+    # over the link (--rerank-keys link) the same bytes cross and the device scores them
+    linked = small_traffic(small_config(lsa_rerank_codec=codec), hwm.Assumptions(rerank_keys="link"))
+    assert linked.parts["rerank_keys"] == tr.host_read_bytes and linked.host_read_bytes == 0
+    assert linked.rerank_device_flops == 221184 and linked.host_flops == 0
+    # a disk cold tier reads exact candidates' blocks whole (K and V), codes as they are
+    disk = small_traffic(small_config(lsa_rerank_codec=codec, cold_store="disk", cold_dir="/tmp/unused"))
+    new = 0.4 * 128 * 256
+    assert disk.disk_bytes == pytest.approx(new + (2 * 65536 if codec == "exact" else tr.host_read_bytes))
+
+
+def test_rerank_in_place_scores_every_sealed_page():
+    """Candidates a third of the pages or more (3 x 200 >= 504) are scored in place over every
+    sealed block of a memory tier (cache/ranking.py): 504 pages x 16 = 8,064 tokens per head."""
+    from flashmem.cache.ranking import IN_PLACE_CANDIDATES
+
+    assert hwm.IN_PLACE_CANDIDATES == IN_PLACE_CANDIDATES
+    tr = small_traffic(small_config(lsa_rerank_min_pages=200))
+    assert tr.host_read_bytes == 8064 * 64 * 2 and tr.host_flops == 8064 * 3 * (2 * 64 + 16)
+    assert "in place over every sealed page" in tr.source
+    # 167 candidates: 3 x 167 = 501 < 504, the candidates only
+    assert small_traffic(small_config(lsa_rerank_min_pages=167)).host_read_bytes == 167 * 16 * 64 * 2
+
+
+def test_the_bound_is_host_compute_when_the_host_is_slow(h200):
+    hw, cost, a = h200
+    tr = small_traffic(small_config(lsa_rerank_codec="sign"))
+    assert hwm.HOST_FLOPS == 2 * 56 * 2 * 16 * 2 * 2.0e9 * 0.1 and hw.host_flops == hwm.HOST_FLOPS
+    slow = hwm.get_hardware("h200", host_tflops=1e-6)  # 1 MFLOP/s: 221,184 FLOPs take 0.22 s
+    assert slow.host_flops == 1e6 and "host_flops" in slow.source
+    row = hwm.flashmem_row(slow, cost, 8192, 1, a, tr, 8064 * 256, None)
+    assert row.bound == "host compute" and row.step_s == pytest.approx(221184 / 1e6)
+    assert row.bound_at_largest == "host compute"
+    assert row.step_s_at_largest == pytest.approx(row.largest_batch * 221184 / 1e6)
+    # at the default rate the same step is bound elsewhere
+    assert hwm.flashmem_row(hw, cost, 8192, 1, a, tr, 8064 * 256, None).bound != "host compute"
+    t, bound = hwm.step_time(hw, hwm.Assumptions(overlap=False), hbm=0, host_flops=hw.host_flops)
+    assert t == pytest.approx(1.0) and bound == "host compute (serial sum)"
+    # a host that misses the target alone leaves no link budget for it
+    full1 = hwm.full_row(slow, cost, 8192, 1, a)
+    assert hwm.targets(slow, cost, a, full1, row, tr)["link_bytes_per_seq_step_for_target"] is None
+    with pytest.raises(ConfigError, match="--host-tflops"):
+        hwm.get_hardware("h200", host_tflops=0)
+
+
+def test_measured_new_page_fractions_are_the_runs():
+    """The fractions beside the default are 1 - the lower page hit rate of each results file."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for m in hwm.MEASURED_NEW_PAGE_FRACTIONS:
+        path = root / m.source.split(":")[0]
+        rates = [json.loads(line)["page_hit_rate"] for line in path.read_text().splitlines() if line.strip()]
+        assert len(rates) == 2 and m.new_page_fraction == pytest.approx(1 - min(rates), abs=5e-4), m

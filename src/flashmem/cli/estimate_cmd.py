@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,12 @@ the largest batch that fits in HBM (weights + KV + --activation-gib), for the fu
 cache in HBM, the full cache offloaded to host and streamed layer by layer, and
 flashmem (--config, else the recipe at --budget). flashmem's link bytes per step are
 predicted (--new-page-fraction of the selected pages, plus the re-rank's keys with
---rerank-keys link; with the default host they are read by the host) or counted
-(--traffic FILE.json from cache.traffic_report(),
-for that run's own model). Every constant can be overridden.
+--rerank-keys link; with the default host they are read and scored by the host, its
+DRAM and its FLOPs, --host-tflops) or counted (--traffic FILE.json from
+cache.traffic_report(), for that run's own model). --rerank-codec exact|int4|int2|sign
+replaces the config's lsa_rerank_codec (what the re-rank reads per candidate key).
+Predicted, it also prints the ratios at the new-page fractions measured by this
+project's runs (SmolLM2, Gemma3). Every constant can be overridden.
 """
 
 
@@ -68,6 +72,9 @@ def estimate_command(
     host_gbps: float | None = typer.Option(None, "--host-gbps", help="override: host DRAM read, GB/s"),
     hbm_gib: float | None = typer.Option(None, "--hbm-gib", help="override: device memory, GiB"),
     tflops: float | None = typer.Option(None, "--tflops", help="override: peak dense bf16 TFLOP/s"),
+    host_tflops: float | None = typer.Option(
+        None, "--host-tflops", help="override: TFLOP/s the host reaches scoring re-rank candidates (default 1.43)"
+    ),
     params: float | None = typer.Option(
         None, "--params", help="parameter count (e.g. 8.03e9); built-ins and HF folders know theirs"
     ),
@@ -86,6 +93,11 @@ def estimate_command(
         help="where the re-rank reads candidate keys: host (scored next to a memory cold tier, the code on CUDA), "
         "link (copied to the device: disk tiers) or device (not built)",
     ),
+    rerank_codec: str | None = typer.Option(
+        None,
+        "--rerank-codec",
+        help="replace the config's lsa_rerank_codec: exact, int4, int2 or sign (bytes the re-rank reads per key)",
+    ),
     activation_gib: float = typer.Option(2.0, "--activation-gib", help="HBM set aside beyond weights and KV, GiB"),
     flops_fraction: float = typer.Option(0.5, "--flops-fraction", help="fraction of peak FLOP/s reached"),
     no_overlap: bool = typer.Option(False, "--no-overlap", help="add link, HBM and compute times instead of max"),
@@ -96,11 +108,12 @@ def estimate_command(
     from flashmem.sizing.calculator import estimate
 
     overrides = dict(hbm_gbps=hbm_gbps, link_gbps=link_gbps, nvme_gbps=nvme_gbps, host_gbps=host_gbps,
-                     hbm_gib=hbm_gib, tflops=tflops)  # fmt: skip
+                     hbm_gib=hbm_gib, tflops=tflops, host_tflops=host_tflops)  # fmt: skip
     if hardware is None:
         _refuse_hardware_only(
-            {**overrides, "traffic": traffic, "params": params, "host_gib": host_gib, "budget": budget}
-        )
+            {**overrides, "traffic": traffic, "params": params, "host_gib": host_gib, "budget": budget,
+             "rerank_codec": rerank_codec}
+        )  # fmt: skip
     dtype_given = dtype
     dtype = assumed_dtype(model, dtype)
     est = estimate(model, tokens=tokens, batch=batch, dtype=dtype, layers=layers, kv_heads=kv_heads,
@@ -111,7 +124,8 @@ def estimate_command(
             hardware, overrides, activation_gib, flops_fraction, not no_overlap, new_page_fraction, rerank_keys
         )
         hw_model = hardware_model(model, est, hw, a, config=config, budget=budget, params=params, traffic=traffic,
-                                  host_gib=host_gib, dims=(layers, kv_heads, head_dim))  # fmt: skip
+                                  host_gib=host_gib, dims=(layers, kv_heads, head_dim),
+                                  rerank_codec=rerank_codec)  # fmt: skip
     _emit(est, hw_model, as_json=as_json, dtype_note=dtype_given is None and dtype is not None)
 
 
@@ -191,8 +205,10 @@ def hardware_model(
     traffic: Path | None,
     host_gib: float | None,
     dims: tuple[int | None, int | None, int | None] = (None, None, None),
+    rerank_codec: str | None = None,
 ) -> dict[str, Any]:
-    """The three rows (full, offloaded, flashmem) and issue 27's targets, as a dict."""
+    """The three rows (full, offloaded, flashmem) and issue 27's targets, as a dict; with
+    predicted traffic, also the targets at the measured new-page fractions."""
     from flashmem.sizing import hardware as hwm
     from flashmem.sizing.units import DTYPE_BYTES
 
@@ -211,7 +227,9 @@ def hardware_model(
         arch=arch,
     )
     cfg, cfg_source = _flashmem_config(config, budget, est.tokens, arch, head_dim, eb)
-    flash, tr = _flashmem_traffic(model, est, cfg, dims, traffic, a)
+    cfg, cfg_source = _with_rerank_codec(cfg, cfg_source, rerank_codec, traffic)
+    group = arch.heads // arch.kv_heads if arch is not None else 1  # unknown: a lower bound (flops_note)
+    flash, tr = _flashmem_traffic(model, est, cfg, dims, traffic, a, group)
     rows_b = [
         hwm.full_row(hw, cost, est.tokens, est.batch, a),
         hwm.offloaded_row(hw, cost, est.tokens, est.batch, a, host_bytes),
@@ -221,13 +239,29 @@ def hardware_model(
     flash1 = hwm.flashmem_row(hw, cost, est.tokens, 1, a, tr, flash.cold_bytes, host_bytes)
     out = hwm.to_dict(hw, a, cost, rows_b, hwm.targets(hw, cost, a, full1, flash1, tr))
     out["flashmem_config"] = cfg_source
+    out["rerank_codec"] = str(cfg.lsa_rerank_codec)
     out["flashmem_traffic"] = {
         "source": tr.source,
         "link_bytes_per_step": tr.link_bytes,
         "parts": tr.parts,
         "device_read_bytes_per_step": tr.device_read_bytes,
+        "host_read_bytes_per_step": tr.host_read_bytes,
+        "host_flops_per_step": tr.host_flops,
         "prefill_link_bytes": tr.prefill_link_bytes,
     }
+    if traffic is None:  # a run's counted bytes have their own page hits
+        measured = []
+        for m in hwm.MEASURED_NEW_PAGE_FRACTIONS:
+            am = replace(a, new_page_fraction=m.new_page_fraction)
+            _, trm = _flashmem_traffic(model, est, cfg, dims, None, am, group)
+            fm1 = hwm.flashmem_row(hw, cost, est.tokens, 1, am, trm, flash.cold_bytes, host_bytes)
+            tg = hwm.targets(hw, cost, am, full1, fm1, trm)
+            measured.append({
+                "label": m.label, "new_page_fraction": m.new_page_fraction, "source": m.source,
+                "throughput_ratio_at_largest_batch": tg["throughput_ratio_at_largest_batch"],
+                "batch1_speed_ratio": tg["batch1_speed_ratio"], "bound_at_largest": fm1.bound_at_largest,
+            })  # fmt: skip
+        out["at_measured_new_page_fractions"] = measured
     out["tokens"] = est.tokens
     out["batch"] = est.batch
     out["flops_note"] = (
@@ -248,9 +282,16 @@ def _param_count(params: float | None) -> int | None:
 
 
 def _flashmem_traffic(
-    model: Any, est: Any, cfg: Any, dims: tuple[int | None, int | None, int | None], traffic: Path | None, a: Any
+    model: Any,
+    est: Any,
+    cfg: Any,
+    dims: tuple[int | None, int | None, int | None],
+    traffic: Path | None,
+    a: Any,
+    group: int = 1,
 ) -> tuple[Any, Any]:
-    """flashmem's estimate for one sequence under `cfg`, and its bytes per step: counted (--traffic) or predicted."""
+    """flashmem's estimate for one sequence under `cfg`, and its bytes per step: counted (--traffic)
+    or predicted (`group`: query heads per KV head, for the re-rank's host FLOPs)."""
     from flashmem.sizing import hardware as hwm
     from flashmem.sizing.calculator import estimate
 
@@ -272,7 +313,7 @@ def _flashmem_traffic(
         from flashmem.sizing.budget import model_geometry
 
         head_dim = model_geometry(model)["head_dim"]
-    return flash, hwm.predicted_traffic(flash, cfg, est.tokens, a, head_dim, est.element_bytes)
+    return flash, hwm.predicted_traffic(flash, cfg, est.tokens, a, head_dim, est.element_bytes, group)
 
 
 def _check_budget_and_host(
@@ -317,6 +358,24 @@ def _flashmem_config(
     group = arch.heads // arch.kv_heads if arch else 1
     cfg = FlashMemoryConfig.for_budget(budget, tokens, group=group, head_dim=head_dim, dtype_bytes=eb)
     return cfg, f"the recipe at budget {budget:g} (FlashMemoryConfig.for_budget)"
+
+
+RERANK_CODECS = ("exact", "int4", "int2", "sign")
+
+
+def _with_rerank_codec(cfg: Any, source: str, codec: str | None, traffic: Path | None) -> tuple[Any, str]:
+    """`cfg` with --rerank-codec as its lsa_rerank_codec (checked: one line naming the allowed ones)."""
+    if codec is None:
+        return cfg, source
+    name = codec.strip().lower()
+    if name not in RERANK_CODECS:
+        raise ConfigError(f"--rerank-codec: {codec!r} is not allowed; allowed: {', '.join(RERANK_CODECS)}")
+    if traffic is not None:
+        raise ConfigError(
+            "--rerank-codec: not allowed together with --traffic (a run's counted bytes are its own "
+            "codec's); allowed: one of them"
+        )
+    return cfg.model_copy(update={"lsa_rerank_codec": name}), f"{source}, lsa_rerank_codec {name} (--rerank-codec)"
 
 
 def _print(est: Any) -> None:
@@ -419,7 +478,8 @@ def _print_hardware(d: dict[str, Any]) -> None:
     typer.echo(
         f"hardware model: {hw['name']} (MODELLED, not measured): HBM {hw['hbm_bytes_per_s'] / 1e12:.2f} "
         f"TB/s, {fmt_bytes(hw['hbm_bytes'])}; link {hw['link_bytes_per_s'] / 1e9:.0f} GB/s; NVMe "
-        f"{hw['nvme_bytes_per_s'] / 1e9:.0f} GB/s; {hw['peak_flops'] / 1e12:.0f} TFLOPS x {a['flops_fraction']:g}"
+        f"{hw['nvme_bytes_per_s'] / 1e9:.0f} GB/s; {hw['peak_flops'] / 1e12:.0f} TFLOPS x {a['flops_fraction']:g}; "
+        f"host DRAM {hw['host_bytes_per_s'] / 1e9:.0f} GB/s, host compute {hw['host_flops'] / 1e12:.2f} TFLOP/s"
     )
     typer.echo(
         f"weights {fmt_bytes(m['weight_bytes'])} ({m['params']:,} parameters, {m['params_source']}); "
@@ -429,7 +489,7 @@ def _print_hardware(d: dict[str, Any]) -> None:
     )
     typer.echo(f"decode and prefill at {d['tokens']:,} tokens per sequence, batch {d['batch']} and the largest:")
     head = ("cache", "HBM/seq", "max batch", "ms/step@b", "tok/s@b", "ms/step@max", "tok/s@max", "bound@max")
-    typer.echo(f"{head[0]:<10}" + "".join(f"{h:>12}" for h in head[1:-1]) + f"  {head[-1]:<10}  link/seq/step  prefill")
+    typer.echo(f"{head[0]:<10}" + "".join(f"{h:>12}" for h in head[1:-1]) + f"  {head[-1]:<12}  link/seq/step  prefill")
     for r in d["rows"].values():
         link = r["link_bytes_per_step"] / r["batch"] if r["batch"] else 0.0
         cells = (
@@ -443,25 +503,43 @@ def _print_hardware(d: dict[str, Any]) -> None:
         typer.echo(
             f"{r['method']:<10}"
             + "".join(f"{c:>12}" for c in cells)
-            + f"  {r['bound_at_largest']:<10}  {_gb(link):>13}  {r['prefill_s']:,.2f} s ({r['prefill_bound']})"
+            + f"  {r['bound_at_largest']:<12}  {_gb(link):>13}  {r['prefill_s']:,.2f} s ({r['prefill_bound']})"
         )
     tr, tg = d["flashmem_traffic"], d["targets"]
     parts = ", ".join(f"{k} {fmt_bytes(int(v))}" for k, v in tr["parts"].items() if v)
     typer.echo(f"flashmem link bytes per sequence and step: {tr['source']}" + (f" ({parts})" if parts else ""))
+    if tr["host_flops_per_step"]:
+        typer.echo(
+            f"host per sequence and step: reads {fmt_bytes(int(tr['host_read_bytes_per_step']))}, "
+            f"{tr['host_flops_per_step'] / 1e9:,.2f} GFLOP (the re-rank's scores)"
+        )
     need = tg["link_bytes_per_seq_step_for_target"]
     if tg["throughput_ratio_at_largest_batch"] is None:
         typer.echo(f"issue 27 targets (modelled): not comparable: {tg['note']}")
         return
     typer.echo(
-        f"issue 27 targets (modelled): flashmem tok/s at its largest batch / full cache at its largest: "
+        f"issue 27 targets (modelled, re-rank codec {d['rerank_codec']}, new-page fraction "
+        f"{a['new_page_fraction']:g}): flashmem tok/s at its largest batch / full cache at its largest: "
         f"{tg['throughput_ratio_at_largest_batch']:.2f}x (target >= {tg['throughput_ratio_target']:g}x: "
         f"{'met' if tg['throughput_target_met'] else 'NOT met'}); batch 1, full step / flashmem step: "
         f"{tg['batch1_speed_ratio']:.2f}x (target >= 1: {'met' if tg['batch1_target_met'] else 'NOT met'})"
     )
     typer.echo(
         "link bytes per sequence and step at which the first would be met: "
-        + (fmt_bytes(int(need)) if need is not None else "none (HBM or compute alone miss it)")
+        + (fmt_bytes(int(need)) if need is not None else "none (HBM, NVMe, host or compute alone miss it)")
     )
+    measured = d.get("at_measured_new_page_fractions")
+    if measured:
+        typer.echo(
+            f"at measured new-page fractions (re-rank codec {d['rerank_codec']}; the default "
+            f"{a['new_page_fraction']:g} is ShadowKV's): "
+            + "; ".join(
+                f"{m['new_page_fraction']:g} ({m['label']}): {m['throughput_ratio_at_largest_batch']:.2f}x at the "
+                f"largest batches, {m['batch1_speed_ratio']:.2f}x at batch 1, bound by {m['bound_at_largest']}"
+                for m in measured
+                if m["throughput_ratio_at_largest_batch"] is not None
+            )
+        )
 
 
 def register(app: typer.Typer) -> None:

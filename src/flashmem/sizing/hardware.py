@@ -19,10 +19,11 @@ Three ways to hold the KV cache are modelled, one sequence of `tokens` tokens ea
   that newly enter the working set (predicted: `new_page_fraction` of the selected
   pages; or counted: a run's `cache.traffic_report()`), plus, when the config
   re-ranks candidates by their exact keys and those keys live in the cold tier,
-  the candidates' keys.
+  the candidates' keys (exact, or as `lsa_rerank_codec`'s codes), and the host's FLOPs
+  to score them when they are ranked on the host.
 
 Step time is a roofline: each resource's time is bytes / bandwidth (FLOPs / (a
-fraction of peak) for compute); with `overlap` (prefetch on a copy stream) the step
+fraction of peak) for the device's compute, FLOPs / the host's rate for the host's); with `overlap` (prefetch on a copy stream) the step
 takes the slowest of them, without it their sum. Prefill is compute-bound:
 2 x params x tokens + causal attention FLOPs, at `flops_fraction` of peak, or the
 link's time for the bytes a prompt moves, if that is longer. Torch-free.
@@ -43,6 +44,19 @@ GiB = 2**30
 MiB = 2**20
 
 
+# Host compute (the re-rank's scores when candidates are ranked on the host): a dual-socket
+# server CPU as in NVIDIA's DGX H100/H200 datasheet, 2 x Intel Xeon Platinum 8480C (56 cores
+# each, 2.0 GHz base). Peak fp32: 112 cores x 2 AVX-512 FMA units x 16 lanes x 2 FLOPs x
+# 2.0 GHz = 14.3 TFLOP/s. The score is a skinny product (one decode query per head: a GQA
+# group of 4 rows against thousands of keys), which reaches about a tenth of a core's GEMM
+# rate: 0.10-0.12 measured on this project's CPU, one thread
+# (`OMP_NUM_THREADS=1 python benchmarks/host_score_rate.py`, results/host_score_rate.json).
+# So 1.43 TFLOP/s; `--host-tflops` overrides it. The same host is assumed for every device.
+HOST_PEAK_FLOPS = 2 * 56 * 2 * 16 * 2 * 2.0e9
+HOST_FLOPS_FRACTION = 0.1
+HOST_FLOPS = HOST_PEAK_FLOPS * HOST_FLOPS_FRACTION
+
+
 @dataclass(frozen=True)
 class Hardware:
     """One accelerator and its host, as rates in bytes/s and FLOP/s and a capacity in bytes."""
@@ -56,6 +70,7 @@ class Hardware:
     host_bytes_per_s: float  # host DRAM read, one socket (for compute on the host)
     peak_flops: float  # dense bf16 tensor-core FLOP/s (datasheet, no sparsity)
     source: str
+    host_flops: float = HOST_FLOPS  # FLOP/s the host reaches scoring re-rank candidates (not its peak)
 
 
 # Sources (docs/accelerator.md has the table): memory totals are nvidia-smi's MiB
@@ -95,9 +110,11 @@ def get_hardware(
     host_gbps: float | None = None,
     hbm_gib: float | None = None,
     tflops: float | None = None,
+    host_tflops: float | None = None,
 ) -> Hardware:
     """The documented constants of `key` (h100, h200, a100, l4), each overridable.
-    Rates are given in GB/s (10**9 bytes/s) and TFLOP/s, the capacity in GiB."""
+    Rates are given in GB/s (10**9 bytes/s) and TFLOP/s, the capacity in GiB.
+    `host_tflops` is the rate the host reaches scoring re-rank candidates, not its peak."""
     name = str(key).strip().lower()
     if name not in HARDWARE:
         raise ConfigError(f"--hardware: {key!r} is not known; allowed: {', '.join(HARDWARE)}")
@@ -109,6 +126,7 @@ def get_hardware(
         ("--nvme-gbps", nvme_gbps, "nvme_bytes_per_s", 1e9),
         ("--host-gbps", host_gbps, "host_bytes_per_s", 1e9),
         ("--tflops", tflops, "peak_flops", 1e12),
+        ("--host-tflops", host_tflops, "host_flops", 1e12),
         ("--hbm-gib", hbm_gib, "hbm_bytes", GiB),
     ):
         if value is None:
@@ -276,6 +294,40 @@ class Assumptions:
 
 # ----------------------------------------------------------------------------- flashmem's traffic
 @dataclass(frozen=True)
+class MeasuredFraction:
+    """A new-page fraction measured by a run on this project's CPU: 1 - the working set's page hit rate."""
+
+    label: str
+    new_page_fraction: float
+    source: str
+
+
+# The working set's page hit rate per decode step at 1/16 (benchmarks/budget_peak.py, the field
+# page_hit_rate), as new-page fractions: 1 - the lower hit rate of each model's lengths. Beside the
+# default 0.4 (ShadowKV's, an assumption), `flashmem estimate --hardware` shows the ratios at these.
+# tests/test_hardware_model.py reads the files and checks these figures.
+MEASURED_NEW_PAGE_FRACTIONS = (
+    MeasuredFraction(
+        "SmolLM2 measured", 0.067, "results/budget_peak_smollm2_peak.jsonl: hit rates 0.933 (4K), 0.940 (8K)"
+    ),
+    MeasuredFraction(
+        "Gemma3 measured",
+        0.361,
+        "results/budget_peak_gemma3.jsonl: hit rates 0.639 (4K), 0.655 (16K), an older recipe",
+    ),
+)
+
+
+# The re-rank scores its candidates in place, over every sealed block of a memory cold tier,
+# when they are at least 1/IN_PLACE_CANDIDATES of the sealed pages (cache/ranking.py's constant
+# of the same name; tests/test_hardware_model.py checks that they agree)
+IN_PLACE_CANDIDATES = 3
+# FLOPs per score beyond its dot product (2 x head_dim): the scaling, the softmax's max-subtract,
+# exp and sum. An exp takes more than one instruction; at head_dim 128 this is still ~2-4%.
+SOFTMAX_FLOPS_PER_SCORE = 4
+
+
+@dataclass(frozen=True)
 class FlashTraffic:
     """flashmem's bytes per sequence: what it holds on the device and what a step moves."""
 
@@ -289,15 +341,28 @@ class FlashTraffic:
     attended_tokens: int  # keys a decode step attends per layer (for its FLOPs)
     source: str
     parts: dict[str, float] = field(default_factory=dict)  # where link_bytes come from
+    host_flops: float = 0.0  # computed on the host per decode step (the re-rank's scores)
+    rerank_device_flops: float = 0.0  # the re-rank's scores when its keys cross to the device
 
 
 def predicted_traffic(
-    flash: Any, cfg: Any, tokens: int, a: Assumptions, head_dim: int | None = None, dtype_bytes: float | None = None
+    flash: Any,
+    cfg: Any,
+    tokens: int,
+    a: Assumptions,
+    head_dim: int | None = None,
+    dtype_bytes: float | None = None,
+    group: int = 1,
 ) -> FlashTraffic:
     """flashmem's traffic predicted from a config: `flash` is the calculator's
     `FlashEstimate` for ONE sequence (`estimate(..., batch=1, config=cfg).flashmem`).
     head_dim, dtype_bytes (the model's): with them, ranked on the host, an int8 working set's
-    new pages are counted as they cross the link, as codes (1 + 4/head_dim bytes an element)."""
+    new pages are counted as they cross the link, as codes (1 + 4/head_dim bytes an element).
+    A config that re-ranks needs them (and `group`, query heads per KV head) for its key bytes
+    under `lsa_rerank_codec` and its score FLOPs."""
+    from flashmem.config import rerank_key_bytes
+    from flashmem.sizing.tiers import codec_bytes_per_element
+
     counts = flash.tier_counts  # per managed layer, per sequence, token-equivalents
     cold_tok = float(flash.cold_bytes_per_token)  # K+V of one sealed token, every managed layer
     page = int(cfg.page_tokens)
@@ -308,20 +373,40 @@ def predicted_traffic(
     if a.rerank_keys == "host" and cfg.working_set_codec == "int8" and head_dim and dtype_bytes:
         # cut on the host, an int8 working set's new pages cross as their codes (cache/working_set.py)
         new_pages = new_exact * (1 + 4 / head_dim) / dtype_bytes
-    rerank = host = 0.0
+    rerank = host = disk_keys = flops = 0.0
+    codec = str(cfg.lsa_rerank_codec)
+    in_place = False
     cap = cfg.lsa_rerank_max_tokens
     reranks = cap is None or int(counts["cold_tokens"]) <= cap  # past the cap the index's choice stands
     if int(cfg.lsa_rerank) > 1 and a.rerank_keys != "device" and selected_tokens and reranks:
+        if not head_dim or not dtype_bytes or group < 1:
+            raise ConfigError(
+                "predicted_traffic: a re-ranking config needs head_dim, dtype_bytes and group >= 1; "
+                "allowed: the model's head size, element bytes and query heads per KV head"
+            )
         # the index picks max(rerank x selected, floor) candidate pages per head and layer; their
-        # exact keys (half of K+V) are read from the cold tier (issue 27: 1 GiB/step at 128K, 1/16):
-        # over the link, or by host compute next to the cold tier (memory, or disk blocks read
-        # into host memory)
+        # keys are read from the cold tier (issue 27: 1 GiB/step at 128K, 1/16, exact): over the
+        # link, or by host compute next to the cold tier (memory, or disk blocks read into host
+        # memory). Ranked on the host with a memory cold tier, candidates that are a third of the
+        # pages or more are scored in place over every sealed block (cache/ranking.py)
         cand = min(sealed_pages, max(int(cfg.lsa_rerank) * (selected_tokens // page), int(cfg.lsa_rerank_min_pages)))
-        keys = cand * page * cold_tok / 2
+        in_place = a.rerank_keys == "host" and cfg.cold_store == "memory" and IN_PLACE_CANDIDATES * cand >= sealed_pages
+        scored = (sealed_pages if in_place else cand) * page  # tokens scored per KV head and layer
+        # K elements of one sealed token over every managed layer: half the cold tier's K+V
+        key_elems = cold_tok / 2 / codec_bytes_per_element(str(cfg.cold_codec), int(dtype_bytes))
+        if codec == "exact":  # as the cold tier holds them
+            keys = scored * cold_tok / 2
+            # a disk tier's blocks are read whole (K and V)
+            disk_keys = 2 * keys
+        else:  # the block codes kept beside the cold tier (compress/key_code.py)
+            keys = scored * key_elems * rerank_key_bytes(codec, dtype_bytes, int(cfg.hca_chunk_size))
+            disk_keys = keys
+        # each of the group's queries scores every key: 2 FLOPs an element, plus the softmax per score
+        flops = scored * group * (2 * key_elems + SOFTMAX_FLOPS_PER_SCORE * key_elems / head_dim)
         host, rerank = (keys, 0.0) if a.rerank_keys == "host" else (0.0, keys)
     link = new_pages + rerank
-    # worst case: no host RAM cache hits; a disk tier's blocks are read whole (K and V)
-    disk = new_exact + 2 * (host + rerank) if cfg.cold_store in ("disk", "lmdb") else 0.0
+    # worst case: no host RAM cache hits
+    disk = new_exact + disk_keys if cfg.cold_store in ("disk", "lmdb") else 0.0
     # the streamed exact prompt (issue 27 item 3): chunk j of C tokens reads every earlier token
     # that is not resident (sinks + window) from the cold tier
     chunk = max(1, int(cfg.prefill_chunk))
@@ -329,6 +414,8 @@ def predicted_traffic(
     n_chunks = -(-tokens // chunk)
     behind = _tokens_behind(n_chunks, chunk, resident_tok)
     attended = int(counts["sinks"]) + int(counts["window"]) + int(counts["open_block"]) + selected_tokens
+    what = f"{codec} keys" if codec == "exact" else f"{codec} codes"
+    where = ", in place over every sealed page" if in_place else ""
     return FlashTraffic(
         resident_bytes=int(flash.device_resident_bytes),
         prompt_bytes=int(flash.prompt_kv_bytes),
@@ -340,10 +427,12 @@ def predicted_traffic(
         attended_tokens=attended,
         source=(
             f"predicted from the config: {a.new_page_fraction:g} of the selected pages new per step"
-            + (", re-rank keys over the link" if rerank else "")
-            + (", re-rank keys read on the host" if host else "")
+            + (f", re-rank {what} over the link" if rerank else "")
+            + (f", re-rank {what} read and scored on the host{where}" if host else "")
         ),
         parts={"new_pages": new_pages, "rerank_keys": rerank, "rerank_keys_on_host": host},
+        host_flops=flops if host else 0.0,
+        rerank_device_flops=flops if rerank else 0.0,
     )
 
 
@@ -431,7 +520,8 @@ def counted_traffic(report: dict[str, Any], resident_bytes: int, prompt_bytes: i
         host_read_bytes=float(step["host_read_bytes"]),
         prefill_link_bytes=float(chunk["h2d_bytes"]) * int(_prefill_count(report)),
         attended_tokens=0,
-        source=f"counted: {source} (per-decode-step medians of that run)",
+        # a run counts bytes, not FLOPs: its host reads bound the host's DRAM time only
+        source=f"counted: {source} (per-decode-step medians of that run; host FLOPs not counted)",
     )
 
 
@@ -488,13 +578,16 @@ def step_time(
     disk: float = 0.0,
     host: float = 0.0,
     flops: float = 0.0,
+    host_flops: float = 0.0,
 ) -> tuple[float, str]:
-    """Seconds for one step and the resource that sets it (roofline)."""
+    """Seconds for one step and the resource that sets it (roofline). `flops` run on the
+    device at `flops_fraction` of its peak, `host_flops` on the host at `hw.host_flops`."""
     parts = {
         "HBM": hbm / hw.hbm_bytes_per_s,
         "link": link / hw.link_bytes_per_s,
         "NVMe": disk / hw.nvme_bytes_per_s,
         "host DRAM": host / hw.host_bytes_per_s,
+        "host compute": host_flops / hw.host_flops,
         "compute": flops / (a.flops_fraction * hw.peak_flops),
     }
     bound = max(parts, key=lambda k: parts[k])
@@ -581,10 +674,11 @@ def flashmem_row(
     def at(b: int) -> tuple[float, str, float, float]:
         hbm = m.weight_bytes + b * traffic.device_read_bytes
         link = b * traffic.link_bytes
-        flops = b * (2.0 * m.params + m.attention_flops(1, attended))
+        flops = b * (2.0 * m.params + m.attention_flops(1, attended) + traffic.rerank_device_flops)
         t, bound = step_time(
-            hw, a, hbm=hbm, link=link, disk=b * traffic.disk_bytes, host=b * traffic.host_read_bytes, flops=flops
-        )
+            hw, a, hbm=hbm, link=link, disk=b * traffic.disk_bytes, host=b * traffic.host_read_bytes, flops=flops,
+            host_flops=b * traffic.host_flops,
+        )  # fmt: skip
         return t, bound, hbm, link
 
     big = largest_batch(hw, fixed, per_seq, host_bytes, cold_bytes_per_seq)
@@ -626,9 +720,14 @@ def targets(
         t_max = b / (TARGET_THROUGHPUT_RATIO * full_b1.tokens_per_s_at_largest)
         hbm = m.weight_bytes + b * (traffic.device_read_bytes - traffic.link_bytes)
         attended = traffic.attended_tokens or 1
-        flops = b * (2.0 * m.params + m.attention_flops(1, attended))
-        t_rest, _ = step_time(hw, replace(a, overlap=True), hbm=hbm, flops=flops)
-        if t_rest < t_max:  # else HBM or compute alone already miss the target
+        flops = b * (2.0 * m.params + m.attention_flops(1, attended) + traffic.rerank_device_flops)
+        # everything but the link: HBM, the device's and the host's compute, host DRAM, NVMe
+        # (overlapped: the slowest of them; serial: their sum, which the link's time adds to)
+        t_rest, _ = step_time(
+            hw, a, hbm=hbm, flops=flops, host=b * traffic.host_read_bytes,
+            host_flops=b * traffic.host_flops, disk=b * traffic.disk_bytes,
+        )  # fmt: skip
+        if t_rest < t_max:  # else HBM, NVMe or compute (device or host) alone already miss the target
             need = (t_max if a.overlap else t_max - t_rest) * hw.link_bytes_per_s / b
     return {
         "throughput_ratio_at_largest_batch": ratio_fill,
