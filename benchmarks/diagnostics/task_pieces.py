@@ -1,6 +1,7 @@
 """Which pieces of a task prompt flashmem selected while it answered, and whether forcing them in fixes it.
 
     python benchmarks/diagnostics/task_pieces.py multivalue kjv 4096 0 0.0625 [--wording 0] [--model smollm2]
+        [--variant NAME] [--skip-full] [--skip-topk]
 
 One prompt of `flashmem_eval.tasks` (family, haystack, length, seed, wording), fed as the
 `tasks` suite feeds it (context through the cache, then the question, greedy), with
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--variant", default="default")
     ap.add_argument("--skip-full", action="store_true", help="skip the full cache's answer (known from a run)")
+    ap.add_argument("--skip-topk", action="store_true", help="skip the answer with twice the pages (one prefill less)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     ld = H.load(a.model)
@@ -146,8 +148,9 @@ def main(argv: list[str] | None = None) -> None:
 
     out["forced"], text = answer(cfg, hook=forced)
     print(f"pieces forced in {out['forced']:.2f} {text!r}")
-    out["top_k_x2"], text = answer(cfg.model_copy(update={"lsa_top_k": 2 * cfg.lsa_top_k}))
-    print(f"top_k x2 {out['top_k_x2']:.2f} {text!r}")
+    if not a.skip_topk:
+        out["top_k_x2"], text = answer(cfg.model_copy(update={"lsa_top_k": 2 * cfg.lsa_top_k}))
+        print(f"top_k x2 {out['top_k_x2']:.2f} {text!r}")
     print(json.dumps(out))
 
 
