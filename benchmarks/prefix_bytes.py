@@ -9,14 +9,16 @@ records; then the same prompt again, reused. Reported per length:
 - ttft: time to first token, cold and reused, and their ratio;
 - where the reused request's time goes: loading the records (read + checks +
   decode), rebuilding the cache from them, the re-prefilled tail (the prompt
-  after the last stored block) and the rest (sampling, bookkeeping);
+  after the last stored record: its last END_TAIL tokens with the engine's end
+  records, the default; up to a whole block with `--no-end-records`) and the
+  rest (sampling, bookkeeping);
 - same answer: the greedy tokens of the two requests, and whether they are equal.
 
 Runs on the engine directly (`Engine.run_sync`, no HTTP), so the numbers are the
 worker's own. One model load; heavy: run it under the shared lock.
 
-    OMP_NUM_THREADS=1 flock /work/notes/bench.lock python benchmarks/prefix_bytes.py \
-        --tokens 3072 8192 --out results/prefix_bytes_smollm2.json
+    OMP_NUM_THREADS=1 python benchmarks/prefix_bytes.py --tokens 3072 8192 \
+        --out results/prefix_bytes_smollm2_end.json
 """
 
 from __future__ import annotations
@@ -51,68 +53,8 @@ def timed(obj: Any, name: str, into: dict[str, float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def end_record_engine() -> type:
-    """The engine with end records, as proposed for serve/engine.py (prefix.end_point /
-    end_key): the prompt's chunk that holds its end point stops there, the state there is
-    stored under the end key, and a request whose whole chain and end record are stored
-    restores them and runs the last END_TAIL tokens only. Here so the change can be
-    measured before the engine takes it; nothing else differs from `Engine`."""
-    from flashmem.errors import FlashMemError
-    from flashmem.serve import state
-    from flashmem.serve.engine import Engine
-    from flashmem.serve.prefix import chain, end_key, end_point
-
-    class EndRecordEngine(Engine):
-        def _admit(self, seq: Any) -> None:
-            C, n, store = self.block_tokens, seq.prompt_tokens, self.prefix_store
-            seq.end_at, seq.end_key = end_point(n, C), None
-            if store is None or not seq.end_at:
-                return super()._admit(seq)
-            try:
-                seq.cache = self._attach(self.model, self.cfg)
-                seq.keys = chain(seq.prompt_ids, C, self.fingerprint, seq.salt, limit=(n - 1) // C)
-                full = len(seq.keys)  # == end_at // C
-                parent = seq.keys[full - 1] if full else ""
-                seq.end_key = end_key(parent, seq.prompt_ids[full * C : seq.end_at], self.fingerprint, seq.salt)
-                hit = store.longest(seq.keys)
-                want = seq.keys[:hit] + ([seq.end_key] if hit == full and seq.end_key in store else [])
-                records = store.load(want) if want else []
-                hit = len(records)
-                self._store_counters()
-                store.pin(want[:hit])
-                seq.pinned = want[:hit]
-                if hit:
-                    state.import_records(seq.cache, records)
-                    seq.pos = seq.reused_tokens = seq.end_at if hit > full else hit * C
-                    self.metrics.prefix_hits.inc()
-                    self.metrics.reused_tokens.inc(seq.reused_tokens)
-                else:
-                    self.metrics.prefix_misses.inc()
-                seq.mark = state.mark(seq.cache)
-            except Exception as exc:  # noqa: BLE001 - as Engine._admit
-                self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-
-        def _prefill_chunk(self, seq: Any) -> None:
-            a, m, store = seq.pos, getattr(seq, "end_at", 0), self.prefix_store
-            if not (m and a < m < min(a + self.block_tokens, seq.prompt_tokens)):
-                return super()._prefill_chunk(seq)
-            self._forward(seq, seq.prompt_ids[a:m])  # the chunk stops at the end point
-            seq.pos = m
-            self.metrics.prefill_tokens.inc(m - a)
-            if store is not None and seq.mark is not None and seq.end_key is not None and seq.end_key not in store:
-                try:
-                    parent = seq.keys[-1] if seq.keys else ""
-                    store.save(seq.end_key, parent, state.export_delta(seq.cache, seq.mark), pin=True)
-                    seq.pinned.append(seq.end_key)
-                except FlashMemError as exc:
-                    print(f"end record not stored: {exc}", file=sys.stderr)
-            seq.mark = state.mark(seq.cache) if store is not None else None
-
-    return EndRecordEngine
-
-
 def run_length(
-    model: Any, tok: Any, cfg: Any, n_tokens: int, max_tokens: int, store_kw: dict[str, Any], end_record: bool
+    model: Any, tok: Any, cfg: Any, n_tokens: int, max_tokens: int, store_kw: dict[str, Any], end_records: bool
 ) -> dict:
     from flashmem.serve import state
     from flashmem.serve.engine import Engine, Sampling, Sequence
@@ -124,8 +66,7 @@ def run_length(
     out: dict[str, Any] = {"prompt_tokens": len(ids)}
     with tempfile.TemporaryDirectory() as d:
         store = PrefixStore(d, **store_kw)
-        kind = end_record_engine() if end_record else Engine
-        engine = kind(model, tok, cfg, model_name="smollm2", prefix_store=store)
+        engine = Engine(model, tok, cfg, model_name="smollm2", prefix_store=store, end_records=end_records)
         spent: dict[str, float] = {}
         timed(store, "load", spent)
         timed(store, "save", spent)
@@ -167,7 +108,8 @@ def run_length(
             if name == "cold":
                 out["stored_bytes"] = store.nbytes()
                 out["stored_records"] = len(store)
-                out["stored_tokens"] = len(engine_keys(engine, ids)) * engine.block_tokens
+            else:  # what the stored records cover: the tokens the reused request restored
+                out["stored_tokens"] = seq.reused_tokens
         r, c = runs["reused"], runs["cold"]
         r["other_s"] = round(r["ttft_s"] - r["load_s"] - r["import_s"] - r["prefill_s"], 3)
         out["cold"], out["reused"] = c, r
@@ -177,12 +119,6 @@ def run_length(
     return out
 
 
-def engine_keys(engine: Any, ids: list[int]) -> list[str]:
-    from flashmem.serve.prefix import chain
-
-    return chain(ids, engine.block_tokens, engine.fingerprint, "bench", limit=(len(ids) - 1) // engine.block_tokens)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[8192])
@@ -190,7 +126,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--codec", default=None, help="prefix record codec (a PrefixStore keyword where it has one)")
     p.add_argument("--config", default=str(ROOT / "configs" / "cpu-small.yaml"))
-    p.add_argument("--end-record", action="store_true", help="the engine with end records (end_record_engine)")
+    p.add_argument(
+        "--no-end-records",
+        action="store_true",
+        help="the engine without end records (Engine(end_records=False)): full blocks only",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -208,13 +148,13 @@ def main() -> None:
         "model": "smollm2 (fp32)",
         "config": Path(args.config).name,
         "codec": args.codec or "default",
-        "end_record": args.end_record,
+        "end_records": not args.no_end_records,
         "threads": args.threads,
         "machine": platform.processor() or platform.machine(),
         "lengths": [],
     }
     for n in args.tokens:
-        r = run_length(model, tok, cfg, n, args.max_tokens, store_kw, args.end_record)
+        r = run_length(model, tok, cfg, n, args.max_tokens, store_kw, not args.no_end_records)
         report["lengths"].append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("cold", "reused")}), flush=True)
         print("  cold  ", json.dumps(r["cold"]), flush=True)

@@ -12,8 +12,10 @@ requests over one document (`--doc-tokens` of the King James text):
    answers are the same text;
 2. breakdown: where the reused request's time goes, measured in this process on
    the same store and keys (look-up, reading the records, checking and decoding
-   them, rebuilding the cache, the re-prefilled tail), and what a full
-   re-prefilled block (the worst tail, 512 tokens) costs at the same depth;
+   them, rebuilding the cache, the re-prefilled tail: the last END_TAIL tokens
+   when the prompt's end record is stored, as the server stores it), and what a
+   full re-prefilled block (the worst tail without an end record, 512 tokens)
+   costs at the same depth;
 3. outage: A stores a shorter prompt's blocks; then both replicas get a request
    and the store is killed (SIGKILL) while they run; then both answer the
    shorter prompt again. Every request must succeed, the answers must not
@@ -261,7 +263,7 @@ def breakdown(
     from flashmem.serve.app import chat_prompt_ids
     from flashmem.serve.auth import salt_for
     from flashmem.serve.engine import Engine
-    from flashmem.serve.prefix import chain, decode_record
+    from flashmem.serve.prefix import chain, decode_record, end_key, end_point
     from flashmem.serve.prefix_remote import NAMESPACE, RedisPrefixStore
 
     cfg = FlashMemoryConfig.from_yaml(args.config)
@@ -272,15 +274,22 @@ def breakdown(
     ids = chat_prompt_ids(tok, [{"role": "user", "content": content}])
     t_tok = time.perf_counter() - t0
     n = len(ids)
-    keys = chain(ids, C, engine.fingerprint, salt_for(salt_tenant), limit=(n - 1) // C)
+    salt = salt_for(salt_tenant)
+    keys = chain(ids, C, engine.fingerprint, salt, limit=(n - 1) // C)
+    full = len(keys)
+    # the engine's look-up (Engine._admit): the full blocks, then the prompt's end record
+    end_at = end_point(n, C)
+    want = list(keys)
+    if end_at:
+        want.append(end_key(keys[-1] if full else "", ids[full * C : end_at], engine.fingerprint, salt))
     t0 = time.perf_counter()
-    hit = store.longest(keys)
+    hit = store.longest(want)
     t_longest = time.perf_counter() - t0
     t0 = time.perf_counter()
-    raw = store._client.mget([NAMESPACE + k for k in keys[:hit]])  # noqa: SLF001 - the read alone, timed
+    raw = store._client.mget([NAMESPACE + k for k in want[:hit]])  # noqa: SLF001 - the read alone, timed
     t_read = time.perf_counter() - t0
     t0 = time.perf_counter()
-    records = [decode_record(k, bytes(v)) for k, v in zip(keys[:hit], raw, strict=True)]
+    records = [decode_record(k, bytes(v)) for k, v in zip(want[:hit], raw, strict=True)]
     t_decode = time.perf_counter() - t0
     nbytes = sum(len(v) for v in raw)
 
@@ -294,11 +303,14 @@ def breakdown(
         t0 = time.perf_counter()
         state.import_records(cache, records)
         t_import = time.perf_counter() - t0
-        pos = hit * C
+        pos = end_at if hit > full else hit * C
         t0 = time.perf_counter()
         logits = None
-        for a in range(pos, n, C):  # the server's chunks: block-aligned from 0
-            logits = forward(cache, ids[a : min(a + C, n)])
+        while pos < n:  # the server's chunks: block-aligned from 0, split at the end point
+            e = min(pos + C, n)
+            e = end_at if pos < end_at < e else e
+            logits = forward(cache, ids[pos:e])
+            pos = e
         t_tail = time.perf_counter() - t0
         assert logits is not None
         first = tok.decode([int(logits.argmax())], skip_special_tokens=True)
@@ -309,17 +321,19 @@ def breakdown(
         memory = {k: rep[k] for k in ("tokens_seen", "device_resident_bytes", "full_cache_bytes", "cold_bytes")}
         memory["fraction_of_full"] = rep["fraction_of_full"]
         cache.close()
-        # The worst tail: every block but the last restored, the last one (C tokens) prefilled.
+        # The worst tail without an end record: every block but the last restored, the last
+        # one (C tokens) prefilled.
         full_block = None
-        if hit >= 2:
+        blocks = min(hit, full)
+        if blocks >= 2:
             cache = flashmem.attach(model, cfg)
             t0 = time.perf_counter()
-            state.import_records(cache, records[:-1])
+            state.import_records(cache, records[: blocks - 1])
             t_import_w = time.perf_counter() - t0
             t0 = time.perf_counter()
-            forward(cache, ids[(hit - 1) * C : hit * C])
+            forward(cache, ids[(blocks - 1) * C : blocks * C])
             full_block = {
-                "restored_tokens": (hit - 1) * C,
+                "restored_tokens": (blocks - 1) * C,
                 "import_s": t_import_w,
                 "prefill_s": time.perf_counter() - t0,
             }
@@ -328,8 +342,9 @@ def breakdown(
     return {
         "prompt_tokens": n,
         "block_tokens": C,
-        "reused_tokens": hit * C,
-        "tail_tokens": n - hit * C,
+        "reused_tokens": end_at if hit > full else hit * C,
+        "end_record": hit > full,
+        "tail_tokens": n - (end_at if hit > full else hit * C),
         "record_bytes": nbytes,
         "tokenize_s": t_tok,
         "lookup_s": t_longest,

@@ -75,7 +75,7 @@ def test_int8_records_answer_as_a_fresh_prefill(tmp_path, cfg) -> None:
     assert served.prefix_store.codec == "int8"
     _run(served, prompt)
     again = _run(served, prompt)
-    assert again.reused_tokens == 128
+    assert again.reused_tokens == 148  # 4 blocks of 32 and the end record: 2 tokens run
     assert again.generated == fresh.generated
     worst = max((a - b).abs().max().item() for a, b in zip(fresh.logits, again.logits))
     assert worst <= 0.05  # int8 K/V of the prefix: close, not bit for bit (exact: 1e-4, test_serve_prefix)
@@ -128,7 +128,7 @@ def test_a_record_of_another_codec_is_not_used(tmp_path) -> None:
     exact = _engine(m, cfg, PrefixStore(tmp_path, codec="exact"))
     seq = _run(exact, prompt)
     assert seq.reused_tokens == 0 and exact.prefix_store.damaged == 1  # removed, written again as exact
-    assert _run(exact, prompt).reused_tokens == 96
+    assert _run(exact, prompt).reused_tokens == 98  # 3 blocks and the end record
 
 
 def _format_1(key: str, parent: str) -> bytes:
@@ -156,7 +156,7 @@ def test_format_1_records_are_refused_with_a_message_never_used(tmp_path, caplog
         decode_record(keys[0], _format_1(keys[0], ""))
     again = _run(_engine(m, cfg, store), prompt)
     assert again.generated == fresh.generated and store.damaged == 1
-    assert _run(_engine(m, cfg, store), prompt).reused_tokens == 96  # computed again, coded
+    assert _run(_engine(m, cfg, store), prompt).reused_tokens == 98  # computed again, coded
 
 
 def test_unknown_codec_is_one_line() -> None:
@@ -243,24 +243,15 @@ def test_low_rank_cold_tier_records_its_blocks_in_its_own_form(tmp_path) -> None
     assert (want - got).abs().max().item() <= 1e-4
 
 
-def test_end_records_proposed_for_the_engine_reuse_all_but_two_tokens(tmp_path) -> None:
-    """benchmarks/prefix_bytes.py's engine with end records (the change proposed for
-    serve/engine.py): the same prompt again restores all but its last END_TAIL tokens and
-    runs the same forwards from there, so with exact records its logits are the cold
-    request's bit for bit, and within float tolerance of an engine without the split."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_bytes.py"
-    spec = importlib.util.spec_from_file_location("prefix_bytes_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_end_records_reuse_all_but_two_tokens(tmp_path) -> None:
+    """The engine's end records (on by default with a store): the same prompt again restores
+    all but its last END_TAIL tokens and runs the same forwards from there, so with exact
+    records its logits are the cold request's bit for bit, and within float tolerance of an
+    engine without a store (no split)."""
     m, cfg = tiny_model(), EXACT_PROMPT
     prompt = _prompt(150)
     fresh = _run(_engine(m, cfg), prompt)
-    store = PrefixStore(tmp_path, codec="exact")
-    engine = bench.end_record_engine()(m, tiny_tokenizer(), cfg, model_name="tiny", prefix_store=store)
+    engine = _engine(m, cfg, PrefixStore(tmp_path, codec="exact"))
     cold, again = _run(engine, prompt), _run(engine, prompt)
     assert cold.reused_tokens == 0 and again.reused_tokens == 148
     assert again.generated == cold.generated == fresh.generated

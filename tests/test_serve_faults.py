@@ -90,9 +90,8 @@ def test_damaged_prefix_record_is_never_used_counted_and_removed(tmp_path, damag
     """The issue's probes: one flipped exponent bit gave '' instead of the answer, random
     bytes and zeros were reused undetected. Now the record fails its checksum: the blocks
     from it on are prefilled again (same logits as fresh), it is counted and removed."""
-    fresh = _run(make_engine(None), _prompt(150))
     engine = make_engine(tmp_path)
-    first = _run(engine, _prompt(150))
+    first = fresh = _run(engine, _prompt(150))  # the cold request
     assert first.reused_tokens == 0 and len(first.keys) == 4
     victim = tmp_path / (first.keys[1] + SUFFIX)  # the second block: the first is still reused
     data = bytearray(victim.read_bytes())
@@ -106,7 +105,7 @@ def test_damaged_prefix_record_is_never_used_counted_and_removed(tmp_path, damag
     assert _damaged(engine) == 1
     # removed, then written again (verified) by the prefill that recomputed it
     assert victim.exists() and victim.read_bytes() != bytes(data)
-    assert _run(engine, _prompt(150)).reused_tokens == 128
+    assert _run(engine, _prompt(150)).reused_tokens == 148  # 4 blocks and the end record
     assert _damaged(engine) == 1
 
 
@@ -128,13 +127,13 @@ def test_index_follows_files_deleted_from_outside(tmp_path) -> None:
     for f in tmp_path.glob("*" + SUFFIX):
         f.unlink()
     assert _run(engine, prompt).reused_tokens == 0
-    assert len(list(tmp_path.glob("*" + SUFFIX))) == 3 == len(engine.prefix_store)
-    assert _run(engine, prompt).reused_tokens == 96
+    assert len(list(tmp_path.glob("*" + SUFFIX))) == 4 == len(engine.prefix_store)  # 3 blocks, 1 end
+    assert _run(engine, prompt).reused_tokens == 98
     # only the middle one gone: the first block is still reused, and all of it next time
     middle = sorted(tmp_path.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)[1]
     middle.unlink()
     assert _run(engine, prompt).reused_tokens == 32
-    assert _run(engine, prompt).reused_tokens == 96
+    assert _run(engine, prompt).reused_tokens == 98
     assert _damaged(engine) == 0  # a missing file is not damage
 
 

@@ -30,8 +30,8 @@ def _run(engine: Engine, prompt: list[int], salt: str = "t") -> Sequence:
     return engine.run_sync(seq)
 
 
-def _engine(model, cfg, store=None) -> Engine:
-    return Engine(model, tiny_tokenizer(), cfg, model_name="tiny", prefix_store=store)
+def _engine(model, cfg, store=None, **kw) -> Engine:
+    return Engine(model, tiny_tokenizer(), cfg, model_name="tiny", prefix_store=store, **kw)
 
 
 @pytest.mark.parametrize(
@@ -49,15 +49,25 @@ def test_reused_prefix_gives_the_logits_of_a_fresh_prefill(tmp_path, name, model
     m = model()
     prompt = _prompt(150)
     fresh = _run(_engine(m, cfg), prompt)
-    served = _engine(m, cfg, PrefixStore(tmp_path, codec="exact"))  # lossless records: the same logits
-    first = _run(served, prompt)
-    again = _run(served, prompt)
+    # full blocks only: the prompt runs in the chunks of an engine without a store
+    blocks = _engine(m, cfg, PrefixStore(tmp_path / "blocks", codec="exact"), end_records=False)
+    first = _run(blocks, prompt)
+    again = _run(blocks, prompt)
     assert first.reused_tokens == 0
     assert again.reused_tokens == 4 * 32  # every full prefix block before the last token
     assert len(fresh.logits) == len(again.logits) == N_LOGITS
     for a, b in zip(fresh.logits, again.logits):
-        assert (a - b).abs().max().item() <= 1e-4
+        assert (a - b).abs().max().item() <= 1e-4  # lossless records: the same logits
     assert again.generated == fresh.generated
+    # with end records (the default) the chunk holding the end point stops there, cold or
+    # reused: the reused request restores 148 tokens and continues as its cold request did
+    served = _engine(m, cfg, PrefixStore(tmp_path / "end", codec="exact"))
+    cold = _run(served, prompt)
+    reused = _run(served, prompt)
+    assert cold.reused_tokens == 0 and reused.reused_tokens == 148
+    for a, b in zip(cold.logits, reused.logits):
+        assert (a - b).abs().max().item() <= 1e-4
+    assert reused.generated == cold.generated
 
 
 def test_a_changed_middle_token_reuses_only_the_blocks_before_it(tmp_path) -> None:
@@ -69,7 +79,7 @@ def test_a_changed_middle_token_reuses_only_the_blocks_before_it(tmp_path) -> No
     changed[100] = changed[100] % 120 + 4  # in prefix block 3 (tokens 96..127)
     seq = _run(engine, changed)
     assert seq.reused_tokens == 96
-    fresh = _run(_engine(m, cfg), changed)
+    fresh = _run(_engine(m, cfg, PrefixStore(tmp_path / "fresh", codec="exact")), changed)  # cold, same chunks
     for a, b in zip(fresh.logits, seq.logits):
         assert (a - b).abs().max().item() <= 1e-4
 
@@ -93,7 +103,7 @@ def test_stored_prefixes_survive_a_restart(tmp_path) -> None:
     _run(_engine(m, cfg, PrefixStore(tmp_path)), prompt)
     # A new process: a new engine and store over the same folder, a model built again.
     restarted = _engine(tiny_model(), cfg, PrefixStore(tmp_path))
-    assert _run(restarted, prompt).reused_tokens == 128
+    assert _run(restarted, prompt).reused_tokens == 148  # 4 blocks of 32 and the end record
     # Another config changes the numbers: nothing of the first one is reused.
     other = _engine(m, tiny_cfg(lsa_top_k=3), PrefixStore(tmp_path))
     assert _run(other, prompt).reused_tokens == 0
@@ -141,7 +151,7 @@ def test_live_sequence_pins_its_prefix(tmp_path) -> None:
     engine._admit(seq)
     while seq.pos < seq.prompt_tokens:
         engine._unit(seq)
-    assert len(engine.prefix_store) == 3  # stored and pinned while the sequence lives
+    assert len(engine.prefix_store) == 4  # 3 blocks and the end record, pinned while the sequence lives
     engine._finish(seq, "cancelled")
     assert len(engine.prefix_store) == 0
     assert seq.cache is None

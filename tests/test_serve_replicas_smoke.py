@@ -18,6 +18,8 @@ import pytest
 pytest.importorskip("redis")
 pytest.importorskip("prometheus_client")
 
+from flashmem.serve.prefix import end_point  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = shutil.which("valkey-server") or shutil.which("redis-server")
 
@@ -44,17 +46,18 @@ def test_serve_replicas_on_the_tiny_model(tmp_path: Path) -> None:
     assert r["model"].startswith("tiny") and "prefill_chunk" in r["config"]
     cross = r["cross"]
     runs = cross["runs"]
-    # B restored the blocks A stored (every full 32-token block before the last token), with A's answer
+    # B restored what A stored (every full 32-token block before the last token, then the prompt's
+    # end record: all but its last 2 tokens), with A's answer
     assert runs["A_cold"]["cached_tokens"] == 0 and runs["B_cold"]["cached_tokens"] == 0
     n = runs["A_cold"]["prompt_tokens"]
-    assert runs["B_reused"]["cached_tokens"] == (n - 1) // 32 * 32 > 0
+    assert runs["B_reused"]["cached_tokens"] == (end_point(n, 32) or (n - 1) // 32 * 32) > 0
     assert cross["answers_identical"] and runs["B_reused"]["text"] == runs["A_cold"]["text"] != ""
     assert cross["ttft_B_reused_over_B_cold"] > 0
     # the in-process breakdown found the same blocks under the replicas' keys
     bd = r["breakdown"]
     assert bd["reused_tokens"] == runs["B_reused"]["cached_tokens"] and bd["prompt_tokens"] == n
     assert bd["record_bytes"] > 0 and bd["first_token_is_the_answers"]
-    assert bd["full_block_tail"]["restored_tokens"] == bd["reused_tokens"] - 32
+    assert bd["full_block_tail"]["restored_tokens"] == (n - 1) // 32 * 32 - 32
     mem = bd["sequence_memory_at_first_decode_step"]
     assert mem["tokens_seen"] == n + 1 and 0 < mem["device_resident_bytes"] < mem["full_cache_bytes"]
     assert r["store_after_cross"]["keys"] >= 2 * ((n - 1) // 32)  # tenant "main"'s blocks and tenant "cold"'s

@@ -20,8 +20,15 @@ streams keep decoding while stored records are read, checked and imported.
 Prefix reuse (flashmem.serve.prefix): before its prefill, a sequence looks up
 the hash chain of its prompt's full prefix blocks, restores the longest stored
 run of them and prefills only the rest; each full block it computes is stored
-for later requests. The prompt always runs in the same chunks (block-aligned,
-from position 0), so a restored prefix continues exactly as a fresh prefill.
+for later requests. With `end_records` (the default whenever there is a store)
+the prompt's chunk that holds its end point (`prefix.end_point`: END_TAIL tokens
+before its end, past its last full block) stops there, and the state there is
+stored too, under `prefix.end_key` (its parent block's key, the tokens since, the
+tenant salt): the same prompt again restores every block and that end record and
+runs its last END_TAIL tokens only, instead of up to a whole block. The prompt
+always runs in the same chunks (block-aligned from position 0, the chunk with
+the end point split there), cold or reused, so a restored prefix continues
+exactly as a fresh prefill.
 
 Admission: at most `max_concurrent` live sequences; up to `max_queue` more wait
 for a slot in arrival order; beyond that `submit` raises QueueFullError (HTTP 429).
@@ -47,7 +54,7 @@ from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
 from flashmem.serve import state
 from flashmem.serve.metrics import ServeMetrics
-from flashmem.serve.prefix import PrefixBackend, chain
+from flashmem.serve.prefix import PrefixBackend, chain, end_key, end_point
 
 log = logging.getLogger("flashmem.serve")
 
@@ -99,6 +106,8 @@ class Sequence:
         self.generated: list[int] = []
         self.sent_chars = 0
         self.keys: list[str] = []  # hash chain of the prompt's storable prefix blocks
+        self.end_at = 0  # where its end record is (prefix.end_point; 0: none)
+        self.end_key: str | None = None  # that record's key (prefix.end_key)
         self.pinned: list[str] = []
         self.mark: state.Mark | None = None
         self.reused_tokens = 0
@@ -141,10 +150,13 @@ class Engine:
         metrics: ServeMetrics | None = None,
         max_batch: int | None = None,
         restore_off_thread: bool = True,
+        end_records: bool = True,
     ) -> None:
         """max_batch: decode steps per model forward (default max_concurrent; 1: one forward
         per sequence). restore_off_thread: admit (create the cache, restore a stored prefix)
-        on a helper thread, swapped in between rounds."""
+        on a helper thread, swapped in between rounds. end_records: with a prefix store, also
+        store each prompt's state END_TAIL tokens before its end (module docstring; False:
+        full blocks only, as before, for benchmarks that measure the difference)."""
         import flashmem
 
         self.model = model
@@ -158,6 +170,7 @@ class Engine:
             raise FlashMemError(f"max_batch {max_batch}: allowed: 1 (one forward per sequence) or more")
         self.max_batch = max_batch or max_concurrent
         self.restore_off_thread = restore_off_thread
+        self.end_records = end_records
         self.metrics = metrics or ServeMetrics()
         B = cfg.hca_chunk_size
         self.block_tokens = block_tokens or max(B, (cfg.prefill_chunk // B) * B)
@@ -323,7 +336,8 @@ class Engine:
         return True
 
     def _admit(self, seq: Sequence) -> None:
-        """Give the sequence a cache; restore the longest stored prefix of its prompt."""
+        """Give the sequence a cache; restore the longest stored prefix of its prompt (its full
+        blocks, then its end record when every block before it was restored)."""
         try:
             seq.cache = self._attach(self.model, self.cfg)
             C, n = self.block_tokens, seq.prompt_tokens
@@ -331,17 +345,24 @@ class Engine:
             if store is not None:
                 # Blocks that end before the last prompt token: that token must run to give logits.
                 seq.keys = chain(seq.prompt_ids, C, self.fingerprint, seq.salt, limit=(n - 1) // C)
-                hit = store.longest(seq.keys)
+                full = len(seq.keys)
+                want = list(seq.keys)
+                seq.end_at = end_point(n, C) if self.end_records else 0
+                if seq.end_at:  # the end record follows the last full block in the chain
+                    parent = seq.keys[-1] if full else ""
+                    seq.end_key = end_key(parent, seq.prompt_ids[full * C : seq.end_at], self.fingerprint, seq.salt)
+                    want.append(seq.end_key)
+                hit = store.longest(want)
                 # The records that are there and pass their checks: a gone or damaged one
                 # ends the reuse there (it is removed; the prefill writes it again).
-                records = store.load(seq.keys[:hit]) if hit else []
+                records = store.load(want[:hit]) if hit else []
                 hit = len(records)
                 self._store_counters()
-                store.pin(seq.keys[:hit])
-                seq.pinned = seq.keys[:hit]
+                store.pin(want[:hit])
+                seq.pinned = want[:hit]
                 if hit:
                     state.import_records(seq.cache, records)
-                    seq.pos = seq.reused_tokens = hit * C
+                    seq.pos = seq.reused_tokens = seq.end_at if hit > full else hit * C
                     self.metrics.prefix_hits.inc()
                     self.metrics.reused_tokens.inc(seq.reused_tokens)
                 else:
@@ -373,27 +394,41 @@ class Engine:
         return out.logits[0, -1].float()
 
     def _prefill_chunk(self, seq: Sequence) -> None:
+        """The next prompt chunk: up to block_tokens, block-aligned, stopping at the end point;
+        the state at a full block's end or at the end point is stored (when not yet)."""
         C = self.block_tokens
         a = seq.pos
         e = min(a + C, seq.prompt_tokens)
+        at_end = a < seq.end_at < e  # never a block's end (end_point lies past the last one)
+        if at_end:
+            e = seq.end_at
         logits = self._forward(seq, seq.prompt_ids[a:e])
         seq.pos = e
         self.metrics.prefill_tokens.inc(e - a)
         j = e // C - 1  # the prefix block this chunk completed, if it is a full one
         store = self.prefix_store
-        if store is not None and e % C == 0 and 0 <= j < len(seq.keys) and seq.mark is not None:
-            key = seq.keys[j]
-            if key not in store:
-                try:
-                    record = state.export_delta(seq.cache, seq.mark)
-                    store.save(key, seq.keys[j - 1] if j else "", record, pin=True)
-                    seq.pinned.append(key)
-                except FlashMemError as exc:  # a full disk costs reuse, not the request
-                    log.warning("prefix not stored: %s", exc)
+        if store is not None and seq.mark is not None:
+            if e % C == 0 and 0 <= j < len(seq.keys):
+                self._save(seq, seq.keys[j], seq.keys[j - 1] if j else "")
+            elif at_end and seq.end_key is not None:
+                self._save(seq, seq.end_key, seq.keys[-1] if seq.keys else "")
         seq.mark = state.mark(seq.cache) if store is not None else None
         if seq.pos == seq.prompt_tokens:
             seq.next_logits = logits
             self._emit(seq)
+
+    def _save(self, seq: Sequence, key: str, parent: str) -> None:
+        """Store what the cache gained since seq.mark under `key` (pinned while seq lives)."""
+        store = self.prefix_store
+        assert store is not None and seq.mark is not None
+        if key in store:
+            return
+        try:
+            record = state.export_delta(seq.cache, seq.mark)
+            store.save(key, parent, record, pin=True)
+            seq.pinned.append(key)
+        except FlashMemError as exc:  # a full disk costs reuse, not the request
+            log.warning("prefix not stored: %s", exc)
 
     def _decode_step(self, seq: Sequence) -> None:
         seq.next_logits = self._forward(seq, [seq.generated[-1]])
