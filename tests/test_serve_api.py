@@ -172,10 +172,10 @@ def test_api_keys_401_and_tenant_isolation(tmp_path) -> None:
             return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
         assert cached("key-a") == 0
-        assert cached("key-a") == 96  # the same tenant reuses its 3 stored blocks
-        assert cached("key-b") == 0  # tenant B never reuses tenant A's blocks, same text
-        assert cached("key-a2") == 96  # another key of tenant A does
-        assert cached("key-b") == 96
+        assert cached("key-a") == 98  # the same tenant reuses its 3 stored blocks and its end record
+        assert cached("key-b") == 0  # tenant B never reuses tenant A's records, same text
+        assert cached("key-a2") == 98  # another key of tenant A does
+        assert cached("key-b") == 98
 
 
 def _outcome(url: str, outcome: str) -> float:
@@ -213,10 +213,10 @@ def test_long_prefill_does_not_freeze_other_streams(tmp_path) -> None:
 
 
 def test_prefixes_survive_a_server_restart(tmp_path) -> None:
-    prompt = list(range(3, 83))  # 80 tokens: 2 full prefix blocks before the last token
+    prompt = list(range(3, 83))  # 80 tokens: 2 full prefix blocks before the last token, an end record at 78
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
     answers = []
-    for expect in (0, 64):
+    for expect in (0, 78):
         engine = make_engine(tmp_path / "prefix")  # a new engine and store: a restarted server
         with serving(engine) as url:
             r = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
@@ -233,6 +233,7 @@ def test_prefixes_survive_a_server_restart(tmp_path) -> None:
         (["--config", "MISSING.yaml"], "MISSING.yaml"),
         (["--cold-quota", "lots"], "--cold-quota"),
         (["--port", "BUSY"], "cannot listen"),
+        (["--prefix-codec", "zstd"], "--prefix-codec 'zstd': allowed: exact, int4, int8"),
     ],
 )
 def test_cli_user_mistakes_are_one_line_exit_2(tmp_path, capsys, args, message) -> None:
@@ -296,3 +297,16 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(server) 
     # The client gave up and closed its socket: the server notices and cancels.
     assert wait_for(lambda: engine.active == 0, 15)
     assert wait_for(lambda: _outcome(url, "cancelled") == before + 1, 5)
+
+
+def test_prefix_codec_reaches_the_store(tmp_path) -> None:
+    """`--prefix-codec` picks the records' codec for a folder store (and a shared one, the same
+    keyword); the flag's default is the store's."""
+    import inspect
+
+    from flashmem.cli.serve_cmd import _prefix_backend, serve
+    from flashmem.serve.prefix import DEFAULT_CODEC
+
+    store, where = _prefix_backend(False, None, tmp_path / "p", 2**20, "exact")
+    assert store is not None and store.codec == "exact" and "exact records" in where
+    assert inspect.signature(serve).parameters["prefix_codec"].default.default == DEFAULT_CODEC

@@ -67,6 +67,12 @@ def serve(
         " prefixes on a Valkey/Redis server shared by replicas, instead of --prefix-dir",
     ),
     cold_quota: str = typer.Option("4G", "--cold-quota", help="quota of stored prefixes (LRU beyond it)"),
+    prefix_codec: str = typer.Option(
+        "int8",
+        "--prefix-codec",
+        help="how stored prefix records code their K/V: int8 (KIVI groups of 32, about 1/4 of fp32),"
+        " int4, or exact (the model dtype's bytes: a reused prefix continues bit for bit)",
+    ),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="no cross-request prefix reuse"),
     max_context: int | None = typer.Option(
         None, "--max-context", min=1, help="tokens per sequence (default: the model's)"
@@ -95,9 +101,10 @@ def serve(
     keys = load_api_keys(api_keys) if api_keys is not None else None
     quota = parse_bytes(cold_quota)
     _check_prefix_flags(prefix_store, prefix_dir)
+    codec = check_prefix_codec(prefix_codec)
     body_limit = parse_bytes(max_request_bytes, "--max-request-bytes")
     _check_port(host, port)
-    store, where = _prefix_backend(no_prefix_cache, prefix_store, prefix_dir, quota)
+    store, where = _prefix_backend(no_prefix_cache, prefix_store, prefix_dir, quota, codec)
     engine = _load_engine(
         model, cfg, threads, store, model_name=model_name or model, max_concurrent=max_concurrent,
         max_queue=max_queue, max_context=max_context, max_batch=max_batch, restore_off_thread=not restore_on_worker,
@@ -134,8 +141,17 @@ def _check_prefix_flags(prefix_store: str | None, prefix_dir: Path | None) -> No
             raise FlashMemError("--prefix-store and --prefix-dir: give one of them (a server, or a folder)")
 
 
+def check_prefix_codec(name: str) -> str:
+    """The `--prefix-codec` value; a one-line FlashMemError naming the allowed ones otherwise."""
+    from flashmem.store.codecs import CODECS
+
+    if name not in CODECS:
+        raise FlashMemError(f"--prefix-codec {name!r}: allowed: {', '.join(sorted(CODECS))}")
+    return name
+
+
 def _prefix_backend(
-    no_prefix_cache: bool, prefix_store: str | None, prefix_dir: Path | None, quota: int
+    no_prefix_cache: bool, prefix_store: str | None, prefix_dir: Path | None, quota: int, codec: str = "int8"
 ) -> tuple[PrefixBackend | None, str]:
     """Where prefixes are kept (a Valkey/Redis server, a folder, or nowhere) and a line saying so."""
     from flashmem.serve.prefix import PrefixStore
@@ -144,10 +160,10 @@ def _prefix_backend(
     if no_prefix_cache:
         return None, "no prefix reuse"
     if prefix_store is not None:
-        shared = RedisPrefixStore(prefix_store, quota_bytes=quota)
-        return shared, f"prefixes on {shared.root} (shared; quota {quota} bytes, the server's LRU)"
-    folder = PrefixStore(prefix_dir or default_prefix_dir(), quota_bytes=quota)
-    return folder, f"prefixes in {folder.root} (quota {quota} bytes)"
+        shared = RedisPrefixStore(prefix_store, quota_bytes=quota, codec=codec)
+        return shared, f"prefixes on {shared.root} (shared; {codec} records; quota {quota} bytes, the server's LRU)"
+    folder = PrefixStore(prefix_dir or default_prefix_dir(), quota_bytes=quota, codec=codec)
+    return folder, f"prefixes in {folder.root} ({codec} records; quota {quota} bytes)"
 
 
 def _load_engine(
