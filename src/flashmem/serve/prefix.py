@@ -113,8 +113,11 @@ class Entry:
 # An end record: the state a prompt reaches END_TAIL tokens before its end, stored beside
 # its full blocks so that the same prompt again re-runs END_TAIL tokens, not up to a whole
 # block (the reused request's time at the recipe's 512-token blocks went almost all to that
-# re-prefilled tail: benchmarks/prefix_bytes.py). Two, not one: the final forward must be a
-# prompt forward (more than one token) to attend the prompt exactly as the cold request's did.
+# re-prefilled tail: benchmarks/prefix_bytes.py). The engine writes and restores them
+# (Engine._admit / _prefill_chunk, on whenever it has a store); they are records like the
+# blocks' (same bytes, checks, pins and eviction), under their own keys. Two, not one: the
+# final forward must be a prompt forward (more than one token) to attend the prompt exactly
+# as the cold request's did.
 END_TAIL = 2
 
 
