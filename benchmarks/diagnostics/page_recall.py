@@ -49,6 +49,7 @@ from flashmem_eval.benchkit import probe
 QUERIES = 32
 TOPS = (1, 2, 4, 8, 16, 32)
 RERANK = 4
+CODECS = ("int4", "int2", "sign")  # lsa_rerank_codec's codes (compress/key_code.py)
 
 
 def dump(length: int, seeds: list[int], fmts: list[str], out: str, model_name: str = "gemma3-270m") -> None:
@@ -81,6 +82,15 @@ def dump(length: int, seeds: list[int], fmts: list[str], out: str, model_name: s
                 )
                 print(fmt, seed, depth, len(ctx), flush=True)
     torch.save(rows, out)
+
+
+def coded(K: torch.Tensor, codec: str, block: int = 64) -> torch.Tensor:
+    """Keys K [T, d] as the re-rank code of `codec` decodes them, coded per block of
+    `block` tokens (the recipe's sealed blocks; a last partial block coded alone)."""
+    from flashmem.compress import key_code
+
+    parts = [key_code.decode(key_code.encode(K[i : i + block], codec)) for i in range(0, K.shape[0], block)]
+    return torch.cat(parts)
 
 
 def q8(x: torch.Tensor) -> torch.Tensor:
@@ -130,6 +140,18 @@ def rank(files: list[str], calibration: str | None, sinks: int = 4) -> None:
                             first = k - 1
                             break
                     res.setdefault((li, kvh, P, f"rerank{RERANK}"), []).append(first)
+                    for codec in CODECS:  # the same two stages, the candidates scored by their keys' code
+                        Kc = coded(Kh[: n * P], codec)
+                        tc = (Q @ Kc.T * s).reshape(*Q.shape[:2], n, P)
+                        c_mass = torch.softmax(torch.logsumexp(tc, -1)[:, -1:], -1).mean(1).sum(0)
+                        first = n
+                        for k in range(1, n + 1):
+                            cand = idx_mass.topk(min(n, RERANK * k)).indices
+                            win = cand[c_mass[cand].topk(min(k, len(cand))).indices]
+                            if any(p in needle for p in win.tolist()):
+                                first = k - 1
+                                break
+                        res.setdefault((li, kvh, P, f"rr{RERANK}-{codec}"), []).append(first)
                     lo, hi = pages.amin(1), pages.amax(1)
                     rec("quest", torch.maximum(Q[..., None, :] * lo, Q[..., None, :] * hi).sum(-1) * s)
                     layer = cal.layer(li) if cal is not None else None
@@ -177,6 +199,10 @@ def coverage(files: list[str], sinks: int = 20, window: int = 112, k: int = 48, 
                     "recipe": cand[pooled[cand].topk(k).indices],
                     "mean8": idx.topk(k).indices,
                 }
+                for codec in CODECS:  # the recipe with its candidates scored by a code of their keys
+                    Kc = coded(K[sinks:pe], codec)
+                    pc = torch.softmax(Q @ Kc.T * s, -1).reshape(len(Q), n, page).sum(-1).mean(0)
+                    picks[f"recipe-{codec}"] = cand[pc[cand].topk(k).indices]
                 a = acc.setdefault(li, {})
                 a.setdefault("fixed", []).append(float(fixed.mean()))
                 for name, sel in picks.items():

@@ -374,6 +374,8 @@ class FlashLayer(CacheLayerMixin):
         self.summaries.seal(k, v, valid, pos, first, self.scaling)
         self.sealed += T // B
         self.index.extend(summarize_pages(self.scorer, k, valid, self.cfg.page_tokens))
+        if self.ranker.codes is not None:  # lsa_rerank_codec: coded while the keys are at hand
+            self.ranker.codes.extend(k)
         if cfg.keeps_rest_entry:
             self.v_sum += (v.float() * valid[:, None, :, None].to(torch.float32)).sum(-2)
         failure: ColdStoreError | None = None

@@ -279,6 +279,8 @@ def select_rows(layer: FlashLayer, src: torch.Tensor) -> None:
     if exact.k is not None and exact.v is not None:
         exact.k, exact.v = pick(exact.k), pick(exact.v)
     _remap_cold(layer, src)
+    if layer.ranker.codes is not None:  # coded per row as the blocks sealed: rows follow as the index's do
+        layer.ranker.codes.select_rows(src)
     if src.numel() != b_old:
         _, h, _, d = layer.sink_k.shape
         layer.reader.bind((src.numel(), h, d), layer.device, layer.dtype, layer.cfg.sink_tokens)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from flashmem.cache.block_reads import BlockReader
+from flashmem.cache.rerank_codes import HOST, RerankCodes
+from flashmem.compress import key_code
 from flashmem.config import FlashMemoryConfig
 from flashmem.index.base import BlockScorer
 from flashmem.index.rerank import exact_block_mass, exact_page_mass
@@ -72,6 +74,9 @@ class CandidateRanker:
         self.scorer = scorer
         self.reader = reader
         self.index = index
+        # lsa_rerank_codec: the candidates are scored by a code of their keys kept on the host
+        coded = cfg.lsa_rerank > 1 and cfg.lsa_rerank_codec != "exact"
+        self.codes = RerankCodes(cfg.lsa_rerank_codec, cfg.hca_chunk_size, cfg.page_tokens) if coded else None
 
     def scores(self, qg: torch.Tensor, scaling: float, hca_k: torch.Tensor) -> torch.Tensor:
         """Index scores of every page for queries qg [b, h, nq, d] -> [b, h, nq, n_pages]
@@ -100,6 +105,22 @@ class CandidateRanker:
         n_pages = scores.shape[-1]
         n_cand = min(max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages) if rerank else k_sel, n_pages)
         sel: Selection | None = None
+        if n_cand > k_sel and self.codes is not None:
+            assert qg is not None and page_tokens_valid is not None
+            if n_cand == n_pages:  # every page a candidate: no index stage
+                b, h = scores.shape[:2]
+                cand = torch.arange(n_pages, device=scores.device).expand(b, h, n_pages)
+            else:
+                cand = select_blocks(
+                    scores,
+                    page_valid,
+                    n_cand,
+                    scaling,
+                    follow=cfg.lsa_follow_pages,
+                    pool=cfg.lsa_pool,
+                    share_heads=cfg.lsa_share_heads,
+                )
+            return self.rerank_coded(cand, qg, page_tokens_valid, k_sel, scaling, num_sealed)
         if n_cand > k_sel and n_cand == n_pages:  # every page a candidate: no index stage
             assert qg is not None and page_tokens_valid is not None
             sel = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed)
@@ -152,6 +173,34 @@ class CandidateRanker:
         ck, cv = self._read_candidates(cand)  # [b, h, c, P, d]; cv None: read for the winners only
         mass = exact_page_mass(qg, ck, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)  # [b, h, c]
         return Selection(self._top(cand, mass, page_tokens_valid, k_sel), Candidates(cand, ck, cv))
+
+    def rerank_coded(
+        self,
+        cand: torch.Tensor,
+        qg: torch.Tensor,
+        page_tokens_valid: torch.Tensor,
+        k_sel: int,
+        scaling: float,
+        num_sealed: int,
+    ) -> Selection:
+        """`rerank` with the candidates cand [b, h, c] scored by their keys' codes
+        (`lsa_rerank_codec`, cache/rerank_codes.py): by host compute where the codes lie when
+        the layer ranks on the host (or computes there), else their codes copied to the device
+        and decoded there. Nothing of the candidates' K/V is read; the winners' pages are."""
+        cfg, reader, codes = self.cfg, self.reader, self.codes
+        assert codes is not None
+        codes.fill(num_sealed, lambda j: reader.fetch_block(j, on_host=True)[0])
+        code, nbytes = codes.pages(cand)
+        on_host = reader.host_ranking or reader.device.type == "cpu"
+        where = HOST if on_host else reader.device
+        reader.traffic.add("host_read_bytes" if on_host else "h2d_bytes", nbytes)
+        ck = key_code.decode(code.to(where), torch.float32)  # [b, h, c, P, d]
+        bi = torch.arange(cand.shape[0], device=cand.device)[:, None, None]
+        cvalid = page_tokens_valid[bi, cand].to(where)  # [b, h, c, P]
+        mass = exact_page_mass(
+            qg.to(where, torch.float32), ck, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads
+        )  # [b, h, c]
+        return Selection(self._top(cand, mass.to(cand.device), page_tokens_valid, k_sel))
 
     def _top(self, cand: torch.Tensor, mass: torch.Tensor, page_tokens_valid: torch.Tensor, k_sel: int) -> torch.Tensor:
         """The k_sel candidates cand [b, h, c] with the most mass [b, h, c] -> page ids [b, h, k_sel]."""

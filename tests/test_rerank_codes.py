@@ -1,0 +1,125 @@
+"""The re-rank scored by a code of the candidates' keys (`lsa_rerank_codec`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashmem
+from flashmem.compress import key_code
+from test_rerank import _run
+from tiny_models import tiny_llama
+
+torch.set_num_threads(1)
+KW = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=3, lsa_rerank=4)
+
+
+@pytest.mark.parametrize("codec", ["int4", "int2", "sign"])
+def test_codes_pack_and_decode_within_their_step(codec):
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 3, 64, 32, generator=g) * torch.linspace(0.1, 4, 32)  # channels of different ranges
+    code = key_code.encode(k, codec)
+    bits = {"int4": 4, "int2": 2, "sign": 1}[codec]
+    assert code.q.dtype == torch.uint8 and code.q.shape == (2, 3, 64, 32 * bits // 8)
+    assert code.zero.shape == code.scale.shape == (2, 3, 1, 32)
+    q = key_code._unpack(code.q, bits)
+    assert int(q.max()) <= (1 << bits) - 1
+    assert torch.equal(key_code._pack(q, bits), code.q)  # packing is lossless
+    kh = key_code.decode(code)
+    if codec == "sign":
+        # each element is its channel's mean plus or minus the mean absolute deviation
+        mu = k.mean(-2, keepdim=True)
+        dev = (k - mu).abs().mean(-2, keepdim=True)
+        want = torch.where(k > mu, mu + dev, mu - dev)
+        assert torch.allclose(kh, want, atol=2e-2 * float(k.abs().max()))
+    else:  # min/max quantization: off by at most half a step (fp16 zero and scale rounding aside)
+        step = code.scale.float()
+        assert bool(((kh - k).abs() <= step / 2 + 1e-2 * step + 1e-3).all())
+
+
+def test_every_page_selected_gives_the_same_logits_with_each_code():
+    """With top-k over every page the code cannot change what attention reads."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(3))
+    every = dict(KW, lsa_top_k=10_000)
+    exact, _ = _run(model, ids, 4, **every)
+    for codec in ("int4", "int2", "sign"):
+        coded, _ = _run(model, ids, 4, **every, lsa_rerank_codec=codec)
+        assert torch.allclose(exact, coded, atol=1e-5), codec
+
+
+@pytest.mark.parametrize("codec", ["int4", "int2", "sign"])
+def test_coded_mass_finds_the_needle_page_and_int4_follows_the_exact_mass(codec):
+    """64 pages of 16 Gaussian keys, one token in every 8th page aligned with the query as a needle's
+    is: every code ranks first the page the exact keys rank first; int4's page masses follow
+    the exact ones closely."""
+    from flashmem.index.rerank import exact_page_mass
+
+    g = torch.Generator().manual_seed(1)
+    d, P, n = 64, 16, 64
+    q = torch.randn(d, generator=g)
+    keys = torch.randn(n * P, d, generator=g) * torch.linspace(0.3, 2.0, d)
+    for j in range(0, n, 8):
+        keys[j * P + 5] += (6.0 if j != 24 else 8.0) * q / q.norm()
+    blocks = keys.reshape(n // 4, 4 * P, d)  # 64-token blocks, coded as the cache codes them
+    coded = key_code.decode(key_code.encode(blocks, codec)).reshape(1, 1, n, P, d)
+    qg, valid = q[None, None, None], torch.ones(1, 1, n, P, dtype=torch.bool)
+    exact = exact_page_mass(qg, keys.reshape(1, 1, n, P, d), valid, d**-0.5)[0, 0]
+    mass = exact_page_mass(qg, coded, valid, d**-0.5)[0, 0]
+    assert int(mass.argmax()) == int(exact.argmax())
+    if codec == "int4":
+        assert torch.corrcoef(torch.stack([exact, mass]))[0, 1] > 0.95
+
+
+def test_coded_rerank_reads_only_the_candidates_codes():
+    """Per decode step and layer: c candidate pages x P tokens x h heads x d * bits/8 bytes of
+    codes, and an fp16 zero and scale per channel for each candidate page's block (b = 1),
+    counted as read on the host; no candidate keys cross to the device."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(5))
+    cfg = flashmem.FlashMemoryConfig(
+        **{**__import__("test_cache").SMALL, **KW, "lsa_rerank_codec": "int2", "lsa_rerank_min_pages": 20}
+    )
+    with flashmem.attach(model, cfg) as cache, torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True).logits[:, -1:]
+        cache._traffic.reset()
+        for _ in range(3):
+            out = model(out.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
+        rep = cache.traffic_report()
+        layer = cache.layers[0]
+        h, d = layer.sink_k.shape[1], layer.sink_k.shape[-1]
+        pages = layer.num_sealed * cfg.pages_per_block
+    c = min(max(4 * 3, 20), pages)
+    per_layer = c * 4 * h * d * 2 // 8 + c * h * d * 2 * 2
+    n_layers = len(cache.layers)
+    assert rep["per_decode_step_median"]["host_read_bytes"] == n_layers * per_layer
+    assert rep["h2d_over_new_pages_median"] in (None, 1.0)
+
+
+def test_beam_rows_and_a_restored_state_keep_their_codes():
+    """Rows reordered (beam search) reorder the codes with the blocks; a cache whose blocks were
+    put in its cold tier without sealing (a restored server state) codes them on first use."""
+    from flashmem.serve import state
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(7))
+    cfg = flashmem.FlashMemoryConfig(**{**__import__("test_cache").SMALL, **KW, "lsa_rerank_codec": "int4"})
+    with flashmem.attach(model, cfg) as cache, torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        codes = cache.layers[0].ranker.codes
+        before = codes.q[: codes.n].clone()
+        cache.reorder_cache(torch.tensor([1, 0]))
+        assert torch.equal(cache.layers[0].ranker.codes.q[: codes.n], before.flip(1))
+    with flashmem.attach(model, cfg) as cache, torch.no_grad():
+        mark = state.mark(cache)
+        first = model(ids[:1], cache=cache, use_cache=True).logits[:, -1:]
+        rec = state.export_delta(cache, mark)
+        want = model(first.argmax(-1), cache=cache, use_cache=True).logits
+        want_codes = cache.layers[0].ranker.codes.q[: cache.layers[0].ranker.codes.n].clone()
+    with flashmem.attach(model, cfg) as cache, torch.no_grad():
+        state.import_records(cache, [rec])
+        assert cache.layers[0].ranker.codes.n == 0  # nothing sealed through this cache yet
+        got = model(first.argmax(-1), cache=cache, use_cache=True).logits
+        codes = cache.layers[0].ranker.codes
+        assert torch.equal(codes.q[: codes.n], want_codes)
+    assert torch.allclose(got, want, atol=1e-5)
