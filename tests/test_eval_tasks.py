@@ -200,9 +200,26 @@ def test_answered_only_runs_the_other_methods_where_the_full_cache_answered(tmp_
     for seed, hits in ((0, [True]), (1, [False])):
         key = dict(family="keyed", haystack="kjv", length=512, seed=seed, wording=seed)
         cell = H.cell_id(suite="tasks", model="tiny", method="full", budget=1.0, **key)
-        full.append(dict(suite="tasks", model="tiny", method="full", budget=1.0, **key, cell=cell, hits=hits))
+        full.append(
+            dict(
+                suite="tasks",
+                model="tiny",
+                method="full",
+                budget=1.0,
+                **key,
+                cell=cell,
+                hits=hits,
+                score=float(hits[0]),
+            )
+        )
     out.write_text(json.dumps({"meta": {}, "rows": full}))
     rows = list(run_suite(args, H.load("tiny")).rows.values())
     ran = sorted((r["method"], r["seed"]) for r in rows)
     assert ran == [("full", 0), ("full", 1), ("streaming", 0)]
     assert json.loads(out.read_text())["meta"]["runs"][-1]["answered_only"] is True
+    from flashmem_eval.task_suite import summary_markdown
+
+    held = [dict(r, wording=3, seed=r["seed"] + 10, cell=r["cell"] + "h") for r in rows]
+    md = summary_markdown(rows + held)
+    assert "dev wordings [0, 1, 2], seeds [0, 1]: 2 prompts" in md
+    assert "heldout wordings [3], seeds [10, 11]: 2 prompts" in md and md.count("| streaming |") == 2

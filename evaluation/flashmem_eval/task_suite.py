@@ -133,6 +133,23 @@ def rescore(rows: list[dict[str, Any]], tok: Any) -> int:
     return changed
 
 
+def summary_markdown(rows: Any) -> str:
+    """The share of the full cache's answers per family, dev and held-out wordings apart
+    (`report.tasks_markdown` on each set's rows), with the prompts each set holds."""
+    from flashmem_eval.report import tasks_markdown
+
+    ok = [r for r in rows if r.get("suite") == "tasks" and not r.get("error")]
+    out = []
+    for name in ("dev", "heldout"):
+        rs = [r for r in ok if r.get("wording") in WORDING_SETS[name]]
+        if not rs:
+            continue
+        seeds = sorted({r["seed"] for r in rs})
+        n = len({(r["family"], r["haystack"], r["length"], r["seed"]) for r in rs if r["method"] == "full"})
+        out += [f"{name} wordings {list(WORDING_SETS[name])}, seeds {seeds}: {n} prompts", "", tasks_markdown(rs), ""]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m flashmem_eval.task_suite rescore FILE.json [--model smollm2]`: rescore a tasks
     run's rows (its .json and .partial.jsonl) in place, with the model's tokenizer only.
@@ -143,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     from pathlib import Path
 
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("command", choices=["rescore", "run"])
+    ap.add_argument("command", choices=["rescore", "run", "summary"])
     ap.add_argument("file", type=Path)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--methods", default="full,flashmem")
@@ -156,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--answered-only", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
+    if a.command == "summary":
+        print(summary_markdown(H.ResultStore(a.file).rows.values()))
+        return
     if a.command == "run":
         from flashmem_eval.suites import BenchArgs, run_suite
 
