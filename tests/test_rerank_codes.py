@@ -123,3 +123,49 @@ def test_beam_rows_and_a_restored_state_keep_their_codes():
         codes = cache.layers[0].ranker.codes
         assert torch.equal(codes.q[: codes.n], want_codes)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_codes_held_on_the_device_choose_as_host_codes_and_copy_only_new_candidates():
+    """lsa_rerank_on_device: the same choice and logits as the codes scored on the host; a step
+    copies the codes of the candidates the last step did not hold (none when they are the
+    same), and the memory report counts the held codes in the index as the sizing predicts."""
+    from flashmem.sizing.tiers import candidate_code_bytes
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(8))
+    kw = dict(KW, lsa_rerank_codec="int4")
+    host_out, host_sel = _run(model, ids, 5, **kw)
+    dev_out, dev_sel = _run(model, ids, 5, **kw, lsa_rerank_on_device=True)
+    assert len(host_sel) == len(dev_sel) > 0
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(host_sel, dev_sel))
+    assert torch.equal(host_out, dev_out)
+
+    cfg = flashmem.FlashMemoryConfig(
+        **{**__import__("test_cache").SMALL, **kw, "lsa_rerank_on_device": True, "lsa_rerank_min_pages": 12}
+    )
+    copied = []
+    with flashmem.attach(model, cfg) as cache, torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True).logits[:, -1:]
+        for _ in range(4):
+            cache._traffic.reset()
+            layer = cache.layers[0]
+            prev = None if layer.ranker.device_codes.idx is None else layer.ranker.device_codes.idx.clone()
+            out = model(out.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
+            now = layer.ranker.device_codes.idx
+            new = now.numel() if prev is None or prev.shape != now.shape else int((~torch.isin(now, prev)).sum())
+            copied.append((new, cache.traffic_report()["totals"]["h2d_bytes"]))
+        h, d = layer.sink_k.shape[1], layer.sink_k.shape[-1]
+        per_page = cfg.page_tokens * d * 4 // 8 + 4 * d
+        held = layer.ranker.device_codes.nbytes()
+        assert held == layer.ranker.device_codes.idx.numel() * per_page
+        pages = layer.num_sealed * cfg.pages_per_block
+        assert held == h * candidate_code_bytes(cfg, pages, layer.ranker.device_codes.idx.shape[-1] // 4, d, 4)
+        assert layer.resident_bytes()["index"] == layer.index.nbytes() + held
+    # layer 0's new candidates' codes are part of the step's link bytes (both layers copy theirs)
+    assert all(nbytes >= new * per_page for new, nbytes in copied)
+    assert any(new < 12 for new, _ in copied)  # some candidates held over
+
+
+def test_codes_on_the_device_need_a_code():
+    with pytest.raises(Exception, match="lsa_rerank_on_device: true holds the candidates' codes"):
+        flashmem.FlashMemoryConfig(lsa_rerank=4, lsa_rerank_on_device=True)

@@ -49,6 +49,8 @@ def rerank_key_bytes(codec: str, dtype_bytes: float, block_tokens: int) -> float
     if codec == "exact":
         return float(dtype_bytes)
     return RERANK_CODE_BITS[codec] / 8 + RERANK_CODE_BLOCK_BYTES / max(1, block_tokens)
+
+
 ColdKeyBasis = Literal["attention", "pca"]
 # lsa_layer_shares are relative weights (a layer profile gives 0.1-3): past this they only
 # overflow the split's arithmetic
@@ -164,6 +166,13 @@ class FlashMemoryConfig(BaseModel):
         "or sign (1 bit), each channel with a scale and zero per block (KIVI's per-channel keys). The "
         "re-rank then reads bits/16 of a bf16 key (docs/accelerator.md)",
     )
+    lsa_rerank_on_device: bool = Field(
+        False,
+        description="with a lsa_rerank_codec code: this step's candidates' codes are held on the device "
+        "(counted in the budget, as the index is) and scored there; only the codes of candidates the "
+        "last step did not hold cross the link. Off: the codes are scored on the host, where they lie "
+        "(its compute bounds a GPU's decode throughput at long contexts, docs/accelerator.md)",
+    )
     lsa_open_room: bool = Field(
         False,
         description="the working set borrows the open block's unused room: while it holds n of its B - 1 "
@@ -261,6 +270,11 @@ class FlashMemoryConfig(BaseModel):
             out.append(
                 f"cold_low_rank: {self.cold_low_rank!r} needs low_rank_dim (coefficients kept per token "
                 "and KV head); allowed: low_rank_dim: 1..head_dim (e.g. 32 of 64), or cold_low_rank: none"
+            )
+        if self.lsa_rerank_on_device and self.lsa_rerank_codec == "exact":
+            out.append(
+                "lsa_rerank_on_device: true holds the candidates' codes on the device, but lsa_rerank_codec "
+                "is 'exact'; allowed: lsa_rerank_codec int4, int2 or sign with it, or lsa_rerank_on_device: false"
             )
         return out + self._layer_problems()
 

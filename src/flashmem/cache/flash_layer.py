@@ -399,7 +399,8 @@ class FlashLayer(CacheLayerMixin):
             "window": nb(self.win_k) + nb(self.win_v),
             "open_block": nb(self.open_k) + nb(self.open_v),
             **self.summaries.nbytes(),
-            "index": self.index.nbytes(),
+            # the block index, and the re-rank's candidate codes when held on the device
+            "index": self.index.nbytes() + self.ranker.device_nbytes(),
             "working_set": self.working_set.nbytes(),
             "rest_entry": nb(self.v_sum),
             "prefill_kv": self.exact.nbytes(),

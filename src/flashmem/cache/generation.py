@@ -281,6 +281,8 @@ def select_rows(layer: FlashLayer, src: torch.Tensor) -> None:
     _remap_cold(layer, src)
     if layer.ranker.codes is not None:  # coded per row as the blocks sealed: rows follow as the index's do
         layer.ranker.codes.select_rows(src)
+    if layer.ranker.device_codes is not None:  # copied again for the new rows at the next re-rank
+        layer.ranker.device_codes.clear()
     if src.numel() != b_old:
         _, h, _, d = layer.sink_k.shape
         layer.reader.bind((src.numel(), h, d), layer.device, layer.dtype, layer.cfg.sink_tokens)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from flashmem.cache.block_reads import BlockReader
-from flashmem.cache.rerank_codes import HOST, RerankCodes
+from flashmem.cache.rerank_codes import HOST, DeviceCandidates, RerankCodes
 from flashmem.compress import key_code
 from flashmem.config import FlashMemoryConfig
 from flashmem.index.base import BlockScorer
@@ -77,6 +77,12 @@ class CandidateRanker:
         # lsa_rerank_codec: the candidates are scored by a code of their keys kept on the host
         coded = cfg.lsa_rerank > 1 and cfg.lsa_rerank_codec != "exact"
         self.codes = RerankCodes(cfg.lsa_rerank_codec, cfg.hca_chunk_size, cfg.page_tokens) if coded else None
+        # lsa_rerank_on_device: this step's candidates' codes held on the device, scored there
+        self.device_codes = DeviceCandidates() if coded and cfg.lsa_rerank_on_device else None
+
+    def device_nbytes(self) -> int:
+        """Device bytes the re-rank holds: its candidates' codes with `lsa_rerank_on_device`."""
+        return 0 if self.device_codes is None else self.device_codes.nbytes()
 
     def scores(self, qg: torch.Tensor, scaling: float, hca_k: torch.Tensor) -> torch.Tensor:
         """Index scores of every page for queries qg [b, h, nq, d] -> [b, h, nq, n_pages]
@@ -184,17 +190,25 @@ class CandidateRanker:
         num_sealed: int,
     ) -> Selection:
         """`rerank` with the candidates cand [b, h, c] scored by their keys' codes
-        (`lsa_rerank_codec`, cache/rerank_codes.py): by host compute where the codes lie when
-        the layer ranks on the host (or computes there), else their codes copied to the device
-        and decoded there. Nothing of the candidates' K/V is read; the winners' pages are."""
+        (`lsa_rerank_codec`, cache/rerank_codes.py): held on the device with
+        `lsa_rerank_on_device` (the new candidates' codes copied), else by host compute where
+        the codes lie when the layer ranks on the host (or computes there), else copied to the
+        device. Nothing of the candidates' K/V is read; the winners' pages are."""
         cfg, reader, codes = self.cfg, self.reader, self.codes
         assert codes is not None
         codes.fill(num_sealed, lambda j: reader.fetch_block(j, on_host=True)[0])
-        code, nbytes = codes.pages(cand)
-        on_host = reader.host_ranking or reader.device.type == "cpu"
-        where = HOST if on_host else reader.device
-        reader.traffic.add("host_read_bytes" if on_host else "h2d_bytes", nbytes)
-        ck = key_code.decode(code.to(where), torch.float32)  # [b, h, c, P, d]
+        if self.device_codes is not None:  # held on the device: only new candidates' codes cross
+            where = reader.device
+            code, nbytes = self.device_codes.update(cand, codes, where)
+            reader.traffic.add("h2d_bytes", nbytes)
+            reader.traffic.add("device_read_bytes", code.nbytes)
+        else:
+            code, nbytes = codes.pages(cand)
+            on_host = reader.host_ranking or reader.device.type == "cpu"
+            where = HOST if on_host else reader.device
+            reader.traffic.add("host_read_bytes" if on_host else "h2d_bytes", nbytes)
+            code = code.to(where)
+        ck = key_code.decode(code, torch.float32)  # [b, h, c, P, d]
         bi = torch.arange(cand.shape[0], device=cand.device)[:, None, None]
         cvalid = page_tokens_valid[bi, cand].to(where)  # [b, h, c, P]
         mass = exact_page_mass(

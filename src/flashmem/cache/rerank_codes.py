@@ -103,9 +103,78 @@ class RerankCodes:
         # a page's codes, and its block's zero and scale (read once per page: the upper bound)
         return code, code.nbytes
 
+    def pages_flat(self, cand: torch.Tensor, only: torch.Tensor) -> tuple[key_code.KeyCode, int]:
+        """`pages` for the candidates where only [b, h, c] is True, flat: q [n, P, w],
+        zero / scale [n, 1, d] in (b, h, c) order."""
+        assert self.q is not None and self.zero is not None and self.scale is not None
+        b, h, c = cand.shape
+        ppb = self.B // self.P
+        m = only.to(HOST)
+        ids = cand.to(HOST)[m]
+        bi = torch.arange(b)[:, None, None].expand(b, h, c)[m]
+        hi = torch.arange(h)[None, :, None].expand(b, h, c)[m]
+        blk, pg = ids // ppb, ids % ppb
+        n, _, _, _, w = self.q.shape
+        q = self.q.view(n, b, h, ppb, self.P, w)[blk, bi, hi, pg]  # [n_new, P, w]
+        flat = key_code.KeyCode(q, self.zero[blk, bi, hi], self.scale[blk, bi, hi], self.bits)
+        return flat, flat.nbytes
+
     def nbytes(self) -> int:
         """Host bytes the coded blocks take."""
         if self.q is None or self.zero is None or self.scale is None:
             return 0
         per = (self.q[0].nbytes + self.zero[0].nbytes + self.scale[0].nbytes) if self.q.shape[0] else 0
         return self.n * per
+
+
+class DeviceCandidates:
+    """This step's candidate pages' codes held on the device (`lsa_rerank_on_device`), the
+    re-rank's own page cache: a candidate the last step held keeps its codes; only the others'
+    are gathered from the host arena and cross the link. Held per (row, head):
+    idx [b, h, c] sorted page ids, q [b, h, c, P, w], zero / scale [b, h, c, 1, d]."""
+
+    def __init__(self) -> None:
+        self.idx: torch.Tensor | None = None
+        self.code: key_code.KeyCode | None = None
+
+    def update(self, cand: torch.Tensor, arena: RerankCodes, device: torch.device) -> tuple[key_code.KeyCode, int]:
+        """Hold the codes of cand [b, h, c] (sorted) on `device` -> (their code, bytes copied)."""
+        cand = cand.contiguous()  # every page a candidate: an expanded view
+        prev, old = self.idx, self.code
+        held = src = None
+        if prev is not None and old is not None and prev.shape[:2] == cand.shape[:2] and prev.shape[-1]:
+            src = torch.searchsorted(prev, cand).clamp_max_(prev.shape[-1] - 1)  # both sorted
+            held = prev.gather(-1, src) == cand
+        if held is None or not bool(held.any()):
+            code, nbytes = arena.pages(cand)
+            code = code.to(device)
+        else:
+            assert old is not None and src is not None
+            new = ~held
+            b, h, c = cand.shape
+            # the new candidates' codes, gathered on the host in (b, h, c) order, cross together
+            fresh, nbytes = arena.pages_flat(cand, new)
+            fresh = fresh.to(device)
+            bi = torch.arange(b, device=cand.device)[:, None, None]
+            hi = torch.arange(h, device=cand.device)[None, :, None]
+            rows_prev = b * h * prev.shape[-1]
+            old_rows = ((bi * h + hi) * prev.shape[-1] + src).reshape(-1)
+            flat = held.reshape(-1)
+            pick = torch.where(flat, old_rows, rows_prev + new.reshape(-1).cumsum(0) - 1)
+
+            def merged(o: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+                width = o.shape[-2:]
+                both = torch.cat([o.reshape(-1, *width), f.reshape(-1, *width)])
+                return both.index_select(0, pick.to(both.device)).view(b, h, c, *width)
+
+            code = key_code.KeyCode(
+                merged(old.q, fresh.q), merged(old.zero, fresh.zero), merged(old.scale, fresh.scale), old.bits
+            )
+        self.idx, self.code = cand, code
+        return code, nbytes
+
+    def nbytes(self) -> int:
+        return 0 if self.code is None else self.code.nbytes
+
+    def clear(self) -> None:
+        self.idx = self.code = None

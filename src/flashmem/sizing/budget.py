@@ -20,7 +20,7 @@ from flashmem.config import FlashMemoryConfig, set_budget_solver
 from flashmem.errors import ConfigError, FlashMemError
 from flashmem.models import geometry
 from flashmem.recipe import check_budget, check_tokens, recipe_keys, resolve_variant
-from flashmem.sizing.tiers import index_bytes, tier_counts, working_set_scale
+from flashmem.sizing.tiers import candidate_code_bytes, index_bytes, tier_counts, working_set_scale
 
 # Recent query positions each managed layer keeps for the attention-mass fusion
 # rule (the cache's summaries read it from here).
@@ -210,7 +210,8 @@ def _ratio_of(
         selected = max(0, min(pages, max(k, min(1, k)))) if pages > 0 else 0
         ws = selected * pt
         resident = sinks + window + open_block + csa + (sealed if hca else 0) + ws
-        index = (sealed * per.per_block + sealed * B * per.per_token + (rest_sum if sealed else 0)) / unit
+        index = sealed * per.per_block + sealed * B * per.per_token + (rest_sum if sealed else 0)
+        index = (index + candidate_code_bytes(base, pages, selected, head_dim, dtype_bytes)) / unit
         return (resident - ws * keep + index + qbuf) / denom
 
     return ratio

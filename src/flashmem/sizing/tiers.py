@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from flashmem import policies
-from flashmem.config import FlashMemoryConfig
+from flashmem.config import RERANK_CODE_BITS, FlashMemoryConfig
 
 # Key-sized vectors the index keeps per sealed block and KV head, per scorer.
 INDEX_KEY_VECTORS = {name: s.vectors for name, s in policies.SCORERS.items()}
@@ -83,7 +83,30 @@ def index_bytes(cfg: FlashMemoryConfig, counts: TierCounts, head_dim: int, dtype
     plus the rest entry's value sum when it is kept."""
     per = policies.SCORERS[cfg.lsa_scorer].index_bytes(cfg, head_dim, dtype_bytes)
     rest = 4 * head_dim if cfg.keeps_rest_entry and counts.sealed_blocks else 0  # the fp32 value sum
-    return counts.sealed_blocks * per.per_block + counts.cold_tokens * per.per_token + rest
+    pages = counts.sealed_blocks * cfg.pages_per_block
+    codes = candidate_code_bytes(cfg, pages, counts.working_set // cfg.page_tokens, head_dim, dtype_bytes)
+    return counts.sealed_blocks * per.per_block + counts.cold_tokens * per.per_token + rest + codes
+
+
+def rerank_candidates(cfg: FlashMemoryConfig, pages: int, selected: int) -> int:
+    """Candidate pages a re-ranking step scores per KV head, of `pages` sealed ones with
+    `selected` chosen: max(lsa_rerank x selected, lsa_rerank_min_pages), at most every
+    page; 0 without a re-rank, or past lsa_rerank_max_tokens (cache/ranking.py)."""
+    cap = cfg.lsa_rerank_max_tokens
+    if cfg.lsa_rerank <= 1 or not selected or (cap is not None and pages * cfg.page_tokens > cap):
+        return 0
+    return min(pages, max(cfg.lsa_rerank * selected, cfg.lsa_rerank_min_pages))
+
+
+def candidate_code_bytes(cfg: FlashMemoryConfig, pages: int, selected: int, head_dim: int, dtype_bytes: float) -> float:
+    """Device bytes of one KV head's candidate codes (`lsa_rerank_on_device`): each candidate
+    page's keys in lsa_rerank_codec's bits, with its block's zero and scale per channel
+    (cache/rerank_codes.py holds them per page); 0 when the codes stay on the host."""
+    if not cfg.lsa_rerank_on_device or cfg.lsa_rerank_codec == "exact":
+        return 0.0
+    n = rerank_candidates(cfg, pages, selected)
+    per_page = cfg.page_tokens * head_dim * RERANK_CODE_BITS[cfg.lsa_rerank_codec] / 8 + head_dim * 4
+    return n * per_page
 
 
 def codec_bytes_per_element(codec: str, dtype_bytes: int) -> float:
