@@ -149,7 +149,7 @@ class DeviceCandidates:
             code, nbytes = arena.pages(cand)
             code = code.to(device)
         else:
-            assert old is not None and src is not None
+            assert old is not None and src is not None and prev is not None
             new = ~held
             b, h, c = cand.shape
             # the new candidates' codes, gathered on the host in (b, h, c) order, cross together
