@@ -112,15 +112,25 @@ def recipe_keys(budget: float) -> dict[str, Any]:
     return {**RECIPE, "lsa_follow_pages": 1 if budget >= FOLLOW_FROM_BUDGET * (1 - 1e-6) else 0}
 
 
+# Where the cap leaves room in the budget, the re-rank's candidates are scored by int4 codes of
+# their keys held on the device (cache/rerank_codes.py), if those fit in the room: a GPU's
+# decode step then reads no keys on the host and copies only new candidates' codes (issue 27;
+# docs/accelerator.md). int4 ranks the needle's page as the exact keys do (docs/measurements.md,
+# "Re-rank codes"). Llama-3.1-8B: at 1/8 by 64K tokens, at 1/16 by 128K, at 1/32 by 1M.
+DEVICE_RERANK: dict[str, Any] = {"lsa_rerank_codec": "int4", "lsa_rerank_on_device": True}
+
+
 @dataclass(frozen=True)
 class Variant:
     """What the budget solver lays its sizes over: config keys (the recipe's unless a
     variant changes them), the target split of the resident budget (window, selected
-    pages, CSA band) and the cap on a step's selected tokens (None: no cap)."""
+    pages, CSA band), the cap on a step's selected tokens (None: no cap) and the re-rank
+    keys taken where the cap leaves room for them (None: never)."""
 
     keys: Mapping[str, Any] = field(default_factory=lambda: dict(RECIPE))
     shape: tuple[float, float, float] = SHAPE
     cap: int | None = SELECTED_TOKENS_CAP
+    device_rerank: Mapping[str, Any] | None = field(default_factory=lambda: dict(DEVICE_RERANK))
 
 
 def resolve_variant(name: str) -> Variant:

@@ -104,6 +104,14 @@ def budget_config(
     if cap is not None and k * base.page_tokens > cap:
         # the budget bought more pages than a step needs: attend the cap, leave the rest unused
         k = max(1, cap // base.page_tokens)
+        sized = _sized(base, w, k, band)
+        rerank_keys = spec.device_rerank
+        if rerank_keys and base.lsa_rerank > 1 and not set(rerank_keys) & set(overrides):
+            # ... or let the re-rank's candidate codes use the room, where they fit in it
+            coded = sized.model_copy(update=dict(rerank_keys))
+            if predicted_ratio(coded, tokens, group, head_dim, dtype_bytes, peak=True) <= budget:
+                return FlashMemoryConfig(**coded.model_dump())
+        return sized
     return _sized(base, w, k, band)
 
 
