@@ -21,6 +21,11 @@ of RAM).
     python benchmarks/budget_peak.py --model smollm2 --lengths 4096,8192 --budget 0.0625
     python benchmarks/budget_peak.py --model tiny --lengths 32768,131072 --budget 0.0625 \
         --codecs exact --rank-on-host --prefill-chunk 4096 --steps 64
+
+With `--text kjv` (or stdlib-doc) the prompt is real text and a question, so the decode steps
+answer it: their page and candidate hit rates are those of a real answer (random tokens keep
+a flat attention). `--rerank-codec int4 --rerank-on-device` holds the candidates' codes on
+the device; the row then gives their hit rate (`candidate_hit_rate`).
 """
 
 from __future__ import annotations
@@ -76,11 +81,21 @@ def measure(
     cold_store: str = "memory",
     prefill_chunk: int | None = None,
     cold_pending_mb: int = 256,
+    text: str | None = None,
+    text_seed: int = 0,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     model, tok = _model(name, tokens)
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
-    keys: dict[str, Any] = {"cold_codec": codec}
+    if text and tok is not None:  # real text and a question, so the decode steps answer something
+        from flashmem.texts import haystack
+
+        body = haystack(tok, tokens - 40, seed=text_seed, name=text)
+        prompt = body + "\n\nQuestion: What is the passage above about? Name the people in it.\nAnswer:"
+        ids = torch.tensor([tok(prompt, add_special_tokens=True)["input_ids"][:tokens]])
+    else:
+        ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    keys: dict[str, Any] = {"cold_codec": codec, **(extra or {})}
     tmp = None
     if cold_store == "disk":
         tmp = tempfile.TemporaryDirectory(prefix="budget_peak_")
@@ -123,6 +138,10 @@ def measure(
         "decode_host_read_median": traffic["per_decode_step_median"]["host_read_bytes"],
         "decode_full_cache_read": traffic["per_decode_step_median"]["full_cache_bytes"],
         "page_hit_rate": traffic["page_cache"]["hit_rate"],
+        # re-rank candidates whose codes the device held over (lsa_rerank_on_device), else None
+        "candidate_hit_rate": traffic.get("candidate_cache", {}).get("hit_rate"),
+        "prompt": f"{text} seed {text_seed}" if text and tok is not None else "random tokens",
+        "config": {k: getattr(cache.cfg, k) for k in ("lsa_top_k", "lsa_rerank_codec", "lsa_rerank_on_device")},
         "rank_on_host": bool(BlockReader.rank_on_host),
         "decode_new_page_bytes_median": traffic["per_decode_step_median"]["new_page_bytes"],
         # the link's bytes over the bytes of the pages each decode step newly attends (median)
@@ -159,14 +178,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--rank-on-host", action="store_true", help="score re-rank candidates where the cold tier holds them"
     )
+    p.add_argument("--text", default=None, help="a haystack text (kjv, stdlib-doc) as the prompt, not random tokens")
+    p.add_argument("--text-seed", type=int, default=0, help="where in the text the prompt starts")
+    p.add_argument("--rerank-codec", default=None, help="lsa_rerank_codec (default: the recipe's)")
+    p.add_argument("--rerank-on-device", action="store_true", help="lsa_rerank_on_device: true")
     p.add_argument("--out", default=None, help="JSON lines of the rows")
     a = p.parse_args(argv)
+    extra: dict[str, Any] = {}
+    if a.rerank_codec:
+        extra["lsa_rerank_codec"] = a.rerank_codec
+    if a.rerank_on_device:
+        extra["lsa_rerank_on_device"] = True
     if a.rank_on_host:
         BlockReader.rank_on_host = True
     rows = []
     for n in (int(x) for x in a.lengths.split(",")):
         for codec in a.codecs.split(","):
-            row = measure(a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb)
+            row = measure(
+                a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb,
+                a.text, a.text_seed, extra,
+            )  # fmt: skip
             rows.append(row)
             print(json.dumps(row))
     if a.out:

@@ -32,6 +32,7 @@ MAINTAINED = [
     "bench_scale.py",
     "bench_target_8k.py",
     "budget_peak.py",
+    "host_score_rate.py",
     "decode_alternating.py",
     "needle_selected.py",
     "page_retrieval.py",

@@ -199,8 +199,9 @@ class CandidateRanker:
         codes.fill(num_sealed, lambda j: reader.fetch_block(j, on_host=True)[0])
         if self.device_codes is not None:  # held on the device: only new candidates' codes cross
             where = reader.device
-            code, nbytes = self.device_codes.update(cand, codes, where)
+            code, nbytes, copied = self.device_codes.update(cand, codes, where)
             reader.traffic.add("h2d_bytes", nbytes)
+            reader.traffic.candidates(cand.numel() - copied, copied)
             reader.traffic.add("device_read_bytes", code.nbytes)
         else:
             code, nbytes = codes.pages(cand)

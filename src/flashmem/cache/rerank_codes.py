@@ -137,8 +137,9 @@ class DeviceCandidates:
         self.idx: torch.Tensor | None = None
         self.code: key_code.KeyCode | None = None
 
-    def update(self, cand: torch.Tensor, arena: RerankCodes, device: torch.device) -> tuple[key_code.KeyCode, int]:
-        """Hold the codes of cand [b, h, c] (sorted) on `device` -> (their code, bytes copied)."""
+    def update(self, cand: torch.Tensor, arena: RerankCodes, device: torch.device) -> tuple[key_code.KeyCode, int, int]:
+        """Hold the codes of cand [b, h, c] (sorted) on `device` -> (their code, bytes copied,
+        candidates copied)."""
         cand = cand.contiguous()  # every page a candidate: an expanded view
         prev, old = self.idx, self.code
         held = src = None
@@ -147,10 +148,11 @@ class DeviceCandidates:
             held = prev.gather(-1, src) == cand
         if held is None or not bool(held.any()):
             code, nbytes = arena.pages(cand)
-            code = code.to(device)
+            code, copied = code.to(device), cand.numel()
         else:
             assert old is not None and src is not None and prev is not None
             new = ~held
+            copied = int(new.sum())
             b, h, c = cand.shape
             # the new candidates' codes, gathered on the host in (b, h, c) order, cross together
             fresh, nbytes = arena.pages_flat(cand, new)
@@ -171,7 +173,7 @@ class DeviceCandidates:
                 merged(old.q, fresh.q), merged(old.zero, fresh.zero), merged(old.scale, fresh.scale), old.bits
             )
         self.idx, self.code = cand, code
-        return code, nbytes
+        return code, nbytes, copied
 
     def nbytes(self) -> int:
         return 0 if self.code is None else self.code.nbytes

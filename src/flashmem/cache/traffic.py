@@ -46,6 +46,10 @@ class StepTraffic:
     # what the missed pages take as the cold tier hands them over: the least a step that
     # reads only what it newly attends can copy to the device
     new_page_bytes: int = 0
+    # re-rank candidates whose codes the device held from the step before, and those copied
+    # (`lsa_rerank_on_device`)
+    candidate_hits: int = 0
+    candidate_misses: int = 0
     full_cache_bytes: int = 0  # what a full cache reads for the same step
 
 
@@ -81,6 +85,12 @@ class Traffic:
             self.steps[-1].page_misses += int(misses)
             self.steps[-1].new_page_bytes += int(misses) * int(page_bytes)
 
+    def candidates(self, hits: int, misses: int) -> None:
+        """Candidate codes held on the device: `hits` kept from the last step, `misses` copied."""
+        if self.steps:
+            self.steps[-1].candidate_hits += int(hits)
+            self.steps[-1].candidate_misses += int(misses)
+
     def cold_read(self, store: ColdStore, device: torch.device, nbytes: int, in_place: bool = False) -> None:
         """`nbytes` of K/V read from the cold tier for `device`: copied to the device, or
         read where the store holds them (in_place: scored on the host, nothing copied)."""
@@ -109,6 +119,9 @@ class Traffic:
             "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         }
+        c_hits, c_misses = sum(s.candidate_hits for s in decode), sum(s.candidate_misses for s in decode)
+        if c_hits + c_misses:  # the re-rank's codes held on the device, as a cache of candidates
+            out["candidate_cache"] = {"hits": c_hits, "misses": c_misses, "hit_rate": c_hits / (c_hits + c_misses)}
         for kind, name in (("decode", "per_decode_step_median"), ("prefill", "per_prefill_forward_median")):
             steps = [s for s in self.steps if s.kind == kind]
             med = {p: int(statistics.median(s.counts[p] for s in steps)) if steps else 0 for p in PATHS}
