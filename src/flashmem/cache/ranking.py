@@ -79,6 +79,7 @@ class CandidateRanker:
         self.codes = RerankCodes(cfg.lsa_rerank_codec, cfg.hca_chunk_size, cfg.page_tokens) if coded else None
         # lsa_rerank_on_device: this step's candidates' codes held on the device, scored there
         self.device_codes = DeviceCandidates() if coded and cfg.lsa_rerank_on_device else None
+        self._last_cand: torch.Tensor | None = None  # the last re-rank's candidates (counted only)
 
     def device_nbytes(self) -> int:
         """Device bytes the re-rank holds: its candidates' codes with `lsa_rerank_on_device`."""
@@ -129,6 +130,8 @@ class CandidateRanker:
             return self.rerank_coded(cand, qg, page_tokens_valid, k_sel, scaling, num_sealed)
         if n_cand > k_sel and n_cand == n_pages:  # every page a candidate: no index stage
             assert qg is not None and page_tokens_valid is not None
+            b, h = scores.shape[:2]
+            self._count_candidates(torch.arange(n_pages, device=scores.device).expand(b, h, n_pages))
             sel = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed)
         if sel is None:
             idx = select_blocks(
@@ -143,6 +146,7 @@ class CandidateRanker:
             sel = Selection(idx)
             if n_cand > k_sel:
                 assert qg is not None and page_tokens_valid is not None
+                self._count_candidates(idx)
                 ranked = None
                 if IN_PLACE_CANDIDATES * n_cand >= n_pages:
                     ranked = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed, idx)
@@ -202,8 +206,10 @@ class CandidateRanker:
             code, nbytes, copied = self.device_codes.update(cand, codes, where)
             reader.traffic.add("h2d_bytes", nbytes)
             reader.traffic.candidates(cand.numel() - copied, copied)
+            self._last_cand = cand
             reader.traffic.add("device_read_bytes", code.nbytes)
         else:
+            self._count_candidates(cand)
             code, nbytes = codes.pages(cand)
             on_host = reader.host_ranking or reader.device.type == "cpu"
             where = HOST if on_host else reader.device
@@ -216,6 +222,19 @@ class CandidateRanker:
             qg.to(where, torch.float32), ck, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads
         )  # [b, h, c]
         return Selection(self._top(cand, mass.to(cand.device), page_tokens_valid, k_sel))
+
+    def _count_candidates(self, cand: torch.Tensor) -> None:
+        """Count how many of this re-rank's candidates cand [b, h, c] (sorted) the last one also
+        had: what codes held on the device (`lsa_rerank_on_device`) would not copy again."""
+        prev = self._last_cand
+        self._last_cand = cand
+        if prev is None or prev.shape[:2] != cand.shape[:2] or not prev.shape[-1]:
+            self.reader.traffic.candidates(0, cand.numel())
+            return
+        prev = prev.contiguous()
+        pos = torch.searchsorted(prev, cand.contiguous()).clamp_max_(prev.shape[-1] - 1)
+        hits = int((prev.gather(-1, pos) == cand).sum())
+        self.reader.traffic.candidates(hits, cand.numel() - hits)
 
     def _top(self, cand: torch.Tensor, mass: torch.Tensor, page_tokens_valid: torch.Tensor, k_sel: int) -> torch.Tensor:
         """The k_sel candidates cand [b, h, c] with the most mass [b, h, c] -> page ids [b, h, k_sel]."""

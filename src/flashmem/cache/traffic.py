@@ -46,8 +46,8 @@ class StepTraffic:
     # what the missed pages take as the cold tier hands them over: the least a step that
     # reads only what it newly attends can copy to the device
     new_page_bytes: int = 0
-    # re-rank candidates whose codes the device held from the step before, and those copied
-    # (`lsa_rerank_on_device`)
+    # re-rank candidates the step before also had (with `lsa_rerank_on_device`: whose codes the
+    # device held), and the others (copied to the device there)
     candidate_hits: int = 0
     candidate_misses: int = 0
     full_cache_bytes: int = 0  # what a full cache reads for the same step
@@ -120,7 +120,7 @@ class Traffic:
             "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         }
         c_hits, c_misses = sum(s.candidate_hits for s in decode), sum(s.candidate_misses for s in decode)
-        if c_hits + c_misses:  # the re-rank's codes held on the device, as a cache of candidates
+        if c_hits + c_misses:  # the re-rank's candidates as a cache (codes held on the device)
             out["candidate_cache"] = {"hits": c_hits, "misses": c_misses, "hit_rate": c_hits / (c_hits + c_misses)}
         for kind, name in (("decode", "per_decode_step_median"), ("prefill", "per_prefill_forward_median")):
             steps = [s for s in self.steps if s.kind == kind]
