@@ -20,6 +20,11 @@
      and cold blocks are built only that way.
    - The layer profile (`lsa_layer_shares: profile`) needs a tokenizer and text, so the
      random model splits pages evenly (`lsa_layer_shares: null`).
+   Beside the recipe, at the shortest length and after every length (so it cannot take the
+   recipe's time), flashmem with `lsa_rerank_codec: int4, lsa_rerank_on_device: true`: the
+   re-rank's candidate codes held on the device, only new candidates' codes crossing the link;
+   its decode ms, h2d bytes per step and the model's prediction (on CUDA; `--device-rerank`
+   elsewhere). The recipe at 128K and 1/16 may already hold its codes so (recipe.DEVICE_RERANK).
    On CUDA also transformers' offloaded cache (`DynamicCache(offloading=True)`, filled the
    same way). Before the lengths, the model's constants are measured: a device copy, host to
    device from pinned and from pageable memory, device to host pinned (1 GiB each).
@@ -302,7 +307,8 @@ def predictions(hw: hwm.Hardware, model: Any, tokens: int, cfg: Any, traffic: di
     )  # fmt: skip
     flash = est.flashmem
     assert flash is not None
-    pred = hwm.predicted_traffic(flash, cfg, tokens, a, c.head_dim, eb)
+    group = c.num_attention_heads // c.num_key_value_heads  # query heads per KV head: the re-rank's FLOPs
+    pred = hwm.predicted_traffic(flash, cfg, tokens, a, c.head_dim, eb, group)
     fm = hwm.flashmem_row(hw, cost, tokens, 1, a, pred, flash.cold_bytes, None)
     out: dict[str, Any] = {
         "label": "modelled, not measured",
@@ -316,6 +322,8 @@ def predictions(hw: hwm.Hardware, model: Any, tokens: int, cfg: Any, traffic: di
         "flashmem_bound": fm.bound,
         "flashmem_link_bytes_per_step": pred.link_bytes,
         "flashmem_link_parts": pred.parts,
+        "flashmem_held_code_bytes": pred.held_code_bytes,
+        "flashmem_host_flops_per_step": pred.host_flops,
         "flashmem_device_resident_bytes": flash.device_resident_bytes,
         "flashmem_peak_bytes": cost.weight_bytes + flash.prompt_peak_bytes,
         "prefill_s": fm.prefill_s,
@@ -394,6 +402,41 @@ def run_length(
     if left < max(args.min_flashmem_s, guess):
         res["flashmem"] = {"skipped": f"time: {left:.0f} s left of --time-limit, about {guess:.0f} s needed"}
         return res
+    res["flashmem"] = run_flashmem(model, tokens, cfg, args, device, hw)
+    pred = res["flashmem"].pop("prediction", None)
+    if isinstance(pred, dict) and "error" not in pred:  # with the run's counted traffic beside it
+        res["prediction"] = pred
+    return res
+
+
+# The variant beside the recipe (CUDA; --device-rerank on a CPU): the re-rank's candidates
+# scored by int4 codes held on the device (cache/rerank_codes.py DeviceCandidates), only new
+# candidates' codes crossing the link. Run after every length, at the shortest one only, so
+# that it cannot take the recipe's time.
+DEVICE_RERANK = {"lsa_rerank_codec": "int4", "lsa_rerank_on_device": True}
+
+
+def run_device_rerank(
+    model: Any, tokens: int, args: argparse.Namespace, device: torch.device, hw: hwm.Hardware, deadline: float
+) -> dict[str, Any]:
+    """flashmem with DEVICE_RERANK laid over the recipe at `tokens`: decode ms, h2d bytes per step."""
+    cfg = flashmem.FlashMemoryConfig.for_budget(
+        args.budget, tokens, model, lsa_layer_shares=None, cold_store="memory", prefetch_threads=2, **DEVICE_RERANK
+    )
+    last = getattr(args, "last_prefill", None)
+    guess = 2 * last[1] * tokens / last[0] if last else 0.0
+    left = deadline - time.perf_counter()
+    if left < max(args.min_flashmem_s, guess):
+        return {"tokens": tokens, "skipped": f"time: {left:.0f} s left of --time-limit, about {guess:.0f} s needed"}
+    return {"tokens": tokens, "overrides": dict(DEVICE_RERANK), **run_flashmem(model, tokens, cfg, args, device, hw)}
+
+
+def run_flashmem(
+    model: Any, tokens: int, cfg: Any, args: argparse.Namespace, device: torch.device, hw: hwm.Hardware
+) -> dict[str, Any]:
+    """One flashmem run under `cfg`: the prompt through the model, then timed decode steps, its
+    traffic and the hardware model's prediction for the same config."""
+    out: dict[str, Any]
     cache = None
     try:
         reset_peak(device)
@@ -411,8 +454,16 @@ def run_length(
         ms = timed_decode(model, cache, tokens, args.steps, 2, device)
         traffic = traffic_of(cache)
         report = cache.memory_report()
-        res["flashmem"] = {
-            "config": {k: getattr(cfg, k) for k in ("lsa_top_k", "gpu_cache_limit", "lsa_rerank", "prefill_chunk")},
+        keys = (
+            "lsa_top_k",
+            "gpu_cache_limit",
+            "lsa_rerank",
+            "prefill_chunk",
+            "lsa_rerank_codec",
+            "lsa_rerank_on_device",
+        )
+        out = {
+            "config": {k: getattr(cfg, k) for k in keys},
             "prefill_s": prefill_s,
             "prefill_max_memory_allocated": prefill_peak,
             "decode_ms_median": statistics.median(ms),
@@ -429,15 +480,17 @@ def run_length(
             "h2d_over_new_pages": traffic.get("h2d_over_new_pages_median", "n/a") if traffic else "n/a",
             "traffic_report": traffic if traffic is not None else "n/a",
         }
-        if traffic and "per_decode_step_median" in traffic:
-            res["prediction"] = predictions(hw, model, tokens, cfg, traffic)
+        try:
+            out["prediction"] = predictions(hw, model, tokens, cfg, traffic)
+        except Exception as exc:
+            out["prediction"] = {"error": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:
-        res["flashmem"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(-3)}
+        out = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(-3)}
     finally:
         if cache is not None:
             cache.close()
         model.set_attn_implementation("sdpa")
-    return res
+    return out
 
 
 def summary_lines(results: dict[str, Any]) -> list[str]:
@@ -474,6 +527,20 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
                 else ""
             )
         )
+    v = results.get("device_rerank")
+    if isinstance(v, dict):
+        p = v.get("prediction", {}) if isinstance(v.get("prediction"), dict) else {}
+
+        def num(x: Any) -> str:
+            return f"{x:.3g}" if isinstance(x, int | float) else "n/a"
+
+        lines.append(
+            f"{v['tokens']:>7} tokens: flashmem, int4 re-rank codes held on the device: "
+            f"{num(v.get('decode_ms_median'))} ms/step (modelled {num(p.get('flashmem_decode_ms'))}); h2d/step "
+            f"{v.get('link_bytes_per_step', 'n/a')} (modelled {num(p.get('flashmem_link_bytes_per_step'))}); "
+            f"max_memory_allocated {v.get('max_memory_allocated') or 'n/a'} B"
+            + (f"; {v.get('error') or v.get('skipped')}" if "error" in v or "skipped" in v else "")
+        )
     return lines
 
 
@@ -490,6 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hardware", default=None, help="h100|h200|a100|l4 (default: from the device name)")
     ap.add_argument("--time-limit", type=float, default=450.0, help="seconds for the whole check (default 450)")
     ap.add_argument("--min-flashmem-s", type=float, default=None, help="skip a flashmem length with less time left")
+    ap.add_argument(
+        "--device-rerank",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run flashmem with int4 re-rank codes held on the device, at the shortest length "
+        "(default: on CUDA only)",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -500,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     args.layers = args.layers or (2 if smoke else 4)
     args.steps = args.steps or (3 if smoke else 16)
     args.min_flashmem_s = args.min_flashmem_s if args.min_flashmem_s is not None else (0.0 if smoke else 60.0)
+    args.device_rerank = device.type == "cuda" if args.device_rerank is None else args.device_rerank
     if smoke:
         args.prefill_chunk = min(args.prefill_chunk, 256)
     start = time.perf_counter()
@@ -535,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
             results["lengths"].append(run_length(model, tokens, args, device, hw, deadline))
             with open(args.out, "w") as f:  # partial results survive a kill
                 json.dump(results, f, indent=2, default=str)
+        if args.device_rerank:
+            results["device_rerank"] = run_device_rerank(model, min(lengths), args, device, hw, deadline)
     except Exception as exc:
         results["model_error"] = f"{type(exc).__name__}: {exc}"
         results["trace"] = traceback.format_exc(-3)

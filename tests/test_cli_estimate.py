@@ -247,9 +247,10 @@ def test_hardware_model_table_and_overrides(capsys):
     args = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200")
     code, out, _ = run(capsys, *args)
     assert code == 0 and "MODELLED, not measured" in out and "offloaded" in out
+    # the recipe at 128K and 1/16 holds int4 candidate codes on the device (recipe.DEVICE_RERANK)
     assert (
-        "issue 27 targets (modelled, re-rank codec exact" in out
-        and "re-rank exact keys read and scored on the host" in out
+        "issue 27 targets (modelled, re-rank codec int4 on the device" in out
+        and "re-rank int4 codes held on the device and scored there" in out
     )
     assert "at measured new-page fractions" in out and "0.067 (SmolLM2 measured)" in out
     code, out, _ = run(capsys, *args, "--json", "--hbm-gib", "1000", "--link-gbps", "110", "--rerank-keys", "device")
@@ -286,6 +287,21 @@ def test_hardware_model_when_the_full_cache_does_not_fit(capsys):
         ),
         (["--rerank-codec", "sign"], "--rerank-codec: only with --hardware"),
         (["--hardware", "h200", "--host-tflops", "0"], "--host-tflops"),
+        (
+            ["--hardware", "h200", "--rerank-codec", "exact", "--rerank-on-device"],
+            "--rerank-on-device: holds the candidates' codes on the device, but the re-rank codec is 'exact'; "
+            "allowed: --rerank-codec int4, int2, sign",
+        ),
+        # the recipe at 32K re-ranks by exact keys: a device-held re-rank needs a code
+        (["--hardware", "h200", "--rerank-on-device"], "allowed: --rerank-codec int4, int2, sign"),
+        (["--rerank-on-host"], "--rerank-on-host: only with --hardware"),
+        (["--rerank-on-device"], "--rerank-on-device: only with --hardware"),
+        (["--hardware", "h200", "--new-candidate-fraction", "2"], "--new-candidate-fraction: 2.0 is not allowed"),
+        (["--new-candidate-fraction", "0.1"], "--new-candidate-fraction: only with --hardware"),
+        (
+            ["--hardware", "h200", "--rerank-on-device", "--traffic", "/nonexistent.json"],
+            "--rerank-on-device: not allowed together with --traffic",
+        ),
         (["--host-tflops", "2"], "--host-tflops: only with --hardware"),
         (
             ["--hardware", "h200", "--rerank-codec", "sign", "--traffic", "/nonexistent.json"],
@@ -323,7 +339,9 @@ def test_rerank_codec_overrides_the_config(capsys):
     base = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "--json")
     out = {}
     for codec in ("exact", "sign"):
-        code, text, _ = run(capsys, *base, "--rerank-codec", codec.upper() if codec == "sign" else codec)
+        # exact alone puts the recipe's re-rank on the host; a code needs --rerank-on-host for it
+        host = () if codec == "exact" else ("--rerank-on-host",)
+        code, text, _ = run(capsys, *base, "--rerank-codec", codec.upper() if codec == "sign" else codec, *host)
         assert code == 0
         out[codec] = json.loads(text)["hardware_model"]
     hm = out["sign"]
@@ -347,8 +365,63 @@ def test_rerank_codec_overrides_the_config(capsys):
 
 def test_host_tflops_moves_the_bound(capsys):
     args = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "--rerank-codec", "sign")
+    args = (*args, "--rerank-on-host")
     code, out, _ = run(capsys, *args)
     assert code == 0 and "host compute" in out and "1.43 TFLOP/s" in out
     code, out, _ = run(capsys, *args, "--host-tflops", "1000", "--json")
     hm = json.loads(out)["hardware_model"]
     assert hm["hardware"]["host_flops"] == 1000e12 and hm["rows"]["flashmem"]["bound_at_largest"] == "link"
+
+
+def test_rerank_on_device_holds_the_codes_in_the_budget(capsys):
+    """--rerank-codec int4 --rerank-on-device at 32K: the recipe re-ranks max(4 x 168, 256) = 672
+    candidate pages of 16 tokens per KV head and layer; each page's int4 codes are 16 x 128 / 2 =
+    1,024 B plus an fp16 zero and scale per channel (512 B): 672 x 1,536 x 32 layers x 8 KV heads =
+    264,241,152 B held on the device per sequence, and 0.4 of them cross the link per step."""
+    base = ("estimate", "-m", "llama-3.1-8b", "-t", "32K", "--hardware", "h200", "--json", "--rerank-codec", "int4")
+    code, text, _ = run(capsys, *base, "--rerank-on-device")
+    assert code == 0
+    hm = json.loads(text)["hardware_model"]
+    code, text, _ = run(capsys, *base)  # the recipe at 32K keeps the codes on the host
+    host = json.loads(text)["hardware_model"]
+    held = 672 * (16 * 128 // 2 + 4 * 128) * 32 * 8
+    assert held == 264_241_152 and hm["flashmem_traffic"]["held_code_bytes"] == held
+    assert hm["rerank_on_device"] and not host["rerank_on_device"]
+    assert "lsa_rerank_on_device true (--rerank-on-device)" in hm["flashmem_config"]
+    # the device holds them: a sequence's resident bytes grow by exactly the codes, which sets the batch
+    per_seq = hm["rows"]["flashmem"]["device_bytes_per_seq"]
+    assert per_seq == host["rows"]["flashmem"]["device_bytes_per_seq"] + held
+    weights, hbm, allow = 8_030_261_248 * 2, 143771 * 2**20, 2 * 2**30
+    assert hm["rows"]["flashmem"]["largest_batch"] == (hbm - weights - allow) // per_seq == 249
+    # the link: the new pages (as int8 codes) and 0.4 of the candidates' codes; nothing on the host
+    tr = hm["flashmem_traffic"]
+    assert tr["parts"]["rerank_keys"] == pytest.approx(0.4 * held)
+    assert tr["parts"]["new_pages"] == host["flashmem_traffic"]["parts"]["new_pages"]
+    assert tr["link_bytes_per_step"] == pytest.approx(tr["parts"]["new_pages"] + 0.4 * held)
+    assert tr["host_read_bytes_per_step"] == 0 and tr["host_flops_per_step"] == 0
+    assert tr["device_flops_rerank_per_step"] == host["flashmem_traffic"]["host_flops_per_step"] > 0
+    assert host["rows"]["flashmem"]["bound_at_largest"] == "host compute"
+    assert hm["rows"]["flashmem"]["bound_at_largest"] == "link"
+    big = hm["rows"]["flashmem"]["largest_batch"]
+    assert hm["rows"]["flashmem"]["step_s_at_largest"] == pytest.approx(big * tr["link_bytes_per_step"] / 55e9)
+    # the new-candidate fraction follows the new-page fraction unless given
+    measured = hm["at_measured_new_page_fractions"]
+    assert [m["new_candidate_fraction"] for m in measured] == [0.067, 0.361]
+    code, text, _ = run(capsys, *base, "--rerank-on-device", "--new-candidate-fraction", "0.1")
+    tr = json.loads(text)["hardware_model"]["flashmem_traffic"]
+    assert code == 0 and tr["parts"]["rerank_keys"] == pytest.approx(0.1 * held)
+
+
+def test_the_recipe_at_128k_holds_int4_codes_and_exact_takes_them_off(capsys):
+    """The recipe at 128K and 1/16 re-ranks by int4 codes held on the device; --rerank-codec exact
+    alone reads exact keys on the host (exact keys are never held on the device)."""
+    base = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "--json")
+    code, text, _ = run(capsys, *base)
+    hm = json.loads(text)["hardware_model"]
+    assert code == 0 and hm["rerank_codec"] == "int4" and hm["rerank_on_device"]
+    assert hm["flashmem_traffic"]["held_code_bytes"] == 1024 * (1024 + 512) * 32 * 8  # 384 MiB
+    code, text, _ = run(capsys, *base, "--rerank-codec", "exact")
+    hm = json.loads(text)["hardware_model"]
+    assert code == 0 and not hm["rerank_on_device"] and hm["flashmem_traffic"]["held_code_bytes"] == 0
+    assert "lsa_rerank_on_device false (--rerank-codec exact)" in hm["flashmem_config"]
+    assert hm["flashmem_traffic"]["host_read_bytes_per_step"] == 2**30

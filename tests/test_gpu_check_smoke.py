@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--smoke", "--out", str(out)]
+    cmd.append("--device-rerank")  # the variant with device-held re-rank codes (on by default on CUDA only)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env={"OMP_NUM_THREADS": "1", **_env()})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     d = json.loads(out.read_text())
@@ -43,6 +44,13 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
             model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **SMOKE))
         assert p["weight_bytes"] == 2 * sum(t.numel() for t in model.parameters())
     assert "exactness: ok" in proc.stdout
+    # the variant beside the recipe, at the shortest length: its own config, decode and link figures
+    v = d["device_rerank"]
+    assert v["tokens"] == 256 and v["overrides"] == {"lsa_rerank_codec": "int4", "lsa_rerank_on_device": True}
+    assert v["config"]["lsa_rerank_codec"] == "int4" and v["config"]["lsa_rerank_on_device"] is True
+    assert v["decode_ms_median"] > 0 and "link_bytes_per_step" in v
+    assert v["prediction"]["label"] == "modelled, not measured" and "flashmem_held_code_bytes" in v["prediction"]
+    assert "int4 re-rank codes held on the device" in proc.stdout
 
 
 def _env() -> dict[str, str]:
@@ -61,3 +69,4 @@ def test_gpu_check_skips_lengths_past_its_time_limit(tmp_path):
     d = json.loads(out.read_text())
     assert code == 0 and d["exactness"]["ok"]
     assert d["lengths"] == [{"tokens": 256, "skipped": "time"}, {"tokens": 512, "skipped": "time"}]
+    assert "device_rerank" not in d  # off on a CPU unless asked for

@@ -124,7 +124,11 @@ def test_flashmem_row_predicted_from_the_recipe(h200):
     tier, or --rerank-keys link); with a memory cold tier (the default) they are read on the
     host and only the new pages cross."""
     hw, cost, _ = h200
-    cfg = FlashMemoryConfig.for_budget(1 / 16, TOKENS, group=4, head_dim=128, dtype_bytes=2)
+    recipe = FlashMemoryConfig.for_budget(1 / 16, TOKENS, group=4, head_dim=128, dtype_bytes=2)
+    # the recipe holds int4 candidate codes on the device here (recipe.DEVICE_RERANK: tested in
+    # test_rerank_codes_held_on_the_device); this test models its exact re-rank
+    assert recipe.lsa_rerank_codec == "int4" and recipe.lsa_rerank_on_device
+    cfg = recipe.model_copy(update={"lsa_rerank_codec": "exact", "lsa_rerank_on_device": False})
     flash = estimate("llama-3.1-8b", tokens=TOKENS, config=cfg).flashmem
     assert flash is not None and flash.tier_counts["working_set"] == 4096
     # without the head size and dtype, a re-ranking config's keys and FLOPs cannot be counted
@@ -176,6 +180,11 @@ def test_overrides_and_mistakes():
             hwm.get_hardware("h100", link_gbps=bad)
     with pytest.raises(ConfigError, match="--new-page-fraction"):
         hwm.Assumptions(new_page_fraction=1.5).check()
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="--new-candidate-fraction"):
+            hwm.Assumptions(new_candidate_fraction=bad).check()
+    assert hwm.Assumptions(new_page_fraction=0.2).candidate_fraction == 0.2
+    assert hwm.Assumptions(new_page_fraction=0.2, new_candidate_fraction=0.05).candidate_fraction == 0.05
     with pytest.raises(ConfigError, match="--params"):
         hwm.model_cost("mystery", layers=2, kv_bytes_per_token=1, dtype_bytes=2, q_width=1)
     with pytest.raises(ConfigError, match="missing the object 'per_decode_step_median'"):
@@ -326,3 +335,72 @@ def test_measured_new_page_fractions_are_the_runs():
         path = root / m.source.split(":")[0]
         rates = [json.loads(line)["page_hit_rate"] for line in path.read_text().splitlines() if line.strip()]
         assert len(rates) == 2 and m.new_page_fraction == pytest.approx(1 - min(rates), abs=5e-4), m
+
+
+# ----------------------------------------------------------------------------- codes held on the device
+# By hand, SMALL at 8,192 tokens: 32 candidate pages per KV head and layer (as above); a page's codes are
+# 16 tokens x 16 dims x bits/8 plus an fp16 zero and scale per channel (4 x 16 = 64 B); 2 layers x 2 KV heads
+HELD = {"int4": 4 * 32 * (128 + 64), "int2": 4 * 32 * (64 + 64), "sign": 4 * 32 * (32 + 64)}
+
+
+@pytest.mark.parametrize("codec", ["int4", "int2", "sign"])
+def test_rerank_codes_held_on_the_device(codec):
+    """lsa_rerank_on_device: the codes sit in the resident bytes (the calculator's index tier), a
+    step copies only the new candidates' codes and scores them on the device; the host reads and
+    computes nothing, so a slow host no longer bounds the step."""
+    assert HELD == {"int4": 24576, "int2": 16384, "sign": 12288}
+    on_host = small_config(lsa_rerank_codec=codec)
+    held_cfg = small_config(lsa_rerank_codec=codec, lsa_rerank_on_device=True)
+    tr = small_traffic(held_cfg)
+    assert tr.held_code_bytes == HELD[codec]
+    # resident bytes: the host-scored config's plus exactly the held codes
+    base = estimate(None, tokens=8192, config=on_host, **SMALL).flashmem
+    flash = estimate(None, tokens=8192, config=held_cfg, **SMALL).flashmem
+    assert base is not None and flash is not None
+    assert flash.device_resident_bytes == base.device_resident_bytes + HELD[codec] == tr.resident_bytes
+    # link: the new pages (0.4 x 128 tokens x 256 B) and 0.4 of the held codes; no host, no disk for codes
+    new_pages = 0.4 * 128 * 256
+    assert tr.parts["new_pages"] == pytest.approx(new_pages)
+    assert tr.parts["rerank_keys"] == pytest.approx(0.4 * HELD[codec])
+    assert tr.link_bytes == pytest.approx(new_pages + 0.4 * HELD[codec])
+    assert tr.host_read_bytes == 0 and tr.host_flops == 0 and tr.parts["rerank_keys_on_host"] == 0
+    assert tr.rerank_device_flops == 512 * 3 * (2 * 64 + 4 * 4) == 221184  # as on the host, now the device's
+    # the device reads its resident bytes (codes included) and what arrived
+    assert tr.device_read_bytes == pytest.approx(flash.device_resident_bytes + tr.link_bytes)
+    assert "held on the device" in tr.source and "on the host" not in tr.source
+    # the new-candidate fraction, given, replaces the new-page fraction for the codes only
+    own = small_traffic(held_cfg, hwm.Assumptions(new_candidate_fraction=0.1))
+    assert own.link_bytes == pytest.approx(new_pages + 0.1 * HELD[codec])
+    # a disk cold tier: the codes come from the host's arena, only new pages from disk
+    disk = small_traffic(small_config(lsa_rerank_codec=codec, lsa_rerank_on_device=True, cold_store="disk",
+                                      cold_dir="/tmp/unused"))  # fmt: skip
+    assert disk.disk_bytes == pytest.approx(new_pages) and disk.held_code_bytes == HELD[codec]
+    # past lsa_rerank_max_tokens nothing is re-ranked: no codes held, none copied
+    capped = small_config(lsa_rerank_codec=codec, lsa_rerank_on_device=True, lsa_rerank_max_tokens=4096)
+    off = small_traffic(capped)
+    assert off.held_code_bytes == 0 and off.link_bytes == pytest.approx(new_pages) and off.rerank_device_flops == 0
+
+
+def test_codes_on_the_device_set_the_batch_and_the_bound():
+    """A host of 1 MFLOP/s bounds the host-scored step (221,184 FLOPs: 0.22 s); held on the device the
+    same scores are the device's, and the step is bound by HBM or the link. The largest batch is the
+    HBM left after the weights over the resident bytes with the codes: by hand."""
+    slow = hwm.get_hardware("h200", host_tflops=1e-6, hbm_gib=1)
+    a = hwm.Assumptions(activation_bytes=0)
+    cost = hwm.model_cost("small", layers=2, kv_bytes_per_token=256, dtype_bytes=2, q_width=6 * 16, params=10**6)
+    host_tr = small_traffic(small_config(lsa_rerank_codec="int4"), a)
+    dev_tr = small_traffic(small_config(lsa_rerank_codec="int4", lsa_rerank_on_device=True), a)
+    host_row = hwm.flashmem_row(slow, cost, 8192, 1, a, host_tr, 8064 * 256, None)
+    dev_row = hwm.flashmem_row(slow, cost, 8192, 1, a, dev_tr, 8064 * 256, None)
+    assert host_row.bound == "host compute" and host_row.bound_at_largest == "host compute"
+    assert not dev_row.bound.startswith("host") and not dev_row.bound_at_largest.startswith("host")
+    assert dev_row.device_bytes_per_seq == host_row.device_bytes_per_seq + 24576
+    assert dev_row.largest_batch == (2**30 - 2 * 10**6) // (host_tr.resident_bytes + 24576)
+    assert dev_row.largest_batch < host_row.largest_batch
+    # at the largest batch: the link carries (new pages + 0.4 x codes) per sequence, HBM the weights and
+    # (resident + arrived) per sequence; the step is the slower of them (device FLOPs are far below)
+    big = dev_row.largest_batch
+    link_s = big * (0.4 * 128 * 256 + 0.4 * 24576) / 55e9
+    hbm_s = (2 * 10**6 + big * (dev_tr.resident_bytes + dev_tr.link_bytes)) / 4.8e12
+    assert dev_row.step_s_at_largest == pytest.approx(max(link_s, hbm_s))
+    assert dev_row.bound_at_largest == ("link" if link_s > hbm_s else "HBM")

@@ -39,7 +39,11 @@ predicted (--new-page-fraction of the selected pages, plus the re-rank's keys wi
 --rerank-keys link; with the default host they are read and scored by the host, its
 DRAM and its FLOPs, --host-tflops) or counted (--traffic FILE.json from
 cache.traffic_report(), for that run's own model). --rerank-codec exact|int4|int2|sign
-replaces the config's lsa_rerank_codec (what the re-rank reads per candidate key).
+replaces the config's lsa_rerank_codec (what the re-rank reads per candidate key);
+--rerank-on-device / --rerank-on-host replaces its lsa_rerank_on_device (a code's
+candidates held on the device, in its budget, and scored there: only the codes of new
+candidates, --new-candidate-fraction, cross the link; --rerank-codec exact alone puts
+the re-rank on the host).
 Predicted, it also prints the ratios at the new-page fractions measured by this
 project's runs (SmolLM2, Gemma3). Every constant can be overridden.
 """
@@ -91,12 +95,25 @@ def estimate_command(
         "host",
         "--rerank-keys",
         help="where the re-rank reads candidate keys: host (scored next to a memory cold tier, the code on CUDA), "
-        "link (copied to the device: disk tiers) or device (not built)",
+        "link (copied to the device: disk tiers) or device (a free ranker, nothing counted: a bound; the built "
+        "one is --rerank-on-device)",
     ),
     rerank_codec: str | None = typer.Option(
         None,
         "--rerank-codec",
         help="replace the config's lsa_rerank_codec: exact, int4, int2 or sign (bytes the re-rank reads per key)",
+    ),
+    rerank_on_device: bool | None = typer.Option(
+        None,
+        "--rerank-on-device/--rerank-on-host",
+        help="replace the config's lsa_rerank_on_device: the candidates' codes held on the device (counted in "
+        "its bytes) and scored there, or on the host (needs a code: --rerank-codec int4, int2 or sign)",
+    ),
+    new_candidate_fraction: float | None = typer.Option(
+        None,
+        "--new-candidate-fraction",
+        help="with codes on the device: share of a step's candidates whose codes cross the link "
+        "(default: the new-page fraction)",
     ),
     activation_gib: float = typer.Option(2.0, "--activation-gib", help="HBM set aside beyond weights and KV, GiB"),
     flops_fraction: float = typer.Option(0.5, "--flops-fraction", help="fraction of peak FLOP/s reached"),
@@ -112,7 +129,8 @@ def estimate_command(
     if hardware is None:
         _refuse_hardware_only(
             {**overrides, "traffic": traffic, "params": params, "host_gib": host_gib, "budget": budget,
-             "rerank_codec": rerank_codec}
+             "rerank_codec": rerank_codec, "rerank_on_device": rerank_on_device,
+             "new_candidate_fraction": new_candidate_fraction}
         )  # fmt: skip
     dtype_given = dtype
     dtype = assumed_dtype(model, dtype)
@@ -121,11 +139,12 @@ def estimate_command(
     hw_model = None
     if hardware is not None:
         hw, a = _hardware_and_assumptions(
-            hardware, overrides, activation_gib, flops_fraction, not no_overlap, new_page_fraction, rerank_keys
-        )
+            hardware, overrides, activation_gib, flops_fraction, not no_overlap, new_page_fraction, rerank_keys,
+            new_candidate_fraction,
+        )  # fmt: skip
         hw_model = hardware_model(model, est, hw, a, config=config, budget=budget, params=params, traffic=traffic,
                                   host_gib=host_gib, dims=(layers, kv_heads, head_dim),
-                                  rerank_codec=rerank_codec)  # fmt: skip
+                                  rerank_codec=rerank_codec, rerank_on_device=rerank_on_device)  # fmt: skip
     _emit(est, hw_model, as_json=as_json, dtype_note=dtype_given is None and dtype is not None)
 
 
@@ -134,12 +153,14 @@ def _refuse_hardware_only(given: dict[str, Any]) -> None:
     for name, v in given.items():
         if v is not None:
             flag = "--" + name.replace("_", "-")
+            if name == "rerank_on_device" and v is False:
+                flag = "--rerank-on-host"
             raise ConfigError(f"{flag}: only with --hardware; allowed: --hardware {'|'.join(HARDWARE_KEYS)}")
 
 
 def _hardware_and_assumptions(
     hardware: str, overrides: dict[str, float | None], activation_gib: float, flops_fraction: float, overlap: bool,
-    new_page_fraction: float, rerank_keys: str,
+    new_page_fraction: float, rerank_keys: str, new_candidate_fraction: float | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The accelerator (its constants, with the --*-gbps/--hbm-gib/--tflops overrides) and the checked assumptions."""
     from flashmem.sizing import hardware as hwm
@@ -151,6 +172,7 @@ def _hardware_and_assumptions(
         overlap=overlap,
         new_page_fraction=new_page_fraction,
         rerank_keys=rerank_keys,
+        new_candidate_fraction=new_candidate_fraction,
     )
     a.check()
     return hw, a
@@ -206,6 +228,7 @@ def hardware_model(
     host_gib: float | None,
     dims: tuple[int | None, int | None, int | None] = (None, None, None),
     rerank_codec: str | None = None,
+    rerank_on_device: bool | None = None,
 ) -> dict[str, Any]:
     """The three rows (full, offloaded, flashmem) and issue 27's targets, as a dict; with
     predicted traffic, also the targets at the measured new-page fractions."""
@@ -227,7 +250,7 @@ def hardware_model(
         arch=arch,
     )
     cfg, cfg_source = _flashmem_config(config, budget, est.tokens, arch, head_dim, eb)
-    cfg, cfg_source = _with_rerank_codec(cfg, cfg_source, rerank_codec, traffic)
+    cfg, cfg_source = _with_rerank_codec(cfg, cfg_source, rerank_codec, traffic, rerank_on_device)
     group = arch.heads // arch.kv_heads if arch is not None else 1  # unknown: a lower bound (flops_note)
     flash, tr = _flashmem_traffic(model, est, cfg, dims, traffic, a, group)
     rows_b = [
@@ -240,6 +263,7 @@ def hardware_model(
     out = hwm.to_dict(hw, a, cost, rows_b, hwm.targets(hw, cost, a, full1, flash1, tr))
     out["flashmem_config"] = cfg_source
     out["rerank_codec"] = str(cfg.lsa_rerank_codec)
+    out["rerank_on_device"] = bool(cfg.lsa_rerank_on_device)
     out["flashmem_traffic"] = {
         "source": tr.source,
         "link_bytes_per_step": tr.link_bytes,
@@ -247,6 +271,8 @@ def hardware_model(
         "device_read_bytes_per_step": tr.device_read_bytes,
         "host_read_bytes_per_step": tr.host_read_bytes,
         "host_flops_per_step": tr.host_flops,
+        "held_code_bytes": tr.held_code_bytes,
+        "device_flops_rerank_per_step": tr.rerank_device_flops,
         "prefill_link_bytes": tr.prefill_link_bytes,
     }
     if traffic is None:  # a run's counted bytes have their own page hits
@@ -258,6 +284,7 @@ def hardware_model(
             tg = hwm.targets(hw, cost, am, full1, fm1, trm)
             measured.append({
                 "label": m.label, "new_page_fraction": m.new_page_fraction, "source": m.source,
+                "new_candidate_fraction": am.candidate_fraction,
                 "throughput_ratio_at_largest_batch": tg["throughput_ratio_at_largest_batch"],
                 "batch1_speed_ratio": tg["batch1_speed_ratio"], "bound_at_largest": fm1.bound_at_largest,
             })  # fmt: skip
@@ -363,19 +390,39 @@ def _flashmem_config(
 RERANK_CODECS = ("exact", "int4", "int2", "sign")
 
 
-def _with_rerank_codec(cfg: Any, source: str, codec: str | None, traffic: Path | None) -> tuple[Any, str]:
-    """`cfg` with --rerank-codec as its lsa_rerank_codec (checked: one line naming the allowed ones)."""
-    if codec is None:
+def _with_rerank_codec(
+    cfg: Any, source: str, codec: str | None, traffic: Path | None, on_device: bool | None = None
+) -> tuple[Any, str]:
+    """`cfg` with --rerank-codec as its lsa_rerank_codec and --rerank-on-device/--rerank-on-host
+    as its lsa_rerank_on_device (checked: one line naming the allowed ones). --rerank-codec
+    exact alone turns a config's device-held codes off: exact keys are read where they lie."""
+    if codec is None and on_device is None:
         return cfg, source
-    name = codec.strip().lower()
-    if name not in RERANK_CODECS:
-        raise ConfigError(f"--rerank-codec: {codec!r} is not allowed; allowed: {', '.join(RERANK_CODECS)}")
+    flag = "--rerank-codec" if codec is not None else "--rerank-on-device" if on_device else "--rerank-on-host"
+    name = str(cfg.lsa_rerank_codec)
+    if codec is not None:
+        name = codec.strip().lower()
+        if name not in RERANK_CODECS:
+            raise ConfigError(f"--rerank-codec: {codec!r} is not allowed; allowed: {', '.join(RERANK_CODECS)}")
     if traffic is not None:
         raise ConfigError(
-            "--rerank-codec: not allowed together with --traffic (a run's counted bytes are its own "
-            "codec's); allowed: one of them"
+            f"{flag}: not allowed together with --traffic (a run's counted bytes are its own "
+            "re-rank's); allowed: one of them"
         )
-    return cfg.model_copy(update={"lsa_rerank_codec": name}), f"{source}, lsa_rerank_codec {name} (--rerank-codec)"
+    if on_device and name == "exact":
+        raise ConfigError(
+            "--rerank-on-device: holds the candidates' codes on the device, but the re-rank codec is 'exact'; "
+            f"allowed: --rerank-codec {', '.join(c for c in RERANK_CODECS if c != 'exact')}"
+        )
+    held = bool(cfg.lsa_rerank_on_device) if on_device is None else on_device
+    if name == "exact" and on_device is None:
+        held = False  # exact keys are never held on the device
+    update = {"lsa_rerank_codec": name, "lsa_rerank_on_device": held}
+    notes = [f"lsa_rerank_codec {name} (--rerank-codec)"] if codec is not None else []
+    if held != bool(cfg.lsa_rerank_on_device):
+        why = "--rerank-codec exact" if on_device is None else "--rerank-on-device" if on_device else "--rerank-on-host"
+        notes.append(f"lsa_rerank_on_device {str(held).lower()} ({why})")
+    return cfg.model_copy(update=update), ", ".join([source, *notes])
 
 
 def _print(est: Any) -> None:
@@ -508,6 +555,13 @@ def _print_hardware(d: dict[str, Any]) -> None:
     tr, tg = d["flashmem_traffic"], d["targets"]
     parts = ", ".join(f"{k} {fmt_bytes(int(v))}" for k, v in tr["parts"].items() if v)
     typer.echo(f"flashmem link bytes per sequence and step: {tr['source']}" + (f" ({parts})" if parts else ""))
+    if tr.get("held_code_bytes"):
+        frac = a["new_candidate_fraction"]
+        typer.echo(
+            f"re-rank codes held on the device per sequence: {fmt_bytes(int(tr['held_code_bytes']))} (in HBM/seq); "
+            f"scored there: {tr['device_flops_rerank_per_step'] / 1e9:,.2f} GFLOP per step; new-candidate "
+            f"fraction {a['new_page_fraction'] if frac is None else frac:g}"
+        )
     if tr["host_flops_per_step"]:
         typer.echo(
             f"host per sequence and step: reads {fmt_bytes(int(tr['host_read_bytes_per_step']))}, "
@@ -518,7 +572,7 @@ def _print_hardware(d: dict[str, Any]) -> None:
         typer.echo(f"issue 27 targets (modelled): not comparable: {tg['note']}")
         return
     typer.echo(
-        f"issue 27 targets (modelled, re-rank codec {d['rerank_codec']}, new-page fraction "
+        f"issue 27 targets (modelled, re-rank codec {d['rerank_codec']}{_where(d)}, new-page fraction "
         f"{a['new_page_fraction']:g}): flashmem tok/s at its largest batch / full cache at its largest: "
         f"{tg['throughput_ratio_at_largest_batch']:.2f}x (target >= {tg['throughput_ratio_target']:g}x: "
         f"{'met' if tg['throughput_target_met'] else 'NOT met'}); batch 1, full step / flashmem step: "
@@ -531,7 +585,7 @@ def _print_hardware(d: dict[str, Any]) -> None:
     measured = d.get("at_measured_new_page_fractions")
     if measured:
         typer.echo(
-            f"at measured new-page fractions (re-rank codec {d['rerank_codec']}; the default "
+            f"at measured new-page fractions (re-rank codec {d['rerank_codec']}{_where(d)}; the default "
             f"{a['new_page_fraction']:g} is ShadowKV's): "
             + "; ".join(
                 f"{m['new_page_fraction']:g} ({m['label']}): {m['throughput_ratio_at_largest_batch']:.2f}x at the "
@@ -540,6 +594,11 @@ def _print_hardware(d: dict[str, Any]) -> None:
                 if m["throughput_ratio_at_largest_batch"] is not None
             )
         )
+
+
+def _where(d: dict[str, Any]) -> str:
+    """' on the device' when the re-rank's codes are held there."""
+    return " on the device" if d.get("rerank_on_device") and d.get("rerank_codec") != "exact" else ""
 
 
 def register(app: typer.Typer) -> None:

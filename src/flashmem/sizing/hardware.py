@@ -20,7 +20,10 @@ Three ways to hold the KV cache are modelled, one sequence of `tokens` tokens ea
   pages; or counted: a run's `cache.traffic_report()`), plus, when the config
   re-ranks candidates by their exact keys and those keys live in the cold tier,
   the candidates' keys (exact, or as `lsa_rerank_codec`'s codes), and the host's FLOPs
-  to score them when they are ranked on the host.
+  to score them when they are ranked on the host. With `lsa_rerank_on_device` the
+  candidates' codes are held on the device (in the resident bytes, as the calculator
+  counts them) and scored there: the link carries only the codes of candidates that are
+  new this step (`new_candidate_fraction`), the host reads and computes nothing.
 
 Step time is a roofline: each resource's time is bytes / bandwidth (FLOPs / (a
 fraction of peak) for the device's compute, FLOPs / the host's rate for the host's); with `overlap` (prefetch on a copy stream) the step
@@ -278,12 +281,27 @@ class Assumptions:
     # where a re-ranking config reads its candidates' exact keys: "host" (scored by host compute
     # next to the cold tier, only page ids cross: the code on CUDA, `BlockReader.host_ranking`),
     # "link" (copied from the cold tier to the device: the code before 2026-12-02) or "device"
-    # (ranked on device-resident data: not built)
+    # (a free ranker on device-resident data: no bytes and no FLOPs counted for it, a bound).
+    # A config with `lsa_rerank_on_device` (built: codes held on the device) is modelled as
+    # such whatever this says, unless it is "device"
     rerank_keys: str = "host"
+    # with `lsa_rerank_on_device`: of a step's re-rank candidates, the share whose codes the
+    # device did not hold the step before and which therefore cross the link. None: the same as
+    # new_page_fraction (the candidates are the index's top pages, which move as the selected
+    # pages do; cache.traffic_report()["candidate_cache"] measures it)
+    new_candidate_fraction: float | None = None
+
+    @property
+    def candidate_fraction(self) -> float:
+        """The new-candidate fraction in force: `new_candidate_fraction`, else `new_page_fraction`."""
+        return self.new_page_fraction if self.new_candidate_fraction is None else self.new_candidate_fraction
 
     def check(self) -> None:
         if not 0 <= self.new_page_fraction <= 1:
             raise ConfigError(f"--new-page-fraction: {self.new_page_fraction!r} is not allowed; allowed: 0 to 1")
+        f = self.new_candidate_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 1):
+            raise ConfigError(f"--new-candidate-fraction: {f!r} is not allowed; allowed: 0 to 1")
         if not 0 < self.flops_fraction <= 1:
             raise ConfigError(f"--flops-fraction: {self.flops_fraction!r} is not allowed; allowed: above 0, up to 1")
         if self.activation_bytes < 0:
@@ -342,7 +360,10 @@ class FlashTraffic:
     source: str
     parts: dict[str, float] = field(default_factory=dict)  # where link_bytes come from
     host_flops: float = 0.0  # computed on the host per decode step (the re-rank's scores)
-    rerank_device_flops: float = 0.0  # the re-rank's scores when its keys cross to the device
+    rerank_device_flops: float = 0.0  # the re-rank's scores when the device computes them
+    # the candidates' codes held on the device (`lsa_rerank_on_device`), already inside
+    # resident_bytes (the index's tier): read once a step with the rest of it
+    held_code_bytes: float = 0.0
 
 
 def predicted_traffic(
@@ -359,9 +380,11 @@ def predicted_traffic(
     head_dim, dtype_bytes (the model's): with them, ranked on the host, an int8 working set's
     new pages are counted as they cross the link, as codes (1 + 4/head_dim bytes an element).
     A config that re-ranks needs them (and `group`, query heads per KV head) for its key bytes
-    under `lsa_rerank_codec` and its score FLOPs."""
+    under `lsa_rerank_codec` and its score FLOPs. With `lsa_rerank_on_device` (and a code) the
+    candidates' codes are held on the device and scored there: `new_candidate_fraction` of
+    them cross the link per step, nothing is read or computed on the host."""
     from flashmem.config import rerank_key_bytes
-    from flashmem.sizing.tiers import codec_bytes_per_element
+    from flashmem.sizing.tiers import candidate_code_bytes, codec_bytes_per_element
 
     counts = flash.tier_counts  # per managed layer, per sequence, token-equivalents
     cold_tok = float(flash.cold_bytes_per_token)  # K+V of one sealed token, every managed layer
@@ -373,8 +396,11 @@ def predicted_traffic(
     if a.rerank_keys == "host" and cfg.working_set_codec == "int8" and head_dim and dtype_bytes:
         # cut on the host, an int8 working set's new pages cross as their codes (cache/working_set.py)
         new_pages = new_exact * (1 + 4 / head_dim) / dtype_bytes
-    rerank = host = disk_keys = flops = 0.0
+    rerank = host = disk_keys = flops = held = 0.0
     codec = str(cfg.lsa_rerank_codec)
+    # codes held on the device (cache/rerank_codes.py DeviceCandidates): the config decides,
+    # not `rerank_keys`, except its free "device" ranker
+    on_device = bool(getattr(cfg, "lsa_rerank_on_device", False)) and codec != "exact"
     in_place = False
     cap = cfg.lsa_rerank_max_tokens
     reranks = cap is None or int(counts["cold_tokens"]) <= cap  # past the cap the index's choice stands
@@ -390,11 +416,29 @@ def predicted_traffic(
         # memory). Ranked on the host with a memory cold tier, candidates that are a third of the
         # pages or more are scored in place over every sealed block (cache/ranking.py)
         cand = min(sealed_pages, max(int(cfg.lsa_rerank) * (selected_tokens // page), int(cfg.lsa_rerank_min_pages)))
-        in_place = a.rerank_keys == "host" and cfg.cold_store == "memory" and IN_PLACE_CANDIDATES * cand >= sealed_pages
+        in_place = (
+            not on_device
+            and a.rerank_keys == "host"
+            and cfg.cold_store == "memory"
+            and IN_PLACE_CANDIDATES * cand >= sealed_pages
+        )
         scored = (sealed_pages if in_place else cand) * page  # tokens scored per KV head and layer
         # K elements of one sealed token over every managed layer: half the cold tier's K+V
         key_elems = cold_tok / 2 / codec_bytes_per_element(str(cfg.cold_codec), int(dtype_bytes))
-        if codec == "exact":  # as the cold tier holds them
+        if on_device:
+            # held per KV head and layer as the calculator counts them in the index's bytes
+            # (tiers.candidate_code_bytes: codes + an fp16 zero and scale per channel and page);
+            # key_elems / head_dim is the managed layers x KV heads
+            held = (
+                key_elems
+                / head_dim
+                * candidate_code_bytes(cfg, sealed_pages, selected_tokens // page, head_dim, dtype_bytes)
+            )
+            # only the candidates the last step did not hold are gathered from the host's code
+            # arena (filled at seal, so no disk read per step) and cross; that gather reads from
+            # host DRAM the same bytes the link carries, which the slower link bounds: not counted
+            keys = a.candidate_fraction * held
+        elif codec == "exact":  # as the cold tier holds them
             keys = scored * cold_tok / 2
             # a disk tier's blocks are read whole (K and V)
             disk_keys = 2 * keys
@@ -403,7 +447,7 @@ def predicted_traffic(
             disk_keys = keys
         # each of the group's queries scores every key: 2 FLOPs an element, plus the softmax per score
         flops = scored * group * (2 * key_elems + SOFTMAX_FLOPS_PER_SCORE * key_elems / head_dim)
-        host, rerank = (keys, 0.0) if a.rerank_keys == "host" else (0.0, keys)
+        host, rerank = (keys, 0.0) if a.rerank_keys == "host" and not on_device else (0.0, keys)
     link = new_pages + rerank
     # worst case: no host RAM cache hits
     disk = new_exact + disk_keys if cfg.cold_store in ("disk", "lmdb") else 0.0
@@ -416,6 +460,12 @@ def predicted_traffic(
     attended = int(counts["sinks"]) + int(counts["window"]) + int(counts["open_block"]) + selected_tokens
     what = f"{codec} keys" if codec == "exact" else f"{codec} codes"
     where = ", in place over every sealed page" if in_place else ""
+    over = f", re-rank {what} over the link"
+    if held:
+        over = (
+            f", re-rank {what} held on the device and scored there, "
+            f"{a.candidate_fraction:g} of the candidates new per step (their codes over the link)"
+        )
     return FlashTraffic(
         resident_bytes=int(flash.device_resident_bytes),
         prompt_bytes=int(flash.prompt_kv_bytes),
@@ -427,12 +477,13 @@ def predicted_traffic(
         attended_tokens=attended,
         source=(
             f"predicted from the config: {a.new_page_fraction:g} of the selected pages new per step"
-            + (f", re-rank {what} over the link" if rerank else "")
+            + (over if rerank or held else "")
             + (f", re-rank {what} read and scored on the host{where}" if host else "")
         ),
         parts={"new_pages": new_pages, "rerank_keys": rerank, "rerank_keys_on_host": host},
         host_flops=flops if host else 0.0,
-        rerank_device_flops=flops if rerank else 0.0,
+        rerank_device_flops=flops if rerank or held else 0.0,
+        held_code_bytes=held,
     )
 
 
