@@ -148,12 +148,18 @@ def test_selected_pages_are_capped_at_long_prompts(tokens, budget):
     """Past SELECTED_TOKENS_CAP the budget is a ceiling: the pages stop at the cap, the
     window stays where the budget put it, and the rest is left unused (not moved into the
     window, which a step attends too)."""
-    from flashmem.recipe import SELECTED_TOKENS_CAP
+    from flashmem.recipe import DEVICE_RERANK, SELECTED_TOKENS_CAP
 
     capped, full = budget_config(budget, tokens), budget_config(budget, tokens, "nocap")
     assert full.lsa_top_k * full.page_tokens > SELECTED_TOKENS_CAP
     assert capped.lsa_top_k * capped.page_tokens == SELECTED_TOKENS_CAP
-    assert capped.model_copy(update={"lsa_top_k": full.lsa_top_k}) == full
+    # where the cap frees room, the solver may hold int4 candidate codes on the device
+    # (recipe.DEVICE_RERANK); nothing else differs
+    rerank = {key: getattr(capped, key) for key in DEVICE_RERANK}
+    assert rerank in (DEVICE_RERANK, {key: getattr(full, key) for key in DEVICE_RERANK})
+    assert (
+        capped.model_copy(update={"lsa_top_k": full.lsa_top_k, **{k: getattr(full, k) for k in DEVICE_RERANK}}) == full
+    )
     assert predicted_ratio(capped, tokens, peak=True) < 0.9 * budget
     assert predicted_ratio(full, tokens, peak=True) == pytest.approx(budget, rel=0.05)
     assert budget_config(budget, tokens, "cap8k").lsa_top_k * capped.page_tokens == min(
