@@ -365,8 +365,11 @@ def test_rerank_codes_held_on_the_device(codec):
     assert tr.link_bytes == pytest.approx(new_pages + 0.4 * HELD[codec])
     assert tr.host_read_bytes == 0 and tr.host_flops == 0 and tr.parts["rerank_keys_on_host"] == 0
     assert tr.rerank_device_flops == 512 * 3 * (2 * 64 + 4 * 4) == 221184  # as on the host, now the device's
-    # the device reads its resident bytes (codes included) and what arrived
-    assert tr.device_read_bytes == pytest.approx(flash.device_resident_bytes + tr.link_bytes)
+    # the device reads its resident bytes (codes included) and what arrived, and writes and reads back
+    # the candidates' keys decoded in the model's dtype: 2 x 512 tokens x 64 key elements x 2 B
+    assert tr.parts["rerank_decoded_keys"] == 2 * 512 * 64 * 2
+    assert small_traffic(on_host).parts["rerank_decoded_keys"] == 0  # decoded on the host: no HBM
+    assert tr.device_read_bytes == pytest.approx(flash.device_resident_bytes + tr.link_bytes + 131072)
     assert "held on the device" in tr.source and "on the host" not in tr.source
     # the new-candidate fraction, given, replaces the new-page fraction for the codes only
     own = small_traffic(held_cfg, hwm.Assumptions(new_candidate_fraction=0.1))

@@ -169,3 +169,67 @@ def test_codes_held_on_the_device_choose_as_host_codes_and_copy_only_new_candida
 def test_codes_on_the_device_need_a_code():
     with pytest.raises(Exception, match="lsa_rerank_on_device: true holds the candidates' codes"):
         flashmem.FlashMemoryConfig(lsa_rerank=4, lsa_rerank_on_device=True)
+
+
+def _arena(blocks: int = 6, b: int = 2, h: int = 3, B: int = 16, P: int = 4, d: int = 8):
+    from flashmem.cache.rerank_codes import RerankCodes
+
+    arena = RerankCodes("int4", B, P)
+    arena.extend(torch.randn(b, h, blocks * B, d, generator=torch.Generator().manual_seed(3)))
+    return arena, blocks * B // P
+
+
+def test_device_candidates_write_new_codes_into_freed_slots():
+    """Over steps whose candidates change, each candidate's slot holds its own codes, only the
+    candidates the last step lacked are copied, and the held codes never grow past the
+    candidates (slots of dropped pages are reused in place)."""
+    from flashmem.cache.rerank_codes import DeviceCandidates
+
+    arena, pages = _arena()
+    held, g = DeviceCandidates(), torch.Generator().manual_seed(4)
+    prev: torch.Tensor | None = None
+    for step, c in enumerate([5, 5, 7, 7, 7, 6]):
+        cand = torch.rand(2, 3, pages, generator=g).argsort(-1)[..., :c].sort(-1).values
+        if step == 4:
+            cand = prev  # the same candidates again: nothing crosses
+        code, slots, nbytes, copied = held.update(cand, arena, torch.device("cpu"))
+        want, want_bytes = arena.pages(cand)
+        for got_t, want_t in ((code.q, want.q), (code.zero, want.zero), (code.scale, want.scale)):
+            at = slots[..., None, None].expand(*slots.shape, *got_t.shape[-2:])
+            assert torch.equal(got_t.gather(2, at), want_t)
+        assert torch.equal(held.idx.gather(-1, slots), cand)
+        assert len(set(slots[0, 0].tolist())) == c  # one slot per candidate
+        if prev is None:
+            assert copied == cand.numel() and nbytes == want_bytes
+        elif step == 4:
+            assert copied == nbytes == 0
+        else:
+            hits = sum(int(torch.isin(cand[i, j], prev[i, j]).sum()) for i in range(2) for j in range(3))
+            assert copied == cand.numel() - hits
+            assert nbytes == copied * want_bytes // cand.numel()
+        assert held.idx.shape[-1] == max(5, 7 if step >= 2 else 5)
+        prev = cand
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 22])
+def test_coded_page_mass_is_the_same_in_chunks_and_from_slots(chunk):
+    """Decoding a chunk of candidates at a time (and gathering them from slots) scores as the
+    whole decode does."""
+    from flashmem.index.rerank import coded_page_mass, exact_page_mass
+
+    arena, pages = _arena()
+    g = torch.Generator().manual_seed(5)
+    cand = torch.rand(2, 3, pages, generator=g).argsort(-1)[..., :9].sort(-1).values
+    code, _ = arena.pages(cand)
+    qg = torch.randn(2, 3, 4, 8, generator=g)
+    valid = torch.rand(2, 3, 9, 4, generator=g) > 0.2
+    want = exact_page_mass(qg, key_code.decode(code), valid, 0.3)
+    got = coded_page_mass(qg, code, valid, 0.3, chunk_elements=chunk * 2 * 3 * 4 * 8)
+    assert torch.allclose(got, want, atol=1e-6)
+    perm = torch.rand(2, 3, 9, generator=g).argsort(-1)  # the codes held in shuffled slots
+    inv = perm.argsort(-1)
+    shuffled = key_code.KeyCode(
+        *(t.gather(2, perm[..., None, None].expand_as(t)) for t in (code.q, code.zero, code.scale)), code.bits
+    )
+    got = coded_page_mass(qg, shuffled, valid, 0.3, slots=inv, chunk_elements=chunk * 2 * 3 * 4 * 8)
+    assert torch.allclose(got, want, atol=1e-6)

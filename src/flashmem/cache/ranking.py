@@ -21,10 +21,9 @@ import torch
 
 from flashmem.cache.block_reads import BlockReader
 from flashmem.cache.rerank_codes import HOST, DeviceCandidates, RerankCodes
-from flashmem.compress import key_code
 from flashmem.config import FlashMemoryConfig
 from flashmem.index.base import BlockScorer
-from flashmem.index.rerank import exact_block_mass, exact_page_mass
+from flashmem.index.rerank import coded_page_mass, exact_block_mass, exact_page_mass
 from flashmem.index.selection import select_blocks, top_pages
 from flashmem.index.vectors import IndexVectors
 
@@ -203,24 +202,26 @@ class CandidateRanker:
         codes.fill(num_sealed, lambda j: reader.fetch_block(j, on_host=True)[0])
         if self.device_codes is not None:  # held on the device: only new candidates' codes cross
             where = reader.device
-            code, nbytes, copied = self.device_codes.update(cand, codes, where)
+            code, slots, nbytes, copied = self.device_codes.update(cand, codes, where)
             reader.traffic.add("h2d_bytes", nbytes)
             reader.traffic.candidates(cand.numel() - copied, copied)
             self._last_cand = cand
-            reader.traffic.add("device_read_bytes", code.nbytes)
+            reader.traffic.add("device_read_bytes", code.nbytes * cand.shape[-1] // code.q.shape[2])
         else:
             self._count_candidates(cand)
+            slots = None
             code, nbytes = codes.pages(cand)
             on_host = reader.host_ranking or reader.device.type == "cpu"
             where = HOST if on_host else reader.device
             reader.traffic.add("host_read_bytes" if on_host else "h2d_bytes", nbytes)
             code = code.to(where)
-        ck = key_code.decode(code, torch.float32)  # [b, h, c, P, d]
         bi = torch.arange(cand.shape[0], device=cand.device)[:, None, None]
         cvalid = page_tokens_valid[bi, cand].to(where)  # [b, h, c, P]
-        mass = exact_page_mass(
-            qg.to(where, torch.float32), ck, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads
-        )  # [b, h, c]
+        # the host scores in fp32 (its bf16 matmuls are slow); a device in the queries' dtype
+        dtype = torch.float32 if where.type == "cpu" else qg.dtype
+        mass = coded_page_mass(
+            qg.to(where, dtype), code, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads, slots
+        )  # [b, h, c]: decoded a chunk of candidates at a time
         return Selection(self._top(cand, mass.to(cand.device), page_tokens_valid, k_sel))
 
     def _count_candidates(self, cand: torch.Tensor) -> None:

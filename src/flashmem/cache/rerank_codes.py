@@ -128,52 +128,69 @@ class RerankCodes:
 
 
 class DeviceCandidates:
-    """This step's candidate pages' codes held on the device (`lsa_rerank_on_device`), the
-    re-rank's own page cache: a candidate the last step held keeps its codes; only the others'
-    are gathered from the host arena and cross the link. Held per (row, head):
-    idx [b, h, c] sorted page ids, q [b, h, c, P, w], zero / scale [b, h, c, 1, d]."""
+    """The candidate pages' codes held on the device (`lsa_rerank_on_device`), the re-rank's
+    own page cache: a candidate the last step held keeps its codes; only the others' are
+    gathered from the host arena, cross the link, and are written in place into the slots of
+    pages that stopped being candidates (no second copy of the held codes).
+
+    Held per (row, head) in S >= c slots: idx [b, h, S] the page each slot holds (-1: none),
+    q [b, h, S, P, w], zero / scale [b, h, S, 1, d]. `update` returns, for each candidate,
+    its slot [b, h, c]."""
 
     def __init__(self) -> None:
         self.idx: torch.Tensor | None = None
         self.code: key_code.KeyCode | None = None
 
-    def update(self, cand: torch.Tensor, arena: RerankCodes, device: torch.device) -> tuple[key_code.KeyCode, int, int]:
-        """Hold the codes of cand [b, h, c] (sorted) on `device` -> (their code, bytes copied,
-        candidates copied)."""
-        cand = cand.contiguous()  # every page a candidate: an expanded view
-        prev, old = self.idx, self.code
-        held = src = None
-        if prev is not None and old is not None and prev.shape[:2] == cand.shape[:2] and prev.shape[-1]:
-            src = torch.searchsorted(prev, cand).clamp_max_(prev.shape[-1] - 1)  # both sorted
-            held = prev.gather(-1, src) == cand
-        if held is None or not bool(held.any()):
-            code, nbytes = arena.pages(cand)
-            code, copied = code.to(device), cand.numel()
-        else:
-            assert old is not None and src is not None and prev is not None
-            new = ~held
-            copied = int(new.sum())
-            b, h, c = cand.shape
-            # the new candidates' codes, gathered on the host in (b, h, c) order, cross together
-            fresh, nbytes = arena.pages_flat(cand, new)
-            fresh = fresh.to(device)
-            bi = torch.arange(b, device=cand.device)[:, None, None]
-            hi = torch.arange(h, device=cand.device)[None, :, None]
-            rows_prev = b * h * prev.shape[-1]
-            old_rows = ((bi * h + hi) * prev.shape[-1] + src).reshape(-1)
-            flat = held.reshape(-1)
-            pick = torch.where(flat, old_rows, rows_prev + new.reshape(-1).cumsum(0) - 1)
+    def update(
+        self, cand: torch.Tensor, arena: RerankCodes, device: torch.device
+    ) -> tuple[key_code.KeyCode, torch.Tensor, int, int]:
+        """Hold the codes of cand [b, h, c] (sorted) on `device` -> (the held codes, each
+        candidate's slot [b, h, c], bytes copied, candidates copied)."""
+        cand = cand.contiguous().to(device)  # every page a candidate: an expanded view
+        b, h, c = cand.shape
+        idx, code = self.idx, self.code
+        if idx is None or code is None or idx.shape[:2] != (b, h) or not idx.shape[-1]:
+            fresh, nbytes = arena.pages(cand)
+            self.idx, self.code = cand.clone(), fresh.to(device)
+            slots = torch.arange(c, device=device).expand(b, h, c)
+            return self.code, slots, nbytes, cand.numel()
+        if idx.shape[-1] < c:  # more candidates than slots (more pages sealed): empty slots
+            idx, code = self._grow(c)
+        S = idx.shape[-1]
+        order = idx.argsort(-1)
+        by_page = idx.gather(-1, order)
+        pos = torch.searchsorted(by_page, cand).clamp_max_(S - 1)
+        held = by_page.gather(-1, pos) == cand  # [b, h, c]
+        slots = order.gather(-1, pos)  # a held candidate's slot
+        new = ~held
+        copied = int(new.sum())
+        if not copied:
+            return code, slots, 0, 0
+        # free slots: those whose page is no candidate now; new candidates take them in order
+        at = torch.searchsorted(cand, idx).clamp_max_(c - 1)
+        free = cand.gather(-1, at) != idx  # [b, h, S]; per row, #free >= #new since S >= c
+        free_first = (~free).to(torch.uint8).argsort(dim=-1, stable=True)
+        rank = (new.cumsum(-1) - 1).clamp_min_(0)
+        slots = torch.where(new, free_first.gather(-1, rank), slots)
+        fresh, nbytes = arena.pages_flat(cand, new)  # [n_new, P, w] in (b, h, c) order
+        row = (torch.arange(b * h, device=device) * S).view(b, h, 1)
+        dest = (row + slots)[new]  # flat slot of each new candidate
+        idx.view(-1)[dest] = cand[new]
+        for held_t, fresh_t in ((code.q, fresh.q), (code.zero, fresh.zero), (code.scale, fresh.scale)):
+            held_t.view(-1, *held_t.shape[-2:]).index_copy_(0, dest, fresh_t.to(device))
+        return code, slots, nbytes, copied
 
-            def merged(o: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-                width = o.shape[-2:]
-                both = torch.cat([o.reshape(-1, *width), f.reshape(-1, *width)])
-                return both.index_select(0, pick.to(both.device)).view(b, h, c, *width)
+    def _grow(self, S: int) -> tuple[torch.Tensor, key_code.KeyCode]:
+        """More slots (S), the new ones empty; the held codes move once."""
+        assert self.idx is not None and self.code is not None
+        old, more = self.code, S - self.idx.shape[-1]
 
-            code = key_code.KeyCode(
-                merged(old.q, fresh.q), merged(old.zero, fresh.zero), merged(old.scale, fresh.scale), old.bits
-            )
-        self.idx, self.code = cand, code
-        return code, nbytes, copied
+        def wider(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros((*t.shape[:2], more, *t.shape[3:]))], dim=2)
+
+        self.idx = torch.cat([self.idx, self.idx.new_full((*self.idx.shape[:2], more), -1)], dim=-1)
+        self.code = key_code.KeyCode(wider(old.q), wider(old.zero), wider(old.scale), old.bits)
+        return self.idx, self.code
 
     def nbytes(self) -> int:
         return 0 if self.code is None else self.code.nbytes

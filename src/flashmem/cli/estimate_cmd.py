@@ -10,6 +10,7 @@ from typing import Any
 import typer
 
 from flashmem.errors import ConfigError
+from flashmem.sizing.hardware import Assumptions
 
 HELP = """Estimate the KV cache of a model after --tokens tokens for --batch sequences.
 
@@ -586,7 +587,7 @@ def _print_hardware(d: dict[str, Any]) -> None:
     if measured:
         typer.echo(
             f"at measured new-page fractions (re-rank codec {d['rerank_codec']}{_where(d)}; the default "
-            f"{a['new_page_fraction']:g} is ShadowKV's): "
+            f"{Assumptions.new_page_fraction:g} is ShadowKV's): "
             + "; ".join(
                 f"{m['new_page_fraction']:g} ({m['label']}): {m['throughput_ratio_at_largest_batch']:.2f}x at the "
                 f"largest batches, {m['batch1_speed_ratio']:.2f}x at batch 1, bound by {m['bound_at_largest']}"

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from flashmem.compress import key_code
 from flashmem.index.selection import pool_mass
+
+# The re-rank decodes coded candidates (`lsa_rerank_codec`) this many key elements at a
+# time: the transient is one chunk (8 MiB of bf16 keys), not every candidate's keys.
+# Llama-3.1-8B at 128K and 1/16 has 1,024 candidates x 16 tokens x 8 heads x 128 per
+# layer: decoded whole in fp32 that was 64 MiB per layer and sequence.
+CODE_CHUNK_ELEMENTS = 1 << 22
 
 
 def exact_page_mass(
@@ -31,6 +38,46 @@ def exact_page_mass(
     """
     b, h, c, P, d = cand_k.shape
     logits = torch.matmul(qg, cand_k.reshape(b, h, c * P, d).transpose(-1, -2))
+    return _page_mass(logits, cand_valid.reshape(b, h, 1, c * P), P, scaling, pool, share_heads)
+
+
+def coded_page_mass(
+    qg: torch.Tensor,
+    code: key_code.KeyCode,
+    cand_valid: torch.Tensor,
+    scaling: float,
+    pool: str = "mean",
+    share_heads: bool = False,
+    slots: torch.Tensor | None = None,
+    chunk_elements: int = CODE_CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """exact_page_mass with the candidates' keys as codes (compress/key_code.py), decoded
+    in qg's dtype a chunk of candidates at a time (`CODE_CHUNK_ELEMENTS`).
+
+    qg: [b, h, nq, d]; code: q [b, h, S, P, w], zero / scale [b, h, S, 1, d], the
+    candidates' codes in order, or held in slots with slots [b, h, c] each candidate's;
+    cand_valid: [b, h, c, P] -> mass [b, h, c]. Only the logits [b, h, nq, c * P]
+    (nq / d of the keys' elements) are held whole, for one softmax over every candidate.
+    """
+    b, h, _, P, w = code.q.shape
+    c = cand_valid.shape[2]
+    d, nq = code.zero.shape[-1], qg.shape[2]
+    step = max(1, chunk_elements // max(1, b * h * P * d))
+    logits = torch.empty(b, h, nq, c * P, dtype=torch.float32, device=qg.device)
+    for s in range(0, c, step):
+        e = min(c, s + step)
+        if slots is None:
+            part = key_code.KeyCode(code.q[:, :, s:e], code.zero[:, :, s:e], code.scale[:, :, s:e], code.bits)
+        else:  # this chunk's candidates gathered from their slots: a chunk-sized copy
+            at = slots[:, :, s:e, None, None]
+            part = key_code.KeyCode(
+                code.q.gather(2, at.expand(b, h, e - s, P, w)),
+                code.zero.gather(2, at.expand(b, h, e - s, 1, d)),
+                code.scale.gather(2, at.expand(b, h, e - s, 1, d)),
+                code.bits,
+            )
+        k = key_code.decode(part, qg.dtype).reshape(b, h, (e - s) * P, d)
+        logits[..., s * P : e * P] = torch.matmul(qg, k.transpose(-1, -2))
     return _page_mass(logits, cand_valid.reshape(b, h, 1, c * P), P, scaling, pool, share_heads)
 
 

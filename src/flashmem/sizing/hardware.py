@@ -396,7 +396,7 @@ def predicted_traffic(
     if a.rerank_keys == "host" and cfg.working_set_codec == "int8" and head_dim and dtype_bytes:
         # cut on the host, an int8 working set's new pages cross as their codes (cache/working_set.py)
         new_pages = new_exact * (1 + 4 / head_dim) / dtype_bytes
-    rerank = host = disk_keys = flops = held = 0.0
+    rerank = host = disk_keys = flops = held = decoded = 0.0
     codec = str(cfg.lsa_rerank_codec)
     # codes held on the device (cache/rerank_codes.py DeviceCandidates): the config decides,
     # not `rerank_keys`, except its free "device" ranker
@@ -448,6 +448,10 @@ def predicted_traffic(
         # each of the group's queries scores every key: 2 FLOPs an element, plus the softmax per score
         flops = scored * group * (2 * key_elems + SOFTMAX_FLOPS_PER_SCORE * key_elems / head_dim)
         host, rerank = (keys, 0.0) if a.rerank_keys == "host" and not on_device else (0.0, keys)
+        if codec != "exact" and not host:
+            # scored on the device, the codes are decoded a chunk at a time into the model's dtype
+            # (index/rerank.py coded_page_mass): those keys are written to HBM and read back
+            decoded = 2 * scored * key_elems * dtype_bytes
     link = new_pages + rerank
     # worst case: no host RAM cache hits
     disk = new_exact + disk_keys if cfg.cold_store in ("disk", "lmdb") else 0.0
@@ -469,7 +473,7 @@ def predicted_traffic(
     return FlashTraffic(
         resident_bytes=int(flash.device_resident_bytes),
         prompt_bytes=int(flash.prompt_kv_bytes),
-        device_read_bytes=float(flash.device_resident_bytes) + link,
+        device_read_bytes=float(flash.device_resident_bytes) + link + decoded,
         link_bytes=link,
         disk_bytes=disk,
         host_read_bytes=host,
@@ -480,7 +484,12 @@ def predicted_traffic(
             + (over if rerank or held else "")
             + (f", re-rank {what} read and scored on the host{where}" if host else "")
         ),
-        parts={"new_pages": new_pages, "rerank_keys": rerank, "rerank_keys_on_host": host},
+        parts={
+            "new_pages": new_pages,
+            "rerank_keys": rerank,
+            "rerank_keys_on_host": host,
+            "rerank_decoded_keys": decoded,
+        },
         host_flops=flops if host else 0.0,
         rerank_device_flops=flops if rerank or held else 0.0,
         held_code_bytes=held,
