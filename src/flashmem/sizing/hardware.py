@@ -444,7 +444,7 @@ def predicted_traffic(
             disk_keys = 2 * keys
         else:  # the block codes kept beside the cold tier (compress/key_code.py)
             keys = scored * key_elems * rerank_key_bytes(codec, dtype_bytes, int(cfg.hca_chunk_size))
-            disk_keys = keys
+            # in host memory whatever the cold tier (coded at seal: cache/rerank_codes.py): no disk read
         # each of the group's queries scores every key: 2 FLOPs an element, plus the softmax per score
         flops = scored * group * (2 * key_elems + SOFTMAX_FLOPS_PER_SCORE * key_elems / head_dim)
         host, rerank = (keys, 0.0) if a.rerank_keys == "host" and not on_device else (0.0, keys)
