@@ -250,11 +250,12 @@ def load_rows(paths: list[str | Path]) -> tuple[list[dict[str, Any]], list[dict[
 
     for p in map(Path, paths):
         partial = p.with_name(p.name + ".partial.jsonl")
-        file_rows, file_runs = [], []
+        file_rows, file_runs, meta = [], [], {}
         if p.is_file():
             try:
                 doc = json.loads(p.read_text())
-                file_rows, file_runs = doc["rows"], doc.get("meta", {}).get("runs", [])
+                meta = doc.get("meta", {})
+                file_rows, file_runs = doc["rows"], meta.get("runs", [])
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                 raise FlashMemError(
                     f"results file: {str(p)!r} is not a `flashmem bench` JSON (needs 'rows' and 'meta')"
@@ -269,8 +270,75 @@ def load_rows(paths: list[str | Path]) -> tuple[list[dict[str, Any]], list[dict[
                     take(json.loads(line))
                 except json.JSONDecodeError:
                     continue  # a line cut by an interrupted write
-        runs += [dict(r, file=p.name) for r in file_runs]
+        runs += [_run_source(r, p, meta) for r in file_runs]
     return list(rows.values()), runs
+
+
+def _run_source(run: dict[str, Any], p: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """A run of file `p` with where it was written (`file`: kept from a merged file's source,
+    `path`), its suite and its model (from the file's meta where the run lacks them)."""
+    out = dict(run)
+    out.setdefault("file", p.name)
+    out.setdefault("path", str(p.with_name(out["file"])))
+    out.setdefault("suite", meta.get("suite"))
+    out.setdefault("model", meta.get("model"))
+    return out
+
+
+def _frac(b: Any) -> str:
+    return _budget(float(b)) if isinstance(b, (int, float)) else str(b)
+
+
+def run_command(run: dict[str, Any]) -> str:
+    """The command that makes `run` again, from its recorded arguments (`command` where the run
+    recorded one): `flashmem bench`, or `python -m flashmem_eval.task_suite run` for a tasks run
+    with --answered-only (`flashmem bench` has no such flag)."""
+    import shlex
+
+    if run.get("command"):
+        return str(run["command"])
+
+    def join(xs: Any) -> str:
+        return ",".join(_frac(x) if isinstance(x, float) else str(x) for x in xs)
+
+    suite = str(run.get("suite") or "?")
+    path = str(run.get("path") or run.get("file") or "?")
+    opts: list[tuple[str, Any]] = [("--model", run.get("model"))]
+    for key, flag, fmt in (
+        ("methods", "--methods", join),
+        ("budgets", "--budgets", lambda xs: ",".join(_frac(x) for x in xs)),
+        ("lengths", "--lengths", join),
+        ("seeds", "--seeds", join),
+        ("depths", "--depths", lambda xs: ",".join(f"{float(x):g}" for x in xs)),
+        ("tasks", "--tasks", join),
+        ("haystacks", "--haystacks", join),
+        ("families", "--families", join),
+    ):
+        if run.get(key):
+            opts.append((flag, fmt(run[key])))
+    if run.get("wordings"):
+        opts.append(("--wordings", run["wordings"]))
+    if run.get("answered_only"):
+        head = ["python -m flashmem_eval.task_suite run", shlex.quote(path), "--answered-only"]
+        tail: list[tuple[str, Any]] = [("--threads", run.get("threads"))]
+    else:
+        head = [f"flashmem bench {suite}"]
+        tail = [
+            ("--n-cont", run.get("n_cont")),
+            ("--chunk", run.get("chunk") if run.get("chunk") not in (None, 64) else None),
+            ("--threads", run.get("threads")),
+            ("--json-out", path),
+        ]
+    return " ".join([*head, *(f"{k} {shlex.quote(str(v))}" for k, v in [*opts, *tail] if v is not None)])
+
+
+def runs_markdown(runs: list[dict[str, Any]]) -> str:
+    """One line per run: its date, its command (from its recorded arguments) and any note."""
+    lines = []
+    for r in sorted(runs, key=lambda r: str(r.get("started", ""))):
+        note = f" ({r['note']})" if r.get("note") else ""
+        lines.append(f"- {str(r.get('started') or 'undated')[:10]}: `{run_command(r)}`{note}")
+    return "\n".join(lines)
 
 
 def _prompt_key(r: dict[str, Any]) -> tuple:
@@ -380,9 +448,13 @@ def results_markdown(rows: list[dict[str, Any]], files: list[str], runs: list[di
         rs = [r for r in rows if r.get("suite") == suite]
         if not rs:
             continue
-        models = ", ".join(sorted({str(r.get("model")) for r in rs}))
-        parts.append(f"**{titles[suite]}** ({models})")
+        models = sorted({str(r.get("model")) for r in rs})
+        parts.append(f"**{titles[suite]}** ({', '.join(models)})")
         parts.append(pivots[suite](rs) if suite in pivots else markdown_table(rs, suite))
+        mine = [r for r in runs if r.get("suite") in (suite, None)]
+        if mine:
+            fill = {"model": models[0]} if len(models) == 1 else {}  # runs of a merged file lack it
+            parts.append("Measured by:\n\n" + runs_markdown([r if r.get("model") else {**r, **fill} for r in mine]))
     return "\n\n".join(parts) + "\n"
 
 
