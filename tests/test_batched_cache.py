@@ -76,8 +76,8 @@ def test_batched_decode_gives_each_row_its_logits_alone(name, make, cfg) -> None
 
 @pytest.mark.parametrize("name,make,cfg", CONFIGS[:1] + CONFIGS[2:], ids=[c[0] for c in CONFIGS[:1] + CONFIGS[2:]])
 def test_rows_with_different_token_counts_are_padded_not_cached(name, make, cfg) -> None:
-    """A prompt chunk in one row and a decode step in another share a forward: the
-    padding never enters a row's cache, and each row's next steps stay exact."""
+    """A prompt chunk in one row and a decode step in another share a forward (their tokens
+    packed): each row caches its own tokens only, and each row's next steps stay exact."""
     model = make()
     prompts = _prompts(1)
     news = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15]]  # 7, 1 and 3 new tokens

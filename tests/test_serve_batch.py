@@ -196,3 +196,59 @@ def test_max_batch_below_1_is_refused() -> None:
 
     with pytest.raises(FlashMemError, match="max_batch 0: allowed: 1"):
         _engine(tiny_model(), EXACT, max_batch=0)
+
+
+@pytest.mark.parametrize("cfg", [EXACT, tiny_cfg()], ids=["exact", "selecting"])
+def test_prompt_chunks_share_the_decode_forwards_and_answer_as_alone(cfg, tmp_path) -> None:
+    """pack_prefill: new requests' prompt chunks (several per prompt, one of them after a
+    restored prefix) run in the same forwards as a sequence's decode steps, every row's
+    tokens packed; each answers as alone, and the blocks a packed chunk completes are stored
+    as a chunk alone stores them (a later request restores them and answers the same)."""
+    model = tiny_model()
+    store = PrefixStore(tmp_path, codec="exact")
+    doc, fresh, chat = _prompt(150, 21), _prompt(110, 22), _prompt(12, 23)
+    _engine(model, cfg, prefix_store=store).run_sync(_seq(doc, 1))  # stores doc's blocks
+    stored = len(store)
+    engine = _engine(model, cfg, prefix_store=store, max_concurrent=3)
+    seqs = [_seq(chat, 30), _seq(doc, 6), _seq(fresh, 6)]
+    engine.submit(seqs[0])
+    while not seqs[0].generated:
+        engine.step()
+        engine.wait_admitted()
+    engine.submit(seqs[1])
+    engine.submit(seqs[2])
+    rounds = 0
+    while not all(s.done.is_set() for s in seqs):
+        engine.step()
+        engine.wait_admitted()
+        rounds += 1
+        assert rounds < 200
+    assert seqs[1].reused_tokens == 148 and seqs[2].reused_tokens == 0
+    # fresh's 4 chunks (3 blocks of 32 and the end record's) and doc's tail ran beside chat's steps
+    assert engine.packed_chunks >= 5
+    assert len(store) > stored  # fresh's blocks and end record, stored from packed chunks
+    # alone: chat and fresh cold (fresh's chunks split at its end point, as with a store),
+    # doc restored from the same records
+    ref = PrefixStore(tmp_path / "ref", codec="exact")
+    _same(seqs[0], _engine(model, cfg).run_sync(_seq(chat, 30)))
+    _same(seqs[1], _engine(model, cfg, prefix_store=store).run_sync(_seq(doc, 6)))
+    _same(seqs[2], _engine(model, cfg, prefix_store=ref).run_sync(_seq(fresh, 6)))
+    again = _engine(model, cfg, prefix_store=store).run_sync(_seq(fresh, 6))
+    assert again.reused_tokens == 108
+    _same(again, seqs[2])
+
+
+def test_pack_prefill_off_runs_a_forward_per_chunk() -> None:
+    model = tiny_model()
+    engine = _engine(model, EXACT, max_concurrent=2, pack_prefill=False)
+    seqs = [_seq(_prompt(12, 31), 20), _seq(_prompt(90, 32), 4)]
+    engine.submit(seqs[0])
+    engine.step()
+    engine.wait_admitted()
+    engine.submit(seqs[1])
+    while not all(s.done.is_set() for s in seqs):
+        engine.step()
+        engine.wait_admitted()
+    assert engine.packed_chunks == 0 and engine.decode_rows > engine.decode_forwards
+    for seq, (n, s) in zip(seqs, ((12, 31), (90, 32))):
+        _same(seq, _alone(model, EXACT, _prompt(n, s), seq.sampling.max_tokens))

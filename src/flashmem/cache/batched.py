@@ -6,19 +6,24 @@ the model's linear layers, which read every weight once per forward, run over al
 rows at once (the point of continuous batching), while each row's attention
 runs against its own cache exactly as it would alone:
 
-- `update` hands row r its own new K/V (`key_states[r, :, :n_r]`: a row's padding
-  never enters its cache) and returns the new keys tagged with every row's answer;
+The rows' new tokens are packed into one sequence (`forward`): row r owns the
+tokens [offsets[r], offsets[r] + lengths[r]) of a single batch row, so rows with
+different numbers of new tokens (a prompt chunk beside decode steps) share a
+forward without padding, and the linear layers see every row's tokens as one
+matrix (on a CPU a 40-token prompt chunk costs about what 8 decode steps cost
+there, so a chunk rides along a decode round for little more than the round):
+
+- `update` hands row r its own new K/V (`key_states[:, :, a_r:a_r + n_r]`) and
+  returns the new keys tagged with every row's answer;
 - the registered attention function (`cache/attention.py`) sees the tag and calls
   `rows_attention`, which runs row r's queries through row r's layer: a FlashLayer's
   step (selection, tiers) or, for layers flashmem does not manage, SDPA over the
   row's own keys with the row's own causal (or sliding-window) mask;
-- positions are per row (`forward` passes position ids = the row's length onwards),
-  so sequences of different lengths share a forward without padding their caches.
+- positions are per token (`forward` passes position ids = each row's length
+  onwards), so sequences of different lengths share a forward.
 
-Rows may hold different numbers of new tokens: the batch is right-padded to the
-longest, the padded positions compute garbage that no real token reads (attention
-is the only place tokens meet, and there each row sees only its own real tokens),
-and each row's logits are taken at its last real token.
+Attention is the only place tokens meet, and there each row sees only its own
+tokens; each row's logits are taken at its last token.
 
 Decode steps of rows whose managed layer holds no sealed block yet (a short chat:
 sinks, open block and window only; nothing to select) attend in one SDPA over the
@@ -52,14 +57,15 @@ from flashmem.errors import FlashMemError
 
 @dataclass
 class RowKV:
-    """What row `row`'s cache layer returned for this forward: keys/values to attend and
-    the row's number of real new tokens."""
+    """What row `row`'s cache layer returned for this forward: keys/values to attend, the
+    row's number of new tokens and where they start in the packed forward."""
 
     row: int
     layer: Any
     k: torch.Tensor
     v: torch.Tensor
     n: int
+    at: int = 0
 
 
 class _LayerKind:
@@ -86,18 +92,25 @@ class BatchedCache(Cache):
             raise FlashMemError("rows of a batch must be caches of the same model; got different layer counts")
         self.rows = list(rows)
         self.lengths = [1] * len(rows)
+        self.offsets = list(range(len(rows)))
         self.failures: dict[int, BaseException] = {}
         kinds: list[Any] = [_LayerKind(bool(getattr(x, "is_sliding", False))) for x in rows[0].layers]
         super().__init__(layers=kinds)
 
     def begin(self, lengths: list[int]) -> None:
-        """Before a forward: row r brings lengths[r] real new tokens (the rest is padding)."""
+        """Before a forward: row r brings lengths[r] new tokens, packed after the rows before it."""
         if len(lengths) != len(self.rows) or min(lengths) < 1:
             raise FlashMemError(
                 f"new-token counts {lengths} for {len(self.rows)} rows; allowed: one count >= 1 per row"
             )
         self.lengths = list(lengths)
+        self.offsets = [sum(lengths[:r]) for r in range(len(lengths))]
         self.failures = {}
+
+    @property
+    def total(self) -> int:
+        """New tokens of all rows: the packed forward's length."""
+        return sum(self.lengths)
 
     def fail(self, row: int, exc: BaseException) -> None:
         """Row `row` stops for the rest of this forward (its cache's guard already holds the error)."""
@@ -107,23 +120,26 @@ class BatchedCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key_states/value_states: [b, h, q, d] for every row -> the same tensors, the keys
-        tagged with each row's (layer, K, V) for `rows_attention`."""
-        if key_states.shape[0] != len(self.rows):
-            raise FlashMemError(f"a forward of {key_states.shape[0]} rows on a batch of {len(self.rows)} caches")
+        """key_states/value_states: [1, h, total, d], every row's new tokens packed -> the
+        same tensors, the keys tagged with each row's (layer, K, V) for `rows_attention`."""
+        if key_states.shape[0] != 1 or key_states.shape[2] != self.total:
+            raise FlashMemError(
+                f"a forward of {tuple(key_states.shape[::2])} (batch, tokens) on a batch of {len(self.rows)} "
+                f"caches packing {self.total} new tokens; allowed: (1, {self.total})"
+            )
         answers: list[RowKV | None] = []
         for r, cache in enumerate(self.rows):
-            n = self.lengths[r]
+            n, a = self.lengths[r], self.offsets[r]
             if r in self.failures:
                 answers.append(None)
                 continue
             try:
-                k, v = cache.update(key_states[r : r + 1, :, :n], value_states[r : r + 1, :, :n], layer_idx)
+                k, v = cache.update(key_states[:, :, a : a + n], value_states[:, :, a : a + n], layer_idx)
             except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
                 self.fail(r, exc)
                 answers.append(None)
                 continue
-            answers.append(RowKV(r, cache.layers[layer_idx], k, v, n))
+            answers.append(RowKV(r, cache.layers[layer_idx], k, v, n, a))
         tagged = key_states.view_as(key_states)
         tagged._flashmem_rows = (self, answers)  # type: ignore[attr-defined]
         return tagged, value_states
@@ -148,8 +164,8 @@ def rows_attention(
     dropout: float,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Each row's queries over its own cache layer. query: [b, Hq, q, d] -> [b, q, Hq, d]
-    (padded and failed rows' outputs are zeros)."""
+    """Each row's queries over its own cache layer. query: [1, Hq, total, d] (the rows'
+    tokens packed) -> [1, total, Hq, d] (failed rows' outputs are zeros)."""
     from flashmem.cache.attention import flashmem_attention
 
     batch, answers = tag
@@ -163,8 +179,8 @@ def rows_attention(
         if _short_decode(ans):
             short.append(ans)
             continue
-        r, n = ans.row, ans.n
-        q_r = query[r : r + 1, :, :n]
+        r, n, a = ans.row, ans.n, ans.at
+        q_r = query[:, :, a : a + n]
         try:
             if getattr(ans.k, "_flashmem_layer", None) is not None:
                 o, _ = flashmem_attention(module, q_r, ans.k, ans.v, None, scaling=scaling, dropout=dropout, **kwargs)
@@ -176,7 +192,7 @@ def rows_attention(
         except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
             batch.fail(r, exc)
             continue
-        out[r, :n] = o[0]
+        out[0, a : a + n] = o[0]
     if short:
         _attend_short(batch, query, short, d**-0.5 if scaling is None else scaling, out)
     return out, None
@@ -201,7 +217,8 @@ def _attend_short(
     """One decode step of every row in `rows` (see `_short_decode`) in one SDPA: row r's
     query over its sinks | open block | window | new token (its own padding hidden, the
     batch's padding to the longest row hidden), then each layer's bookkeeping and append,
-    as `FlashLayer.step` does them. out[r, 0] gets row r's output [Hq, d]."""
+    as `FlashLayer.step` does them. out[0, at] gets the output [Hq, d] of the row whose
+    token is at `at`."""
     layers = [ans.k._flashmem_layer for ans in rows]  # type: ignore[attr-defined]
     pending = [layer.take_pending() for layer in layers]
     b, (hq, d), dev = len(rows), query.shape[1::2], query.device
@@ -217,7 +234,7 @@ def _attend_short(
         torch.cat([layer.sink_v, layer.open_v, layer.win_v, v_new], dim=-2, out=V[i : i + 1, :, :n])
         mask[i, 0, 0, : n - 1] = layer.valid[0]
         mask[i, 0, 0, n - 1] = True  # the new token sees itself
-    q = torch.stack([query[ans.row, :, :1] for ans in rows])
+    q = torch.stack([query[0, :, ans.at : ans.at + 1] for ans in rows])
     o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=hq > hkv)
     valid = torch.ones(1, 1, dtype=torch.bool, device=dev)
     for i, (ans, layer, (k_new, v_new)) in enumerate(zip(rows, layers, pending)):
@@ -228,14 +245,14 @@ def _attend_short(
             read = sum(nb for name, nb in tiers.items() if name not in ("query_buffer", "prefill_kv"))
             layer.reader.traffic.add("device_read_bytes", read + 2 * k_new.nbytes)
             layer.working_set.end_step()
-            layer.append(k_new, v_new, valid, group_queries(query[ans.row : ans.row + 1, :, :1], group), group)
+            layer.append(k_new, v_new, valid, group_queries(query[:, :, ans.at : ans.at + 1], group), group)
             layer.peak_resident_bytes = max(layer.peak_resident_bytes, sum(layer.resident_bytes().values()))
         except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
             if layer.guard is not None:
                 layer.guard.fail(exc)
             batch.fail(ans.row, exc)
             continue
-        out[ans.row, 0] = o[i, :, 0]
+        out[0, ans.at] = o[i, :, 0]
 
 
 def _plain_mask(layer: Any, n: int, kv: int, device: torch.device) -> torch.Tensor | None:
@@ -256,32 +273,29 @@ def _plain_mask(layer: Any, n: int, kv: int, device: torch.device) -> torch.Tens
 
 
 def forward(model: Any, batch: BatchedCache, tokens: list[list[int]]) -> list[torch.Tensor | None]:
-    """One model forward of every row's new tokens (row r: tokens[r], at least one) ->
-    each row's logits [vocab] (fp32) after its last token; None for a row that failed
-    (`batch.failures` says why; its cache is unusable from here on)."""
+    """One model forward of every row's new tokens (row r: tokens[r], at least one), packed
+    into one sequence -> each row's logits [vocab] (fp32) after its last token; None for a
+    row that failed (`batch.failures` says why; its cache is unusable from here on)."""
     if len(tokens) != len(batch.rows):
         raise FlashMemError(f"{len(tokens)} token lists for a batch of {len(batch.rows)} rows")
     lengths = [len(t) for t in tokens]
     batch.begin(lengths)
-    q = max(lengths)
-    dev = model.device
-    ids = torch.zeros(len(tokens), q, dtype=torch.long)
-    for r, t in enumerate(tokens):
-        ids[r, : len(t)] = torch.tensor(t, dtype=torch.long)
-    start = torch.tensor([row.get_seq_length() for row in batch.rows], dtype=torch.long)
-    pos = start[:, None] + torch.arange(q)[None, :]
-    # A 4D mask is used as given (transformers builds none); rows build their own in attention.
-    real = torch.arange(q)[None, :] < torch.tensor(lengths)[:, None]
-    mask = torch.tril(torch.ones(q, q, dtype=torch.bool))[None, None] & real[:, None, None, :]
-    keep = sorted(set(n - 1 for n in lengths))
+    total, dev = batch.total, model.device
+    ids = torch.tensor([[t for row in tokens for t in row]], dtype=torch.long)
+    pos = torch.cat(
+        [torch.arange(row.get_seq_length(), row.get_seq_length() + n) for row, n in zip(batch.rows, lengths)]
+    )[None]
+    # A 4D mask is used as given (transformers builds none). Nothing reads it: every layer's
+    # attention is `rows_attention`, where each row builds its own; a view, no T x T bytes.
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev).expand(1, 1, total, total)
+    keep = [a + n - 1 for a, n in zip(batch.offsets, lengths)]
     with torch.inference_mode():
         out = model(
             input_ids=ids.to(dev),
             position_ids=pos.to(dev),
-            attention_mask=mask.to(dev),
+            attention_mask=mask,
             cache=batch,
             use_cache=True,
             logits_to_keep=torch.tensor(keep, device=dev),
         )
-    at = {p: i for i, p in enumerate(keep)}
-    return [None if r in batch.failures else out.logits[r, at[n - 1]].float() for r, n in enumerate(lengths)]
+    return [None if r in batch.failures else out.logits[0, r].float() for r in range(len(lengths))]

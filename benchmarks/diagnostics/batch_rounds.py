@@ -1,0 +1,217 @@
+"""Where a batched decode round's time goes, in process (no HTTP), one torch thread:
+
+    python benchmarks/diagnostics/batch_rounds.py --clients 8 --max-tokens 24 --out r.json
+
+1. `e2e`: the engine (configs/cpu-small.yaml, SmolLM2) given `--clients` chat requests at
+   once (serve_load.py's --mode batch prompts, greedy), driven by `Engine.step` until all
+   finish, for the unbatched engine (max_batch 1, restore on the worker: serve_load's
+   "unbatched" server), the batched engine with one forward per prompt chunk
+   (pack_prefill=False) and the batched engine as served: generated tokens / wall and CPU
+   seconds, TTFT, inter-token p50/p99, and the CPU seconds in prompt chunks, batched
+   forwards and single-sequence decode steps;
+2. `round`: `--rounds` decode rounds with every sequence decoding (after the prompts),
+   under cProfile: ms per round and its parts (the linear layers, the rows' attention and
+   cache bookkeeping, the cache updates, the engine's sampling and emitting);
+3. `forward`: the plain model forward (a DynamicCache, no flashmem) of 1 token per row at
+   batch 1 and at batch `--clients`, and of a `--clients` x 40-token prompt packed in one
+   row: CPU ms, the bound batching meets on this CPU.
+Every engine's answers are compared (`answers_identical`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from flashmem.config import FlashMemoryConfig  # noqa: E402
+from flashmem.models.loading import load_model  # noqa: E402
+from flashmem.serve import engine as engine_mod  # noqa: E402
+from flashmem.serve.app import chat_prompt_ids  # noqa: E402
+from flashmem.serve.engine import Engine, Sampling, Sequence  # noqa: E402
+from serve_load import BATCH_PROMPTS  # noqa: E402
+
+TIMED = ("_prefill_chunk", "_decode_batch", "_decode_step", "_emit")
+
+
+class Timers:
+    """CPU seconds (this thread) in the engine's methods named in TIMED."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self.orig = {n: getattr(Engine, n) for n in TIMED}
+        for n in TIMED:
+            setattr(Engine, n, self._wrap(n, self.orig[n]))
+
+    def _wrap(self, name: str, f: Any) -> Any:
+        def g(eng: Engine, *a: Any, **k: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return f(eng, *a, **k)
+            finally:
+                self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - t0
+
+        return g
+
+    def take(self) -> dict[str, float]:
+        out, self.cpu = self.cpu, {}
+        return out
+
+
+def pct(xs: list[float], p: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * p / 100))] if xs else None
+
+
+def e2e(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any, timers: Timers, **kw: Any) -> dict:
+    eng = Engine(model, tok, cfg, max_concurrent=len(prompts), **kw)
+    eng.run_sync(Sequence(prompts[0], Sampling(max_tokens=2, temperature=0), "t", None))  # warm
+    timers.take()
+    seqs = [Sequence(p, Sampling(max_tokens=args.max_tokens, temperature=0), "t", None) for p in prompts]
+    t0, c0 = time.perf_counter(), time.process_time()
+    for s in seqs:
+        eng.submit(s)
+    while not all(s.done.is_set() for s in seqs):
+        eng.step()
+        eng.wait_admitted()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    tokens = sum(len(s.token_times) for s in seqs)
+    gaps = [b - a for s in seqs for a, b in zip(s.token_times, s.token_times[1:])]
+    return {
+        "engine": kw,
+        "generated_tokens": tokens,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_cpu_s": tokens / cpu,
+        "ttft_s": {"p50": pct([s.t_first - s.t_submit for s in seqs if s.t_first], 50)},
+        "inter_token_s": {"p50": pct(gaps, 50), "p99": pct(gaps, 99)},
+        "cpu_s_in": timers.take(),
+        "decode_forwards": eng.decode_forwards,
+        "decode_rows": eng.decode_rows,
+        "packed_chunks": eng.packed_chunks,
+        "answers": [s.generated for s in seqs],
+    }
+
+
+def rounds(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any) -> dict:
+    eng = Engine(model, tok, cfg, max_concurrent=len(prompts), restore_off_thread=False)
+    seqs = [Sequence(p, Sampling(max_tokens=10_000, temperature=0), "t", None) for p in prompts]
+    for s in seqs:
+        eng.submit(s)
+    for _ in range(3):
+        eng.step()
+    live = [s for s in seqs if not s.done.is_set()]
+    pr = cProfile.Profile()
+    t0 = time.thread_time()
+    pr.enable()
+    for _ in range(args.rounds):
+        eng.step()
+    pr.disable()
+    per_round = (time.thread_time() - t0) / args.rounds
+    st = pstats.Stats(pr)
+    parts: dict[str, float] = {}
+    for (path, _, fn), (_, _, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+        name = f"{Path(path).name}:{fn}"
+        parts[name] = max(parts.get(name, 0.0), ct)
+        if fn == "<built-in method torch._C._nn.linear>":
+            parts["linear (self)"] = tt
+    pick = {
+        "linear layers": parts.get("linear (self)", 0.0),
+        "rows' attention (rows_attention)": parts.get("batched.py:rows_attention", 0.0),
+        "  of which the short rows' one SDPA and bookkeeping (_attend_short)": parts.get(
+            "batched.py:_attend_short", 0.0
+        ),
+        "cache updates (BatchedCache.update)": parts.get("batched.py:update", 0.0),
+        "sampling and emitting (Engine._emit)": parts.get("engine.py:_emit", 0.0),
+        "gauges (Engine._gauges)": parts.get("engine.py:_gauges", 0.0),
+    }
+    return {
+        "rows": len(live),
+        "ms_per_round_cpu": per_round * 1e3,
+        "ms_per_round_parts": {k: v / args.rounds * 1e3 for k, v in pick.items()},
+    }
+
+
+def forwards(model: Any, b: int) -> dict:
+    from transformers import DynamicCache
+
+    def t(rows: int, q: int, reps: int = 5) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            c = DynamicCache()
+            with torch.inference_mode():
+                model(torch.randint(3, 1000, (rows, 40)), cache=c, use_cache=True, logits_to_keep=1)
+                t0 = time.thread_time()
+                model(torch.randint(3, 1000, (rows, q)), cache=c, use_cache=True, logits_to_keep=1)
+            best = min(best, time.thread_time() - t0)
+        return best * 1e3
+
+    return {
+        "decode_batch_1_ms": t(1, 1),
+        f"decode_batch_{b}_ms": t(b, 1),
+        "prompt_1x40_ms": t(1, 40),
+        f"prompt_1x{40 * b}_ms": t(1, 40 * b, reps=3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "cpu-small.yaml"))
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    model, tok = load_model(args.model)
+    cfg = FlashMemoryConfig.from_yaml(args.config)
+    prompts = [
+        chat_prompt_ids(tok, [{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)]}])
+        for i in range(args.clients)
+    ]
+    timers = Timers()
+    runs = {
+        "unbatched": e2e(model, tok, cfg, prompts, args, timers, max_batch=1, restore_off_thread=False),
+        "batched_chunk_alone": e2e(model, tok, cfg, prompts, args, timers, pack_prefill=False),
+        "batched": e2e(model, tok, cfg, prompts, args, timers),
+    }
+    for n in TIMED:
+        setattr(Engine, n, timers.orig[n])
+    answers = [r.pop("answers") for r in runs.values()]
+    base = runs["unbatched"]["tokens_per_s"]
+    out = {
+        "command": "python benchmarks/diagnostics/batch_rounds.py " + " ".join(sys.argv[1:]),
+        "model": args.model,
+        "config": args.config,
+        "torch_threads": 1,
+        "prompt_tokens": [len(p) for p in prompts],
+        "e2e": runs,
+        "tokens_per_s_over_unbatched": {k: r["tokens_per_s"] / base for k, r in runs.items()},
+        "answers_identical": all(a == answers[0] for a in answers),
+        "round": rounds(model, tok, cfg, prompts, args),
+        "forward": forwards(model, args.clients),
+        "cpu_count": os.cpu_count(),
+        "gauge_s": engine_mod.GAUGE_S,
+    }
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
