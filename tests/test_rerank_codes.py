@@ -233,3 +233,15 @@ def test_coded_page_mass_is_the_same_in_chunks_and_from_slots(chunk):
     )
     got = coded_page_mass(qg, shuffled, valid, 0.3, slots=inv, chunk_elements=chunk * 2 * 3 * 4 * 8)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_device_codes_that_leave_no_page_are_refused():
+    """At 4K and 1/16 the 256-page floor's codes fill the budget: a config that re-ranks but can
+    select nothing is refused with a one-line error, not returned with lsa_top_k 0."""
+    from flashmem.errors import FlashMemError
+    from flashmem.sizing.budget import budget_config
+
+    with pytest.raises(FlashMemError, match="leave no room for a selected page.*allowed"):
+        budget_config(1 / 16, 4096, lsa_rerank_codec="int4", lsa_rerank_on_device=True)
+    held = budget_config(1 / 8, 8192, lsa_rerank_codec="int4", lsa_rerank_on_device=True)
+    assert 0 < held.lsa_top_k < budget_config(1 / 8, 8192).lsa_top_k  # the codes' bytes bought fewer pages

@@ -100,6 +100,13 @@ def budget_config(
     bands = range(0, 33) if base.use_summaries else [0]  # the band is dropped without summaries
     cands = _candidates(ratio, budget, tokens, _page_counts(int(target / per_page) + 9), bands)
     _, w, k, band, _ = _nearest_shape(cands, budget, spec.shape, target, per_page, base)
+    if k == 0 and base.lsa_rerank_on_device and base.lsa_rerank > 1:
+        # the held codes of the candidate floor took the room: a re-rank with nothing to select
+        raise FlashMemError(
+            f"budget_config: lsa_rerank_on_device holds {base.lsa_rerank_min_pages}+ candidate pages' "
+            f"codes, which leave no room for a selected page at budget {budget:g} and {tokens} tokens; "
+            "allowed: a larger budget or prompt, a smaller lsa_rerank_min_pages, or lsa_rerank_on_device: false"
+        )
     cap = spec.cap
     if cap is not None and k * base.page_tokens > cap:
         # the budget bought more pages than a step needs: attend the cap, leave the rest unused
