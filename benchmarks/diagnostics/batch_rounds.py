@@ -10,8 +10,11 @@
    seconds, TTFT, inter-token p50/p99, and the CPU seconds in prompt chunks, batched
    forwards and single-sequence decode steps;
 2. `round`: `--rounds` decode rounds with every sequence decoding (after the prompts),
-   under cProfile: ms per round and its parts (the linear layers, the rows' attention and
-   cache bookkeeping, the cache updates, the engine's sampling and emitting);
+   under cProfile, batched and with max_batch 1: CPU ms per round and its parts (the
+   linear layers, the rows' attention and cache bookkeeping, the per-row layer steps of
+   rows with sealed blocks, the cache updates, the engine's sampling and emitting); with
+   `--round-context N` the prompts are N-token documents (sealed blocks: every row
+   selects its own pages) instead of the short chat prompts;
 3. `forward`: the plain model forward (a DynamicCache, no flashmem) of 1 token per row at
    batch 1 and at batch `--clients`, and of a `--clients` x 40-token prompt packed in one
    row: CPU ms, the bound batching meets on this CPU.
@@ -42,6 +45,7 @@ from flashmem.serve.app import chat_prompt_ids  # noqa: E402
 from flashmem.serve.engine import Engine, Sampling, Sequence  # noqa: E402
 from serve_load import BATCH_PROMPTS  # noqa: E402
 
+Q = "\n\nWhat is the text above about? Answer in detail."
 TIMED = ("_prefill_chunk", "_decode_batch", "_decode_step", "_emit")
 
 
@@ -105,14 +109,16 @@ def e2e(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any, tim
     }
 
 
-def rounds(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any) -> dict:
-    eng = Engine(model, tok, cfg, max_concurrent=len(prompts), restore_off_thread=False)
+def rounds(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any, max_batch: int) -> dict:
+    eng = Engine(model, tok, cfg, max_concurrent=len(prompts), max_batch=max_batch, restore_off_thread=False)
     seqs = [Sequence(p, Sampling(max_tokens=10_000, temperature=0), "t", None) for p in prompts]
     for s in seqs:
         eng.submit(s)
-    for _ in range(3):
+    while not all(s.generated or s.done.is_set() for s in seqs):
         eng.step()
+    eng.step()
     live = [s for s in seqs if not s.done.is_set()]
+    emitted = sum(len(s.token_times) for s in seqs)
     pr = cProfile.Profile()
     t0 = time.thread_time()
     pr.enable()
@@ -120,6 +126,7 @@ def rounds(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any) 
         eng.step()
     pr.disable()
     per_round = (time.thread_time() - t0) / args.rounds
+    tokens = sum(len(s.token_times) for s in seqs) - emitted
     st = pstats.Stats(pr)
     parts: dict[str, float] = {}
     for (path, _, fn), (_, _, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
@@ -133,12 +140,18 @@ def rounds(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any) 
         "  of which the short rows' one SDPA and bookkeeping (_attend_short)": parts.get(
             "batched.py:_attend_short", 0.0
         ),
+        "per-row layer steps (FlashLayer.step: selection, gather, assembly, attention)": parts.get(
+            "flash_layer.py:step", 0.0
+        ),
         "cache updates (BatchedCache.update)": parts.get("batched.py:update", 0.0),
         "sampling and emitting (Engine._emit)": parts.get("engine.py:_emit", 0.0),
         "gauges (Engine._gauges)": parts.get("engine.py:_gauges", 0.0),
     }
     return {
-        "rows": len(live),
+        "max_batch": max_batch,
+        "rows_at_start": len(live),
+        "tokens": tokens,
+        "tokens_per_cpu_s": tokens / (per_round * args.rounds),
         "ms_per_round_cpu": per_round * 1e3,
         "ms_per_round_parts": {k: v / args.rounds * 1e3 for k, v in pick.items()},
     }
@@ -173,6 +186,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--round-context", type=int, default=0, help="round: N-token documents as prompts (0: chat)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -183,6 +197,14 @@ def main() -> None:
         chat_prompt_ids(tok, [{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)]}])
         for i in range(args.clients)
     ]
+    long_prompts = prompts
+    if args.round_context:
+        from flashmem.texts import haystack
+
+        long_prompts = [
+            chat_prompt_ids(tok, [{"role": "user", "content": haystack(tok, args.round_context, seed=i) + Q}])
+            for i in range(args.clients)
+        ]
     timers = Timers()
     runs = {
         "unbatched": e2e(model, tok, cfg, prompts, args, timers, max_batch=1, restore_off_thread=False),
@@ -202,7 +224,8 @@ def main() -> None:
         "e2e": runs,
         "tokens_per_s_over_unbatched": {k: r["tokens_per_s"] / base for k, r in runs.items()},
         "answers_identical": all(a == answers[0] for a in answers),
-        "round": rounds(model, tok, cfg, prompts, args),
+        "round_prompt_tokens": [len(p) for p in long_prompts],
+        "round": [rounds(model, tok, cfg, long_prompts, args, mb) for mb in (args.clients, 1)],
         "forward": forwards(model, args.clients),
         "cpu_count": os.cpu_count(),
         "gauge_s": engine_mod.GAUGE_S,
