@@ -4,14 +4,15 @@ A FlashMemoryCache holds one sequence (its tiers, selection, cold tier and step
 guard are per sequence). `BatchedCache` puts several of them side by side so that
 the model's linear layers, which read every weight once per forward, run over all
 rows at once (the point of continuous batching), while each row's attention
-runs against its own cache exactly as it would alone:
+runs against its own cache exactly as it would alone.
 
 The rows' new tokens are packed into one sequence (`forward`): row r owns the
 tokens [offsets[r], offsets[r] + lengths[r]) of a single batch row, so rows with
 different numbers of new tokens (a prompt chunk beside decode steps) share a
 forward without padding, and the linear layers see every row's tokens as one
-matrix (on a CPU a 40-token prompt chunk costs about what 8 decode steps cost
-there, so a chunk rides along a decode round for little more than the round):
+matrix (SmolLM2 on one CPU thread: a plain forward of 40 tokens costs 137 ms,
+one of 8 rows' decode steps 124 ms, so a chunk rides along a decode round for
+little more than the round):
 
 - `update` hands row r its own new K/V (`key_states[:, :, a_r:a_r + n_r]`) and
   returns the new keys tagged with every row's answer;
