@@ -15,7 +15,12 @@
    rows with sealed blocks, the cache updates, the engine's sampling and emitting); with
    `--round-context N` the prompts are N-token documents (sealed blocks: every row
    selects its own pages) instead of the short chat prompts;
-3. `forward`: the plain model forward (a DynamicCache, no flashmem) of 1 token per row at
+3. `ablation`: `--rounds` x 3 decode rounds of the chat prompts, EOS ignored (every row
+   decodes throughout), not profiled: CPU ms per round batched, then with the short rows'
+   attention (`batched._attend_short`) cut down to each layer's append, then to nothing
+   (wrong tokens, the same shapes): what the rows' attention and bookkeeping cost, and
+   the round with none of it; and the unbatched engine's ms per token the same way;
+4. `forward`: the plain model forward (a DynamicCache, no flashmem) of 1 token per row at
    batch 1 and at batch `--clients`, and of a `--clients` x 40-token prompt packed in one
    row: CPU ms, the bound batching meets on this CPU.
 Every engine's answers are compared (`answers_identical`).
@@ -119,7 +124,7 @@ def rounds(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any, 
     eng.step()
     live = [s for s in seqs if not s.done.is_set()]
     emitted = sum(len(s.token_times) for s in seqs)
-    pr = cProfile.Profile()
+    pr = cProfile.Profile(time.thread_time)  # CPU time, as the round: other jobs do not count
     t0 = time.thread_time()
     pr.enable()
     for _ in range(args.rounds):
@@ -155,6 +160,57 @@ def rounds(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any, 
         "ms_per_round_cpu": per_round * 1e3,
         "ms_per_round_parts": {k: v / args.rounds * 1e3 for k, v in pick.items()},
     }
+
+
+def _append_only(batch: Any, query: torch.Tensor, rows: list[Any], scaling: float, out: torch.Tensor) -> None:
+    from flashmem.cache.tiered_attention import group_queries
+
+    seen = torch.ones(1, 1, dtype=torch.bool, device=query.device)
+    for ans in rows:
+        layer = ans.k._flashmem_layer
+        k_new, v_new = layer.take_pending()
+        group = query.shape[1] // k_new.shape[1]
+        layer.append(k_new, v_new, seen, group_queries(query[:, :, ans.at : ans.at + 1], group), group)
+
+
+def _nothing(batch: Any, query: torch.Tensor, rows: list[Any], scaling: float, out: torch.Tensor) -> None:
+    for ans in rows:
+        ans.k._flashmem_layer.take_pending()
+
+
+def ablation(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any) -> dict:
+    from flashmem.cache import batched
+
+    real = batched._attend_short
+
+    def per_round(max_batch: int) -> tuple[float, float]:
+        eng = Engine(model, tok, cfg, max_concurrent=len(prompts), max_batch=max_batch, restore_off_thread=False)
+        eng.eos_ids = set()
+        seqs = [Sequence(p, Sampling(max_tokens=10_000, temperature=0), "t", None) for p in prompts]
+        for s in seqs:
+            eng.submit(s)
+        for _ in range(3):
+            eng.step()
+        n0 = sum(len(s.token_times) for s in seqs)
+        t0 = time.thread_time()
+        for _ in range(args.rounds * 3):
+            eng.step()
+        dt = time.thread_time() - t0
+        tokens = sum(len(s.token_times) for s in seqs) - n0
+        for s in seqs:
+            s.cancel()
+        eng.step()
+        return dt / (args.rounds * 3) * 1e3, dt / tokens * 1e3
+
+    out: dict[str, float] = {}
+    try:
+        for name, impl in (("as is", real), ("append only", _append_only), ("no attention work", _nothing)):
+            batched._attend_short = impl
+            out[f"batched ms per round, {name}"] = per_round(len(prompts))[0]
+    finally:
+        batched._attend_short = real
+    out["unbatched ms per token"] = per_round(1)[1]
+    return out
 
 
 def forwards(model: Any, b: int) -> dict:
@@ -226,6 +282,7 @@ def main() -> None:
         "answers_identical": all(a == answers[0] for a in answers),
         "round_prompt_tokens": [len(p) for p in long_prompts],
         "round": [rounds(model, tok, cfg, long_prompts, args, mb) for mb in (args.clients, 1)],
+        "ablation": ablation(model, tok, cfg, prompts, args),
         "forward": forwards(model, args.clients),
         "cpu_count": os.cpu_count(),
         "gauge_s": engine_mod.GAUGE_S,
