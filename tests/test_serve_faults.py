@@ -488,3 +488,24 @@ def test_a_tokenizer_that_cannot_be_copied_is_shared_under_a_lock() -> None:
     finally:
         tokenize.close()
     assert got == [4]
+
+
+@pytest.mark.parametrize("flag, packed", [([], True), (["--no-pack-prefill"], False)])
+def test_serve_passes_pack_prefill_to_the_engine(tmp_path, monkeypatch, flag, packed) -> None:
+    """`flashmem serve --no-pack-prefill` turns the packed prompt chunks off (Engine(pack_prefill=False))."""
+    from flashmem.cli import serve_cmd
+    from flashmem.cli.main import main
+
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def load(model, cfg, threads, store, **options):
+        seen.update(options)
+        raise Stop
+
+    monkeypatch.setattr(serve_cmd, "_load_engine", load)
+    with pytest.raises(Stop):
+        main(["serve", "--prefix-dir", str(tmp_path / "p"), *flag])
+    assert seen["pack_prefill"] is packed

@@ -86,6 +86,11 @@ def serve(
     max_batch: int | None = typer.Option(
         None, "--max-batch", min=1, help="decode steps per model forward (default --max-concurrent; 1: unbatched)"
     ),
+    pack_prefill: bool = typer.Option(
+        True,
+        "--pack-prefill/--no-pack-prefill",
+        help="with --max-batch > 1, new prompts' chunks share the decode steps' forward (docs/serving.md)",
+    ),
     restore_on_worker: bool = typer.Option(
         False, "--restore-on-worker", hidden=True, help="restore prefixes on the worker thread (benchmarks: the stall)"
     ),
@@ -108,6 +113,7 @@ def serve(
     engine = _load_engine(
         model, cfg, threads, store, model_name=model_name or model, max_concurrent=max_concurrent,
         max_queue=max_queue, max_context=max_context, max_batch=max_batch, restore_off_thread=not restore_on_worker,
+        pack_prefill=pack_prefill,
     )  # fmt: skip
     typer.echo(f"serving {engine.model_name!r} on http://{host}:{port}/v1; {where}", err=True)
     uvicorn.run(
