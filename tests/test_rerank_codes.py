@@ -245,3 +245,28 @@ def test_device_codes_that_leave_no_page_are_refused():
         budget_config(1 / 16, 4096, lsa_rerank_codec="int4", lsa_rerank_on_device=True)
     held = budget_config(1 / 8, 8192, lsa_rerank_codec="int4", lsa_rerank_on_device=True)
     assert 0 < held.lsa_top_k < budget_config(1 / 8, 8192).lsa_top_k  # the codes' bytes bought fewer pages
+
+
+def test_the_recipe_holds_codes_past_the_cap_unless_the_caller_or_variant_names_a_codec():
+    from flashmem.recipe import DEVICE_RERANK
+    from flashmem.sizing.budget import budget_config
+
+    def placement(cfg):
+        return cfg.lsa_rerank_codec, cfg.lsa_rerank_on_device
+
+    assert placement(budget_config(1 / 8, 32768)) == tuple(DEVICE_RERANK.values())  # the page cap binds
+    assert placement(budget_config(1 / 8, 8192)) == ("exact", False)  # it does not
+    assert placement(budget_config(1 / 8, 32768, "rrexact")) == ("exact", False)
+    assert placement(budget_config(1 / 8, 32768, "rrcode-int4")) == ("int4", False)
+    assert placement(budget_config(1 / 8, 32768, lsa_rerank_codec="sign")) == ("sign", False)
+
+
+def test_a_model_on_the_cpu_keeps_exact_keys_scored_in_place():
+    """On a CPU the device and the cold tier are the same RAM: for_budget(model) does not hold
+    codes there (they cost compute and save nothing); the same model elsewhere (meta) does."""
+    model = tiny_llama()
+    cpu = flashmem.FlashMemoryConfig.for_budget(1 / 8, 32768, model, lsa_layer_shares=None)
+    assert (cpu.lsa_rerank_codec, cpu.lsa_rerank_on_device) == ("exact", False)
+    meta = flashmem.FlashMemoryConfig.for_budget(1 / 8, 32768, model.to("meta"), lsa_layer_shares=None)
+    assert (meta.lsa_rerank_codec, meta.lsa_rerank_on_device) == ("int4", True)
+    assert meta.lsa_top_k == cpu.lsa_top_k  # the codes use room the page cap left

@@ -41,6 +41,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the candidate floor: rrmin0 is the recipe before it, rrmin256 names the recipe in its runs
     "rrmin0": {**RECIPE, "lsa_rerank_min_pages": 0},
     "rrmin256": {**RECIPE, "lsa_rerank_min_pages": 256},
+    # the re-rank scored by codes of the candidates' keys (docs/accelerator.md), on the host, and
+    # by exact keys everywhere (the recipe before it held int4 codes on the device past the page cap)
+    "rrcode-int4": {**RECIPE, "lsa_rerank_codec": "int4"},
+    "rrcode-sign": {**RECIPE, "lsa_rerank_codec": "sign"},
+    "rrexact": {**RECIPE, "lsa_rerank_codec": "exact"},
     # the working set in the model's dtype (the recipe until "An int8 working set");
     # wsint8 names the recipe in that section's runs
     "wsmodel": {**RECIPE, "working_set_codec": "model"},

@@ -62,6 +62,8 @@ def budget_config(
     group: int = 1,
     head_dim: int = 64,
     dtype_bytes: int = 4,
+    *,
+    device_codes: bool = True,
     **overrides: Any,
 ) -> FlashMemoryConfig:
     """A config whose predicted device-resident fraction at `tokens` is about `budget`, on
@@ -76,7 +78,11 @@ def budget_config(
     allows a page.
     The selected pages are capped at flashmem.recipe.SELECTED_TOKENS_CAP tokens:
     at long prompts the config holds less than the budget and each step attends
-    a bounded number of tokens.
+    a bounded number of tokens. Where that leaves room for them, the re-rank's
+    candidate codes are held on the device (flashmem.recipe.DEVICE_RERANK) unless
+    `device_codes` is False (a model on a CPU, where the device and the cold tier
+    are the same RAM and the codes would cost compute and save nothing), or the
+    caller or the variant names a re-rank codec.
     Small budgets at short lengths can be unreachable (sinks + HCA entries +
     index + the open block already exceed them): the closest config is returned
     and the measured fraction says so.
@@ -113,7 +119,8 @@ def budget_config(
         k = max(1, cap // base.page_tokens)
         sized = _sized(base, w, k, band)
         rerank_keys = spec.device_rerank
-        if rerank_keys and base.lsa_rerank > 1 and not set(rerank_keys) & set(overrides):
+        named = set(overrides) | set(spec.keys)
+        if device_codes and rerank_keys and base.lsa_rerank > 1 and not set(rerank_keys) & named:
             # ... or let the re-rank's candidate codes use the room, where they fit in it
             coded = sized.model_copy(update=dict(rerank_keys))
             if predicted_ratio(coded, tokens, group, head_dim, dtype_bytes, peak=True) <= budget:
@@ -354,7 +361,21 @@ def for_budget(
     geo = model_geometry(model) if model is not None else {}
     defaults = {"group": 1, "head_dim": 64, "dtype_bytes": 4}
     sizes = {k: v if v is not None else geo.get(k, defaults[k]) for k, v in given.items()}
-    return budget_config(budget, tokens, variant, **sizes, **overrides)
+    return budget_config(budget, tokens, variant, **sizes, device_codes=not _on_cpu(model), **overrides)
+
+
+def _on_cpu(model: Any) -> bool:
+    """True for a torch model whose weights sit on the CPU (a config or a name: unknown, False).
+    Measured on the tiny model at 32K and 1/8 (docs/measurements.md, "Re-rank codes on a CPU"):
+    decode 2.59x DynamicCache with exact keys scored in place, 1.18x with codes held "on the device"."""
+    params = getattr(model, "parameters", None)
+    if not callable(params):
+        return False
+    try:
+        first = next(iter(params()), None)
+    except TypeError:
+        return False
+    return first is not None and getattr(first, "device", None) is not None and first.device.type == "cpu"
 
 
 set_budget_solver(for_budget)  # FlashMemoryConfig.for_budget calls it (no import from config to here)
