@@ -170,3 +170,16 @@ def test_any_arguments_give_a_config_or_one_line(budget, tokens, model, extra):
     else:
         assert isinstance(cfg, FlashMemoryConfig) and cfg.gpu_cache_limit >= 1
     assert time.perf_counter() - t0 < 10
+
+
+def test_the_solver_selects_a_page_when_the_budget_allows_one():
+    """Gemma3-270m's geometry at 4,050 tokens and 1/32: a 16-token window and no page (1.029x the
+    budget) was the fullest config within 3%, over a page and an 8-token window (0.998x); with no
+    page the cold tier is never read and a needle cannot be found. Every length here gets a page."""
+    from flashmem.sizing.budget import budget_config, predicted_ratio
+
+    geo = {"group": 4, "head_dim": 256, "dtype_bytes": 4}
+    for tokens in range(3990, 4140, 10):
+        cfg = budget_config(1 / 32, tokens, **geo)
+        assert cfg.lsa_top_k >= 1, tokens
+        assert predicted_ratio(cfg, tokens, **geo, peak=True) <= 1.03 / 32

@@ -175,6 +175,10 @@ def _nearest_shape(
     # Never more than 3% over the budget; of those, the ones that use it fully
     # (within 3% of the fullest: a page is a coarse step at short prompts).
     under = [c for c in cands if c[4] <= 1.03 * budget]
+    # a config that selects a page beats a fuller one that selects none: with no page the cold
+    # tier is never read (Gemma3 at 4,050 tokens and 1/32 took a 16-token window and no page,
+    # 1.029x the budget, over a page and an 8-token window at 0.998x, and lost its needle)
+    under = [c for c in under if c[2] > 0] or under
     if under:
         fullest = max(c[4] for c in under)
         good = [c for c in under if c[4] >= fullest - 0.03 * budget]
