@@ -39,6 +39,19 @@ def _alone(model, cfg, prompt: list[int], max_tokens: int) -> Sequence:
     return _engine(model, cfg).run_sync(_seq(prompt, max_tokens))
 
 
+def _until_done(engine: Engine, seqs: list[Sequence], each_round=None) -> None:
+    """Run rounds (admissions swapped in after each) until every sequence is done;
+    each_round(n) after round n (e.g. to submit more)."""
+    rounds = 0
+    while not all(s.done.is_set() for s in seqs):
+        engine.step()
+        engine.wait_admitted()
+        rounds += 1
+        if each_round is not None:
+            each_round(rounds)
+        assert rounds < 200
+
+
 def _same(a: Sequence, b: Sequence) -> None:
     assert a.finish_reason == b.finish_reason and a.generated == b.generated
     assert len(a.logits) == len(b.logits) > 0
@@ -55,15 +68,13 @@ def test_sequences_join_and_leave_a_batch_and_answer_as_alone(cfg) -> None:
     seqs = [_seq(_prompt(n, s), m) for n, s, m in specs]
     engine.submit(seqs[0])
     engine.submit(seqs[1])
-    rounds = 0
-    while not all(s.done.is_set() for s in seqs):
-        engine.step()
-        engine.wait_admitted()
-        rounds += 1
+
+    def join(rounds: int) -> None:
         if rounds == 4:  # join while the first two decode
             engine.submit(seqs[2])
             engine.submit(seqs[3])
-        assert rounds < 200
+
+    _until_done(engine, seqs, join)
     for seq, (n, s, m) in zip(seqs, specs):
         _same(seq, _alone(model, cfg, _prompt(n, s), m))
     assert engine.decode_rows > engine.decode_forwards  # decode steps shared forwards
@@ -76,9 +87,7 @@ def test_max_batch_1_is_one_forward_per_sequence() -> None:
     seqs = [_seq(_prompt(20 + 10 * i, i), 4) for i in range(3)]
     for s in seqs:
         engine.submit(s)
-    while not all(s.done.is_set() for s in seqs):
-        engine.step()
-        engine.wait_admitted()
+    _until_done(engine, seqs)
     assert engine.decode_rows == engine.decode_forwards > 0
     for i, s in enumerate(seqs):
         _same(s, _alone(model, EXACT, _prompt(20 + 10 * i, i), 4))
@@ -217,12 +226,7 @@ def test_prompt_chunks_share_the_decode_forwards_and_answer_as_alone(cfg, tmp_pa
         engine.wait_admitted()
     engine.submit(seqs[1])
     engine.submit(seqs[2])
-    rounds = 0
-    while not all(s.done.is_set() for s in seqs):
-        engine.step()
-        engine.wait_admitted()
-        rounds += 1
-        assert rounds < 200
+    _until_done(engine, seqs)
     assert seqs[1].reused_tokens == 148 and seqs[2].reused_tokens == 0
     # fresh's 4 chunks (3 blocks of 32 and the end record's) and doc's tail ran beside chat's steps
     assert engine.packed_chunks >= 5
@@ -246,9 +250,7 @@ def test_pack_prefill_off_runs_a_forward_per_chunk() -> None:
     engine.step()
     engine.wait_admitted()
     engine.submit(seqs[1])
-    while not all(s.done.is_set() for s in seqs):
-        engine.step()
-        engine.wait_admitted()
+    _until_done(engine, seqs)
     assert engine.packed_chunks == 0 and engine.decode_rows > engine.decode_forwards
     for seq, (n, s) in zip(seqs, ((12, 31), (90, 32))):
         _same(seq, _alone(model, EXACT, _prompt(n, s), seq.sampling.max_tokens))

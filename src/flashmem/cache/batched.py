@@ -283,9 +283,7 @@ def forward(model: Any, batch: BatchedCache, tokens: list[list[int]]) -> list[to
     batch.begin(lengths)
     total, dev = batch.total, model.device
     ids = torch.tensor([[t for row in tokens for t in row]], dtype=torch.long)
-    pos = torch.cat(
-        [torch.arange(row.get_seq_length(), row.get_seq_length() + n) for row, n in zip(batch.rows, lengths)]
-    )[None]
+    pos = torch.cat([row.get_seq_length() + torch.arange(n) for row, n in zip(batch.rows, lengths)])[None]
     # A 4D mask is used as given (transformers builds none). Nothing reads it: every layer's
     # attention is `rows_attention`, where each row builds its own; a view, no T x T bytes.
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev).expand(1, 1, total, total)
