@@ -205,7 +205,6 @@ class CandidateRanker:
             code, slots, nbytes, copied = self.device_codes.update(cand, codes, where)
             reader.traffic.add("h2d_bytes", nbytes)
             reader.traffic.candidates(cand.numel() - copied, copied)
-            self._last_cand = cand
             reader.traffic.add("device_read_bytes", code.nbytes * cand.shape[-1] // code.q.shape[2])
         else:
             self._count_candidates(cand)
