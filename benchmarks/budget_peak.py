@@ -25,7 +25,10 @@ of RAM).
 With `--text kjv` (or stdlib-doc) the prompt is real text and a question, so the decode steps
 answer it: their page and candidate hit rates are those of a real answer (random tokens keep
 a flat attention). `--rerank-codec int4 --rerank-on-device` holds the candidates' codes on
-the device; the row then gives their hit rate (`candidate_hit_rate`).
+the device; the row then gives their hit rate (`candidate_hit_rate`). `--as-device` takes the
+config the solver gives an accelerator (`budget_config(..., device_codes=True)`: the codes and
+`lsa_cache_pages` where the selected-token cap leaves room); `--cache-pages N` sets the page
+cache alone (`page_hit_rate` counts a page the cache held as a hit).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def measure(
     text: str | None = None,
     text_seed: int = 0,
     extra: dict[str, Any] | None = None,
+    as_device: bool = False,
 ) -> dict[str, Any]:
     model, tok = _model(name, tokens)
     vocab = model.config.vocab_size
@@ -102,7 +106,13 @@ def measure(
         keys.update(cold_store="disk", cold_dir=tmp.name, prefetch_threads=0, cold_pending_mb=cold_pending_mb)
     if prefill_chunk:
         keys["prefill_chunk"] = prefill_chunk
-    cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, **keys)
+    if as_device:  # the config an accelerator gets: codes and a page cache where the cap leaves room
+        from flashmem.sizing.budget import budget_config, model_geometry
+
+        device_cfg = budget_config(budget, tokens + steps, **model_geometry(model), device_codes=True, **keys)
+        cache = flashmem.attach(model, device_cfg, tokenizer=tok)
+    else:
+        cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, **keys)
     rss0 = _rss_kib("VmRSS")
     rss_ok = _reset_peak_rss() and rss0 is not None
     t0 = time.perf_counter()
@@ -141,7 +151,11 @@ def measure(
         # re-rank candidates whose codes the device held over (lsa_rerank_on_device), else None
         "candidate_hit_rate": traffic.get("candidate_cache", {}).get("hit_rate"),
         "prompt": f"{text} seed {text_seed}" if text and tok is not None else "random tokens",
-        "config": {k: getattr(cache.cfg, k) for k in ("lsa_top_k", "lsa_rerank_codec", "lsa_rerank_on_device")},
+        "config": {
+            k: getattr(cache.cfg, k)
+            for k in ("lsa_top_k", "lsa_rerank_codec", "lsa_rerank_on_device", "lsa_cache_pages")
+        },
+        "as_device": as_device,
         "rank_on_host": bool(BlockReader.rank_on_host),
         "decode_new_page_bytes_median": traffic["per_decode_step_median"]["new_page_bytes"],
         # the link's bytes over the bytes of the pages each decode step newly attends (median)
@@ -182,6 +196,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text-seed", type=int, default=0, help="where in the text the prompt starts")
     p.add_argument("--rerank-codec", default=None, help="lsa_rerank_codec (default: the recipe's)")
     p.add_argument("--rerank-on-device", action="store_true", help="lsa_rerank_on_device: true")
+    p.add_argument(
+        "--as-device",
+        action="store_true",
+        help="the recipe an accelerator gets (candidate codes and lsa_cache_pages where the cap leaves room), "
+        "not the CPU's",
+    )
+    p.add_argument("--cache-pages", type=int, default=None, help="lsa_cache_pages (default: the recipe's)")
     p.add_argument("--out", default=None, help="JSON lines of the rows")
     a = p.parse_args(argv)
     extra: dict[str, Any] = {}
@@ -189,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         extra["lsa_rerank_codec"] = a.rerank_codec
     if a.rerank_on_device:
         extra["lsa_rerank_on_device"] = True
+    if a.cache_pages is not None:
+        extra["lsa_cache_pages"] = a.cache_pages
     if a.rank_on_host:
         BlockReader.rank_on_host = True
     rows = []
@@ -196,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         for codec in a.codecs.split(","):
             row = measure(
                 a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb,
-                a.text, a.text_seed, extra,
+                a.text, a.text_seed, extra, a.as_device,
             )  # fmt: skip
             rows.append(row)
             print(json.dumps(row))

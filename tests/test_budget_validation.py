@@ -118,6 +118,8 @@ def _solver_points(draw):
                 {**recipe_keys(1 / 8), "rest_entry": True},
                 {**recipe_keys(1 / 8), "lsa_page_tokens": None, "lsa_index_dtype": "model", "use_summaries": True},
                 {**recipe_keys(1 / 8), "lsa_scorer": "lowrank", "low_rank_dim": 16},
+                {**recipe_keys(1 / 8), "lsa_cache_pages": 300},
+                {**recipe_keys(1 / 8), "lsa_cache_pages": 5, "working_set_codec": "model"},
                 {"lsa_top_k": 1},  # the bare config's layout
             ]
         )

@@ -12,6 +12,7 @@ import pytest
 from flashmem.cli.main import main
 from flashmem.config import FlashMemoryConfig
 from flashmem.sizing.calculator import estimate
+from flashmem.sizing.hardware import MEASURED_NEW_PAGE_FRACTIONS as MEASURED
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = str(ROOT / "configs" / "seed.yaml")
@@ -359,7 +360,8 @@ def test_rerank_codec_overrides_the_config(capsys):
     assert hm["rows"]["flashmem"]["step_s_at_largest"] == pytest.approx(big * flops / (2 * 56 * 64 * 2.0e9 * 0.1))
     # the measured fractions beside the default
     measured = hm["at_measured_new_page_fractions"]
-    assert [m["new_page_fraction"] for m in measured] == [0.067, 0.361]
+    assert [m["new_page_fraction"] for m in measured] == [m.new_page_fraction for m in MEASURED]
+    assert [m["new_page_fraction"] for m in measured][:2] == [0.067, 0.361]
     assert all(m["throughput_ratio_at_largest_batch"] > 0 for m in measured)
 
 
@@ -404,9 +406,12 @@ def test_rerank_on_device_holds_the_codes_in_the_budget(capsys):
     assert hm["rows"]["flashmem"]["bound_at_largest"] == "link"
     big = hm["rows"]["flashmem"]["largest_batch"]
     assert hm["rows"]["flashmem"]["step_s_at_largest"] == pytest.approx(big * tr["link_bytes_per_step"] / 55e9)
-    # the new-candidate fraction follows the new-page fraction unless given
+    # the new-candidate fraction follows the new-page fraction unless the run counted its own
     measured = hm["at_measured_new_page_fractions"]
-    assert [m["new_candidate_fraction"] for m in measured] == [0.067, 0.361]
+    assert [m["new_candidate_fraction"] for m in measured] == [
+        m.new_page_fraction if m.new_candidate_fraction is None else m.new_candidate_fraction for m in MEASURED
+    ]
+    assert [m["new_candidate_fraction"] for m in measured][:2] == [0.067, 0.361]
     code, text, _ = run(capsys, *base, "--rerank-on-device", "--new-candidate-fraction", "0.1")
     tr = json.loads(text)["hardware_model"]["flashmem_traffic"]
     assert code == 0 and tr["parts"]["rerank_keys"] == pytest.approx(0.1 * held)

@@ -128,7 +128,8 @@ def test_flashmem_row_predicted_from_the_recipe(h200):
     # the recipe holds int4 candidate codes on the device here (recipe.DEVICE_RERANK: tested in
     # test_rerank_codes_held_on_the_device); this test models its exact re-rank
     assert recipe.lsa_rerank_codec == "int4" and recipe.lsa_rerank_on_device
-    cfg = recipe.model_copy(update={"lsa_rerank_codec": "exact", "lsa_rerank_on_device": False})
+    # (and its page cache: test_page_cache_is_held_but_not_read_by_a_step)
+    cfg = recipe.model_copy(update={"lsa_rerank_codec": "exact", "lsa_rerank_on_device": False, "lsa_cache_pages": 0})
     flash = estimate("llama-3.1-8b", tokens=TOKENS, config=cfg).flashmem
     assert flash is not None and flash.tier_counts["working_set"] == 4096
     # without the head size and dtype, a re-ranking config's keys and FLOPs cannot be counted
@@ -334,8 +335,12 @@ def test_measured_new_page_fractions_are_the_runs():
     root = Path(__file__).resolve().parents[1]
     for m in hwm.MEASURED_NEW_PAGE_FRACTIONS:
         path = root / m.source.split(":")[0]
-        rates = [json.loads(line)["page_hit_rate"] for line in path.read_text().splitlines() if line.strip()]
-        assert len(rates) == 2 and m.new_page_fraction == pytest.approx(1 - min(rates), abs=5e-4), m
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rates = [r["page_hit_rate"] for r in rows]
+        assert rates and m.new_page_fraction == pytest.approx(1 - min(rates), abs=5e-4), m
+        if m.new_candidate_fraction is not None:
+            cand = min(r["candidate_hit_rate"] for r in rows)
+            assert m.new_candidate_fraction == pytest.approx(1 - cand, abs=5e-4), m
 
 
 # ----------------------------------------------------------------------------- codes held on the device
@@ -408,3 +413,25 @@ def test_codes_on_the_device_set_the_batch_and_the_bound():
     hbm_s = (2 * 10**6 + big * (dev_tr.resident_bytes + dev_tr.link_bytes)) / 4.8e12
     assert dev_row.step_s_at_largest == pytest.approx(max(link_s, hbm_s))
     assert dev_row.bound_at_largest == ("link" if link_s > hbm_s else "HBM")
+
+
+def test_page_cache_is_held_but_not_read_by_a_step():
+    """The recipe at 1/8 and 128K fills the room the cap and the codes leave with pages past the
+    selection (lsa_cache_pages): they count in the resident bytes (and so in the largest batch),
+    but a step reads only those that pages leaving the selection replace (read and write, at
+    most the selection's bytes), not the whole cache."""
+    recipe = FlashMemoryConfig.for_budget(1 / 8, TOKENS, group=4, head_dim=128, dtype_bytes=2)
+    assert recipe.lsa_cache_pages > 0
+    bare = recipe.model_copy(update={"lsa_cache_pages": 0})
+    f1 = estimate("llama-3.1-8b", tokens=TOKENS, config=recipe).flashmem
+    f0 = estimate("llama-3.1-8b", tokens=TOKENS, config=bare).flashmem
+    assert f1 is not None and f0 is not None
+    a = hwm.Assumptions()
+    t1 = hwm.predicted_traffic(f1, recipe, TOKENS, a, 128, 2, 4)
+    t0 = hwm.predicted_traffic(f0, bare, TOKENS, a, 128, 2, 4)
+    cache = f1.device_resident_bytes - f0.device_resident_bytes
+    assert cache > 0 and t1.page_cache_bytes == pytest.approx(cache)
+    assert t1.resident_bytes == f1.device_resident_bytes  # the budget holds it
+    selection = f0.tiers["working_set"]
+    assert t1.device_read_bytes == pytest.approx(t0.device_read_bytes + 2 * min(cache, selection))
+    assert t1.link_bytes == t0.link_bytes  # the new-page fraction is an assumption: measured with the cache

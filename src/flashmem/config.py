@@ -166,6 +166,15 @@ class FlashMemoryConfig(BaseModel):
         "or sign (1 bit), each channel with a scale and zero per block (KIVI's per-channel keys). The "
         "re-rank then reads bits/16 of a bf16 key (docs/accelerator.md)",
     )
+    lsa_cache_pages: int = Field(
+        0,
+        ge=0,
+        le=2**20,
+        description="pages per layer and KV head the device keeps past this step's selection: the "
+        "most recently selected ones that left it. A page that comes back is not read over the link "
+        'again (counted in the budget, held as the working set is; docs/accelerator.md, "A page '
+        'cache past the selection")',
+    )
     lsa_rerank_on_device: bool = Field(
         False,
         description="with a lsa_rerank_codec code: this step's candidates' codes are held on the device "

@@ -118,6 +118,15 @@ def recipe_keys(budget: float) -> dict[str, Any]:
 # docs/accelerator.md). int4 ranks the needle's page as the exact keys do (docs/measurements.md,
 # "Re-rank codes"). Llama-3.1-8B: at 1/8 by 64K tokens, at 1/16 by 128K, at 1/32 by 1M.
 DEVICE_RERANK: dict[str, Any] = {"lsa_rerank_codec": "int4", "lsa_rerank_on_device": True}
+# What room is left after them holds, per layer and KV head, the pages that most recently left
+# the selection (`lsa_cache_pages`, cache/working_set.py): a page that comes back is not copied
+# again. Gemma3-270m at 16K and 1/8 (the cap binds) on a KJV prompt: a step's selected pages the
+# device held went from 0.767 (the last step's selection only) to 0.873 with half the selection's
+# pages more, the link's bytes per step from 1.36 MB to 0.61 MB (docs/accelerator.md, "A page
+# cache past the selection"). A model on the CPU gets neither.
+# At most this many times the selected pages: past 2x the held share stopped growing (0.94 -> 0.955
+# at 4K from 2x to 4x, 0.977 both at 16K), and the room past it is better left unused.
+PAGE_CACHE_MAX_SELECTIONS = 4
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,8 @@ class Variant:
     shape: tuple[float, float, float] = SHAPE
     cap: int | None = SELECTED_TOKENS_CAP
     device_rerank: Mapping[str, Any] | None = field(default_factory=lambda: dict(DEVICE_RERANK))
+    # the room the cap and the codes leave holds pages that left the selection (lsa_cache_pages)
+    device_page_cache: bool = True
 
 
 def resolve_variant(name: str) -> Variant:

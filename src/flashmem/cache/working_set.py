@@ -7,7 +7,14 @@ its codes: a page's codes depend on its own tokens only, so keeping them equals
 coding it again); only the others are read, through the layer's `BlockReader`,
 or cut from this step's re-rank candidates when those were read.
 
-Shapes: page ids idx [b, h, k]; K/V held [b, h, k*P, d]; validity [b, h, k*P].
+With `lsa_cache_pages` s > 0 the device also keeps, per row and KV head, up to s pages
+that left the selection (the most recently selected first, in slots: a page comes in
+where the least recently used one was, nothing else moves): a page that comes back is
+taken from there, not read again. On a CPU that saves nothing (the cold tier is the same
+RAM); on an accelerator it is what the host link does not carry.
+
+Shapes: page ids idx [b, h, k]; K/V held [b, h, k*P, d]; validity [b, h, k*P]; the spare
+pages' ids [b, h, s] (-1: an empty slot) and rows [b*h*s, P*d].
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ Held = tuple[torch.Tensor, torch.Tensor]
 
 
 class WorkingSet:
-    def __init__(self, codec: str, page_tokens: int, dtype: torch.dtype) -> None:
+    def __init__(self, codec: str, page_tokens: int, dtype: torch.dtype, cache_pages: int = 0) -> None:
         self.codec = codec
         self.page_tokens = page_tokens
         self.dtype = dtype
+        self.spare = SparePages(cache_pages) if cache_pages > 0 else None
         # K (0) and V (1) as held: (tensor,) or int8 (codes, scale)
         self.code: list[tuple[torch.Tensor, ...] | None] = [None, None]
         # This step's decoded copy of coded K/V (made while coding, or on first read):
@@ -68,7 +76,8 @@ class WorkingSet:
         return plain if plain is not None else (code[0], code[1])
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for code in self.code if code is not None for t in code)
+        held = sum(t.nbytes for code in self.code if code is not None for t in code)
+        return held + (0 if self.spare is None else self.spare.nbytes())
 
     def end_step(self) -> None:
         self.plain = [None, None]
@@ -77,6 +86,8 @@ class WorkingSet:
         self.code = [None, None]
         self.plain = [None, None]
         self.idx = self.valid = None
+        if self.spare is not None:
+            self.spare.clear()
 
     # ------------------------------------------------------------------ writes
     def _store(self, slot: int, t: Part) -> None:
@@ -112,29 +123,39 @@ class WorkingSet:
         keep, src = held
         b, h, k = idx.shape
         assert self.idx is not None
-        rows_prev = b * h * self.idx.shape[-1]
+        k_prev = self.idx.shape[-1]
+        rows_prev = b * h * k_prev
         bi = torch.arange(b, device=idx.device)[:, None, None]
         hi = torch.arange(h, device=idx.device)[None, :, None]
         flat = keep.reshape(-1)
-        # each page's row in [last working set's pages; new pages] (one index_select: index_copy_
-        # into a fresh tensor measured 30-50x slower on CPU, benchmarks/micro_decode_parts.py)
-        old_rows = ((bi * h + hi) * self.idx.shape[-1] + src).reshape(-1)
-        pick = torch.where(flat, old_rows, rows_prev + (~flat).cumsum(0) - 1)
+        # each page's row in [last working set's pages; spare pages taken back; new pages] (one
+        # index_select: index_copy_ into a fresh tensor measured 30-50x slower on CPU,
+        # benchmarks/micro_decode_parts.py). src >= k_prev: a spare slot (SparePages.lookup)
+        from_spare = (keep & (src >= k_prev)).reshape(-1)
+        s_slots = self.spare.size if self.spare is not None else 0
+        spare_rows = ((bi * h + hi) * s_slots + src - k_prev).reshape(-1)[from_spare]
+        n_spare = spare_rows.numel()
+        old_rows = torch.where(
+            from_spare, rows_prev + from_spare.cumsum(0) - 1, ((bi * h + hi) * k_prev + src).reshape(-1)
+        )
+        pick = torch.where(flat, old_rows, rows_prev + n_spare + (~flat).cumsum(0) - 1)
         P = self.page_tokens
         for slot, fresh in ((0, k_new), (1, v_new)):
             code = self.code[slot]
             assert code is not None
             d = code[0].shape[-1]
+            back = () if not n_spare or self.spare is None else self.spare.rows(slot, spare_rows)
             if len(code) == 1:  # the model's dtype: rows kept as they are
                 assert isinstance(fresh, torch.Tensor)
-                out = torch.cat([code[0].reshape(-1, P * d), fresh.reshape(-1, P * d)]).index_select(0, pick)
+                parts = [code[0].reshape(-1, P * d), *back, fresh.reshape(-1, P * d)]
+                out = torch.cat(parts).index_select(0, pick)
                 self.code[slot] = (out.view(b, h, k * P, d),)
                 continue
             codes, scale = code
             # [n_new, P, d], [n_new, P, 1]: coded where they were cut (the host), or now
             new_c, new_s = fresh if isinstance(fresh, tuple) else page_code.encode(fresh)
-            out_c = torch.cat([codes.view(-1, P * d), new_c.view(-1, P * d)]).index_select(0, pick)
-            out_s = torch.cat([scale.view(-1, P), new_s.view(-1, P)]).index_select(0, pick)
+            out_c = torch.cat([codes.view(-1, P * d), *back[:1], new_c.view(-1, P * d)]).index_select(0, pick)
+            out_s = torch.cat([scale.view(-1, P), *back[1:], new_s.view(-1, P)]).index_select(0, pick)
             self.code[slot] = (out_c.view(b, h, k * P, d), out_s.view(b, h, k * P, 1))
             self.plain[slot] = None  # decoded on this step's first read
         self.valid = page_tokens_valid[bi, idx].reshape(b, h, -1)
@@ -160,10 +181,26 @@ class WorkingSet:
         one op without a prefetcher; else whole blocks are read once each and the
         selected pages cut out of them."""
         prev = self.idx
-        reader.traffic.pages(*_held_count(prev, idx), reader.page_bytes())
         if prev is not None and prev.shape == idx.shape and torch.equal(prev, idx):
+            reader.traffic.pages(idx.numel(), 0, reader.page_bytes())
             return
-        held = self.held_over(idx, reader)  # pages the last working set holds, kept as they are
+        held = self.held_over(idx, reader)  # pages the device holds (last working set, spare), kept
+        hits = int(held[0].sum()) if held is not None else _held_count(prev, idx)[0]
+        reader.traffic.pages(hits, idx.numel() - hits, reader.page_bytes())
+        prev_code = list(self.code)
+        self._gather(idx, page_tokens_valid, reader, candidates, held)
+        if self.spare is not None and prev is not None and prev.shape[:2] == idx.shape[:2] and prev.shape[-1]:
+            if not (reader.latent is not None and reader.direct):  # (its pages are not kept: held_over)
+                self.spare.spill(prev, prev_code, idx, self.page_tokens)
+
+    def _gather(
+        self,
+        idx: torch.Tensor,
+        page_tokens_valid: torch.Tensor,
+        reader: BlockReader,
+        candidates: Candidates | None,
+        held: Held | None,
+    ) -> None:
         if candidates is not None and self._cut_from_candidates(idx, page_tokens_valid, held, candidates, reader):
             return
         if reader.direct and self._gather_from_arena(idx, page_tokens_valid, held, reader):
@@ -227,11 +264,18 @@ class WorkingSet:
         decode at their [b, h, k] places)."""
         prev, code = self.idx, self.code[0]
         if prev is None or code is None or prev.shape[:2] != idx.shape[:2] or not prev.shape[-1]:
+            if self.spare is not None:
+                self.spare.clear()  # other rows (or none): the spare pages are not theirs
             return None
         if reader.latent is not None and reader.direct:
             return None
         src = torch.searchsorted(prev.contiguous(), idx.contiguous()).clamp_max_(prev.shape[-1] - 1)  # both sorted
         held = prev.gather(-1, src) == idx
+        if self.spare is not None:  # ... or a spare slot: src = k_prev + slot
+            in_spare, slot = self.spare.lookup(idx)
+            in_spare &= ~held
+            held = held | in_spare
+            src = torch.where(in_spare, prev.shape[-1] + slot, src)
         return (held, src) if bool(held.any()) else None
 
     def _cut_from_candidates(
@@ -313,6 +357,87 @@ class WorkingSet:
         else:
             self.merge(idx, held, k_new, v_new, page_tokens_valid)
         return True
+
+
+class SparePages:
+    """Up to `size` pages per row and KV head that left the selection, most recently
+    selected kept (`lsa_cache_pages`): ids [b, h, s] (-1 empty), the step each was last
+    selected, and their rows as the working set holds them (K and V: (rows [b*h*s, P*d],)
+    or int8 (codes [b*h*s, P*d], scales [b*h*s, P])). Rows are written in place: a step
+    copies only the pages that left the selection."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.ids: torch.Tensor | None = None
+        self.used: torch.Tensor | None = None  # step each slot's page was last selected; -1 empty
+        self.code: list[tuple[torch.Tensor, ...] | None] = [None, None]
+        self.step = 0
+
+    def clear(self) -> None:
+        self.ids = self.used = None
+        self.code = [None, None]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for code in self.code if code is not None for t in code)
+
+    def lookup(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which pages idx [b, h, k] a slot holds ([b, h, k] bool) and the slot ([b, h, k])."""
+        if self.ids is None or self.ids.shape[:2] != idx.shape[:2]:
+            return torch.zeros_like(idx, dtype=torch.bool), torch.zeros_like(idx)
+        ids, order = self.ids.sort(-1)
+        pos = torch.searchsorted(ids, idx.contiguous()).clamp_max_(self.size - 1)
+        return ids.gather(-1, pos) == idx, order.gather(-1, pos)
+
+    def rows(self, slot: int, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """K (0) or V (1) rows of flat slots `rows` [n] (row * s + slot), as held."""
+        code = self.code[slot]
+        assert code is not None
+        return tuple(t.index_select(0, rows) for t in code)
+
+    def spill(
+        self, prev: torch.Tensor, prev_code: list[tuple[torch.Tensor, ...] | None], idx: torch.Tensor, P: int
+    ) -> None:
+        """After a step selected idx [b, h, k] (sorted): the pages of the last selection prev
+        [b, h, k'] (sorted; their K/V rows prev_code, [b, h, k'*P, d] as held) that left it take
+        the least recently used slots; a slot whose page came back to the selection is free."""
+        b, h, kp = prev.shape
+        s, dev = self.size, prev.device
+        if self.ids is None or self.ids.shape[:2] != (b, h):
+            self.ids = torch.full((b, h, s), -1, dtype=prev.dtype, device=dev)
+            self.used = torch.full((b, h, s), -1, dtype=torch.long, device=dev)
+        assert self.used is not None
+        self.step += 1
+        back, slot = self.lookup(idx)  # in the selection again: their slots are free
+        if bool(back.any()):
+            rows = (torch.arange(b * h, device=dev).view(b, h, 1) * s + slot)[back]
+            self.ids.view(-1)[rows] = -1
+            self.used.view(-1)[rows] = -1
+        pos = torch.searchsorted(idx.contiguous(), prev.contiguous()).clamp_max_(idx.shape[-1] - 1)
+        left = idx.gather(-1, pos) != prev  # [b, h, k'] pages that left the selection
+        rank = left.long().cumsum(-1) - 1
+        left &= rank < s  # more than s left: the first s are kept (all were selected last step)
+        if not bool(left.any()):
+            return
+        order = self.used.argsort(-1)  # least recently used (and empty) slots first
+        slot = order.gather(-1, rank.clamp(0, s - 1))  # [b, h, k']
+        base = torch.arange(b * h, device=dev).view(b, h, 1)
+        dst = (base * s + slot)[left]
+        src = (base * kp + torch.arange(kp, device=dev))[left]
+        self.ids.view(-1)[dst] = prev[left]
+        self.used.view(-1)[dst] = self.step
+        for j, code in enumerate(prev_code):
+            assert code is not None
+            d = code[0].shape[-1]
+            flat = (
+                (code[0].reshape(-1, P * d),)
+                if len(code) == 1
+                else (code[0].reshape(-1, P * d), code[1].reshape(-1, P))
+            )
+            held = self.code[j]
+            if held is None:
+                held = self.code[j] = tuple(t.new_zeros(b * h * s, t.shape[-1]) for t in flat)
+            for t, f in zip(held, flat, strict=True):
+                t.index_copy_(0, dst, f.index_select(0, src))
 
 
 def _held_count(prev: torch.Tensor | None, idx: torch.Tensor) -> tuple[int, int]:

@@ -279,7 +279,9 @@ def hardware_model(
     if traffic is None:  # a run's counted bytes have their own page hits
         measured = []
         for m in hwm.MEASURED_NEW_PAGE_FRACTIONS:
-            am = replace(a, new_page_fraction=m.new_page_fraction)
+            # a run that counted its candidates gives their fraction too, unless the command names one
+            g = a.new_candidate_fraction if a.new_candidate_fraction is not None else m.new_candidate_fraction
+            am = replace(a, new_page_fraction=m.new_page_fraction, new_candidate_fraction=g)
             _, trm = _flashmem_traffic(model, est, cfg, dims, None, am, group)
             fm1 = hwm.flashmem_row(hw, cost, est.tokens, 1, am, trm, flash.cold_bytes, host_bytes)
             tg = hwm.targets(hw, cost, am, full1, fm1, trm)

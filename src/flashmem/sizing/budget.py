@@ -19,7 +19,7 @@ from flashmem import policies
 from flashmem.config import FlashMemoryConfig, set_budget_solver
 from flashmem.errors import ConfigError, FlashMemError
 from flashmem.models import geometry
-from flashmem.recipe import check_budget, check_tokens, recipe_keys, resolve_variant
+from flashmem.recipe import PAGE_CACHE_MAX_SELECTIONS, check_budget, check_tokens, recipe_keys, resolve_variant
 from flashmem.sizing.tiers import candidate_code_bytes, index_bytes, tier_counts, working_set_scale
 
 # Recent query positions each managed layer keeps for the attention-mass fusion
@@ -51,7 +51,7 @@ def predicted_ratio(
     qbuf = 0.5 * RECENT_QUERY_TOKENS * group if tokens > 0 and cfg.use_summaries else 0.0
     index = index_bytes(cfg, c, head_dim, dtype_bytes) / (2 * head_dim * dtype_bytes)
     # a coded working set (working_set_codec) counts its coded bytes
-    ws_saved = c.working_set * (1 - working_set_scale(cfg, head_dim, dtype_bytes))
+    ws_saved = (c.working_set + c.page_cache) * (1 - working_set_scale(cfg, head_dim, dtype_bytes))
     return (c.resident_kv - ws_saved + index + qbuf) / max(1, tokens)
 
 
@@ -118,15 +118,40 @@ def budget_config(
         # the budget bought more pages than a step needs: attend the cap, leave the rest unused
         k = max(1, cap // base.page_tokens)
         sized = _sized(base, w, k, band)
+        if not device_codes:
+            return sized
         rerank_keys = spec.device_rerank
         named = set(overrides) | set(spec.keys)
-        if device_codes and rerank_keys and base.lsa_rerank > 1 and not set(rerank_keys) & named:
+        if rerank_keys and base.lsa_rerank > 1 and not set(rerank_keys) & named:
             # ... or let the re-rank's candidate codes use the room, where they fit in it
             coded = sized.model_copy(update=dict(rerank_keys))
             if predicted_ratio(coded, tokens, group, head_dim, dtype_bytes, peak=True) <= budget:
-                return FlashMemoryConfig(**coded.model_dump())
-        return sized
+                sized = coded
+        if spec.device_page_cache and "lsa_cache_pages" not in named:
+            # ... and what is left holds pages that left the selection (lsa_cache_pages)
+            sized = _with_page_cache(sized, budget, tokens, group, head_dim, dtype_bytes)
+        return FlashMemoryConfig(**sized.model_dump())
     return _sized(base, w, k, band)
+
+
+def _with_page_cache(
+    cfg: FlashMemoryConfig, budget: float, tokens: int, group: int, head_dim: int, dtype_bytes: int
+) -> FlashMemoryConfig:
+    """`cfg` with as many `lsa_cache_pages` as the budget has room for at `tokens` (peak), up to
+    the sealed pages not selected and PAGE_CACHE_MAX_SELECTIONS x the selected ones; unchanged
+    when there is no room for one."""
+    counts = tier_counts(cfg, tokens, peak=True)
+    selected = counts.working_set // cfg.page_tokens
+    free = min(counts.sealed_blocks * cfg.pages_per_block - selected, PAGE_CACHE_MAX_SELECTIONS * selected)
+    room = budget - predicted_ratio(cfg, tokens, group, head_dim, dtype_bytes, peak=True)
+    per_page = cfg.page_tokens * working_set_scale(cfg, head_dim, dtype_bytes) / max(1, tokens)
+    n = min(free, int(room / per_page)) if room > 0 and free > 0 else 0
+    while n > 0:  # the arithmetic above is predicted_ratio's; checked, and a page fewer on rounding
+        cached = cfg.model_copy(update={"lsa_cache_pages": n})
+        if predicted_ratio(cached, tokens, group, head_dim, dtype_bytes, peak=True) <= budget:
+            return cached
+        n -= 1
+    return cfg
 
 
 def _base_config(variant_keys: Any, budget: float, overrides: dict[str, Any]) -> FlashMemoryConfig:
@@ -225,6 +250,7 @@ def _ratio_of(
     qbuf = 0.5 * RECENT_QUERY_TOKENS * group if tokens > 0 and base.use_summaries else 0.0
     summaries, hca, per_block = base.use_summaries, base.keeps_hca_entries, base.csa_per_block
     denom = max(1, tokens)
+    spare = base.lsa_cache_pages
 
     def ratio(w: int, k: int, band: int) -> float:
         window = min(w, rest)
@@ -234,7 +260,7 @@ def _ratio_of(
         csa = min(sealed, band) * per_block if summaries else 0
         pages = sealed * ppb
         selected = max(0, min(pages, max(k, min(1, k)))) if pages > 0 else 0
-        ws = selected * pt
+        ws = (selected + (max(0, min(spare, pages - selected)) if selected else 0)) * pt
         resident = sinks + window + open_block + csa + (sealed if hca else 0) + ws
         index = sealed * per.per_block + sealed * B * per.per_token + (rest_sum if sealed else 0)
         index = (index + candidate_code_bytes(base, pages, selected, head_dim, dtype_bytes)) / unit

@@ -278,7 +278,8 @@ def _add_device_tiers(
     tiers["hca_entries"] += counts.hca_entries * entry * n
     heads, width = layer.index_heads()  # width: a cached row, which an int8 working set scales once
     ws_scale = working_set_scale(cfg, width, eb)
-    tiers["working_set"] += int(round(counts.working_set * entry * n * ws_scale))
+    # pages kept past the selection (lsa_cache_pages) are held as the working set is, and counted in it
+    tiers["working_set"] += int(round((counts.working_set + counts.page_cache) * entry * n * ws_scale))
     tiers["index"] += heads * index_bytes(cfg, counts, width, eb) * n  # type: ignore[assignment]
 
 

@@ -313,16 +313,21 @@ class Assumptions:
 # ----------------------------------------------------------------------------- flashmem's traffic
 @dataclass(frozen=True)
 class MeasuredFraction:
-    """A new-page fraction measured by a run on this project's CPU: 1 - the working set's page hit rate."""
+    """A new-page fraction measured by a run on this project's CPU: 1 - the working set's page hit
+    rate (and, where the run counted it, the new-candidate fraction: 1 - the candidate hit rate)."""
 
     label: str
     new_page_fraction: float
     source: str
+    new_candidate_fraction: float | None = None
 
 
-# The working set's page hit rate per decode step at 1/16 (benchmarks/budget_peak.py, the field
-# page_hit_rate), as new-page fractions: 1 - the lower hit rate of each model's lengths. Beside the
+# The working set's page hit rate per decode step (benchmarks/budget_peak.py, the field
+# page_hit_rate), as new-page fractions: 1 - the lower hit rate of each file's rows. Beside the
 # default 0.4 (ShadowKV's, an assumption), `flashmem estimate --hardware` shows the ratios at these.
+# The Gemma3 16K rows are the config an accelerator gets at 1/8 (`--as-device`: 256 pages, capped)
+# with a page cache of none, 43 pages (0.17 x the selection, the share the recipe has room for at
+# 128K and 1/16 on Llama-3.1-8B) and 128 (the recipe's at 16K), on a KJV prompt and question.
 # tests/test_hardware_model.py reads the files and checks these figures.
 MEASURED_NEW_PAGE_FRACTIONS = (
     MeasuredFraction(
@@ -332,6 +337,24 @@ MEASURED_NEW_PAGE_FRACTIONS = (
         "Gemma3 measured",
         0.361,
         "results/budget_peak_gemma3.jsonl: hit rates 0.639 (4K), 0.655 (16K), an older recipe",
+    ),
+    MeasuredFraction(
+        "Gemma3 16K 1/8, no page cache",
+        0.233,
+        "results/budget_peak_gemma3_16k_cache0.jsonl: page hit rate 0.767, candidate hit rate 0.967",
+        0.033,
+    ),
+    MeasuredFraction(
+        "Gemma3 16K 1/8, page cache 0.17x",
+        0.196,
+        "results/budget_peak_gemma3_16k_cache43.jsonl: page hit rate 0.804, candidate hit rate 0.965",
+        0.035,
+    ),
+    MeasuredFraction(
+        "Gemma3 16K 1/8, page cache 0.5x",
+        0.127,
+        "results/budget_peak_gemma3_16k_cache128.jsonl: page hit rate 0.873, candidate hit rate 0.967",
+        0.033,
     ),
 )
 
@@ -364,6 +387,8 @@ class FlashTraffic:
     # the candidates' codes held on the device (`lsa_rerank_on_device`), already inside
     # resident_bytes (the index's tier): read once a step with the rest of it
     held_code_bytes: float = 0.0
+    # pages held past the selection (lsa_cache_pages), inside resident_bytes but not read per step
+    page_cache_bytes: float = 0.0
 
 
 def predicted_traffic(
@@ -453,6 +478,12 @@ def predicted_traffic(
             # (index/rerank.py coded_page_mass): those keys are written to HBM and read back
             decoded = 2 * scored * key_elems * dtype_bytes
     link = new_pages + rerank
+    # pages kept past the selection (lsa_cache_pages) sit in the working set's tier but are not
+    # attended: not read by a step, except where pages leave the selection into their slots (a
+    # read and a write each; at most the selection's pages a step, or the cache's, if fewer)
+    ws_tokens = selected_tokens + int(counts.get("page_cache", 0))
+    cache_bytes = flash.tiers["working_set"] * int(counts.get("page_cache", 0)) / ws_tokens if ws_tokens else 0.0
+    spill = 2 * min(cache_bytes, flash.tiers["working_set"] - cache_bytes)
     # worst case: no host RAM cache hits
     disk = new_exact + disk_keys if cfg.cold_store in ("disk", "lmdb") else 0.0
     # the streamed exact prompt (issue 27 item 3): chunk j of C tokens reads every earlier token
@@ -473,7 +504,7 @@ def predicted_traffic(
     return FlashTraffic(
         resident_bytes=int(flash.device_resident_bytes),
         prompt_bytes=int(flash.prompt_kv_bytes),
-        device_read_bytes=float(flash.device_resident_bytes) + link + decoded,
+        device_read_bytes=float(flash.device_resident_bytes) - cache_bytes + spill + link + decoded,
         link_bytes=link,
         disk_bytes=disk,
         host_read_bytes=host,
@@ -490,6 +521,7 @@ def predicted_traffic(
             "rerank_keys_on_host": host,
             "rerank_decoded_keys": decoded,
         },
+        page_cache_bytes=cache_bytes,
         host_flops=flops if host else 0.0,
         rerank_device_flops=flops if rerank or held else 0.0,
         held_code_bytes=held,

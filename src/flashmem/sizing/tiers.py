@@ -31,11 +31,14 @@ class TierCounts:
     index_key_vectors: int  # key-sized vectors of the block index (its per-block part)
     sealed_blocks: int
     cold_tokens: int  # exact tokens held in the cold tier
+    # exact tokens of pages kept past the selection (lsa_cache_pages), held as the working set is
+    page_cache: int = 0
 
     @property
     def resident_kv(self) -> int:
         """Token-equivalents that carry both K and V on the device."""
-        return self.sinks + self.window + self.open_block + self.csa_entries + self.hca_entries + self.working_set
+        held = self.csa_entries + self.hca_entries + self.working_set + self.page_cache
+        return self.sinks + self.window + self.open_block + held
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -63,7 +66,9 @@ def tier_counts(cfg: FlashMemoryConfig, tokens: int, peak: bool = False) -> Tier
     open_block = min(B - 1, history) if peak else history - sealed * B
     band_blocks = min(sealed, cfg.csa_band_blocks) if cfg.use_summaries else 0
     csa = band_blocks * cfg.csa_per_block
-    selected = cfg.blocks_to_select(sealed * cfg.pages_per_block)  # pages (blocks unless paged)
+    pages = sealed * cfg.pages_per_block
+    selected = cfg.blocks_to_select(pages)  # pages (blocks unless paged)
+    spare = max(0, min(cfg.lsa_cache_pages, pages - selected)) if selected else 0
     return TierCounts(
         sinks=sinks,
         window=window,
@@ -71,9 +76,10 @@ def tier_counts(cfg: FlashMemoryConfig, tokens: int, peak: bool = False) -> Tier
         csa_entries=csa,
         hca_entries=sealed if cfg.keeps_hca_entries else 0,
         working_set=selected * cfg.page_tokens,
-        index_key_vectors=sealed * cfg.pages_per_block * INDEX_KEY_VECTORS[cfg.lsa_scorer],
+        index_key_vectors=pages * INDEX_KEY_VECTORS[cfg.lsa_scorer],
         sealed_blocks=sealed,
         cold_tokens=sealed * B,
+        page_cache=spare * cfg.page_tokens,
     )
 
 
