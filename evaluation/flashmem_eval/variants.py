@@ -66,6 +66,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "exact": {**RECIPE, "prefill_exact_tokens": 32768},
     # every layer selects lsa_top_k pages
     "even": {**RECIPE, "lsa_layer_shares": None},
+    # a second hop (issue 31): a share of the selected pages to pages whose mean values look like
+    # the best selected ones (fb8: 1/8 of them, fb4: 1/4)
+    "fb8": {**RECIPE, "lsa_feedback_share": 0.125},
+    "fb4": {**RECIPE, "lsa_feedback_share": 0.25},
+    "fb4s1": {**RECIPE, "lsa_feedback_share": 0.25, "lsa_feedback_seeds": 1},
     # halfway between the even split and the profile's
     "half": {**RECIPE, "lsa_layer_profile_weight": 0.5},
 }

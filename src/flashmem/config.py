@@ -188,6 +188,17 @@ class FlashMemoryConfig(BaseModel):
         "tokens, a step selects as many more pages as (B - 1 - n) tokens' bytes buy, so the device holds "
         "the budget on every step (the solver sizes for the open block full) and uses it on every step",
     )
+    lsa_feedback_share: float = Field(
+        0.0,
+        ge=0.0,
+        le=0.5,
+        description="a second hop: this share of each step's selected pages goes to the pages whose mean "
+        "values look most like the best selected ones (pseudo-relevance feedback: notes that repeat a "
+        "pattern bring each other), in place of the lowest-ranked picks; 0: off",
+    )
+    lsa_feedback_seeds: int = Field(
+        2, ge=1, le=64, description="with lsa_feedback_share: the selected pages the second hop starts from"
+    )
     prefill_exact_tokens: int = Field(
         0,
         ge=0,

@@ -24,7 +24,7 @@ from flashmem.cache.rerank_codes import HOST, DeviceCandidates, RerankCodes
 from flashmem.config import FlashMemoryConfig
 from flashmem.index.base import BlockScorer
 from flashmem.index.rerank import coded_page_mass, exact_block_mass, exact_page_mass
-from flashmem.index.selection import select_blocks, top_pages
+from flashmem.index.selection import feedback_pages, pool_mass, select_blocks, top_pages
 from flashmem.index.vectors import IndexVectors
 
 # (layer_idx, selected page ids [b, h, k] sorted, index scores [b, h, nq, n]) -> page ids
@@ -79,6 +79,10 @@ class CandidateRanker:
         # lsa_rerank_on_device: this step's candidates' codes held on the device, scored there
         self.device_codes = DeviceCandidates() if coded and cfg.lsa_rerank_on_device else None
         self._last_cand: torch.Tensor | None = None  # the last re-rank's candidates (counted only)
+        # lsa_feedback_share: each sealed page's mean value, the second hop's summaries (host, fp32)
+        self.page_values: PageValues | None = None
+        if cfg.lsa_feedback_share > 0:
+            self.page_values = PageValues(cfg.hca_chunk_size, cfg.page_tokens)
 
     def device_nbytes(self) -> int:
         """Device bytes the re-rank holds: its candidates' codes with `lsa_rerank_on_device`."""
@@ -103,7 +107,44 @@ class CandidateRanker:
         """Top `k_sel` pages per KV head from index scores [b, h, nq, n_pages]; page_valid:
         [b, n_pages]. With `lsa_rerank` r > 1 (qg [b, h, nq, d] and page_tokens_valid
         [b, n_pages, P] given) the index picks r * k_sel candidates (at least
-        `lsa_rerank_min_pages`) and their exact keys pick the k_sel."""
+        `lsa_rerank_min_pages`) and their exact keys pick the k_sel. With
+        `lsa_feedback_share` a share of the k_sel goes to the second hop (`feedback`)."""
+        sel = self._rank(scores, page_valid, k_sel, scaling, qg, page_tokens_valid, num_sealed)
+        if self.page_values is not None:
+            sel = self.feedback(sel, scores, page_valid, scaling, num_sealed)
+        return sel
+
+    def feedback(
+        self, sel: Selection, scores: torch.Tensor, page_valid: torch.Tensor, scaling: float, num_sealed: int
+    ) -> Selection:
+        """`lsa_feedback_share` of the selected pages sel.idx [b, h, k] to the pages whose mean
+        values look most like the `lsa_feedback_seeds` picks of most index mass (scores
+        [b, h, nq, n]): index/selection.py `feedback_pages`. The mean values are read once per
+        sealed block, on the host."""
+        cfg, pv = self.cfg, self.page_values
+        assert pv is not None
+        k = sel.idx.shape[-1]
+        share = int(round(cfg.lsa_feedback_share * k))
+        n = scores.shape[-1]
+        if share <= 0 or k >= n:
+            return sel
+        pv.fill(num_sealed, lambda j: self.reader.fetch_block(j, on_host=True)[1])
+        logits = (scores.float() * scaling).masked_fill(~page_valid[:, None, None, :], float("-inf"))
+        mass = pool_mass(torch.softmax(logits, dim=-1).nan_to_num(0.0), cfg.lsa_pool, cfg.lsa_share_heads)
+        vecs = pv.means[:, :, :n].to(mass.device)
+        idx = feedback_pages(sel.idx, mass, vecs, page_valid[:, None, :], share, cfg.lsa_feedback_seeds)
+        return Selection(idx, sel.candidates)
+
+    def _rank(
+        self,
+        scores: torch.Tensor,
+        page_valid: torch.Tensor,
+        k_sel: int,
+        scaling: float,
+        qg: torch.Tensor | None = None,
+        page_tokens_valid: torch.Tensor | None = None,
+        num_sealed: int = 0,
+    ) -> Selection:
         cfg = self.cfg
         cap = cfg.lsa_rerank_max_tokens
         rerank = qg is not None and page_tokens_valid is not None
@@ -285,3 +326,29 @@ class CandidateRanker:
             assert got[0] is not None
             return got[0], None
         return self.reader.pages_of_blocks(idx, torch.unique(idx // self.cfg.pages_per_block))
+
+
+class PageValues:
+    """Each sealed page's mean value [b, h, n_pages, d] (fp32, host memory), filled as blocks
+    seal: the second hop's summaries (`lsa_feedback_share`). Values carry no RoPE, so the same
+    words at two positions have about the same mean value (keys do not)."""
+
+    def __init__(self, block_tokens: int, page_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.page_tokens = page_tokens
+        self.means = torch.zeros(0)
+        self.blocks = 0
+
+    def fill(self, num_sealed: int, values_of: Callable[[int], torch.Tensor]) -> None:
+        """Add the blocks sealed since the last call; values_of(j): block j's values [b, h, B, d]."""
+        if num_sealed < self.blocks:  # cropped (generation's crop): the blocks past it go
+            self.means = self.means[:, :, : num_sealed * (self.block_tokens // self.page_tokens)]
+            self.blocks = num_sealed
+        new = []
+        for j in range(self.blocks, num_sealed):
+            v = values_of(j).float().cpu()
+            b, h, B, d = v.shape
+            new.append(v.view(b, h, B // self.page_tokens, self.page_tokens, d).mean(-2))
+        if new:
+            self.means = torch.cat(([self.means] if self.blocks else []) + new, dim=2)
+            self.blocks = num_sealed

@@ -57,3 +57,35 @@ def top_pages(mass: torch.Tensor, allowed: torch.Tensor, k: int, follow: int = 0
     mass = mass.masked_fill(~allowed, -1.0)
     idx = torch.topk(mass, k, dim=-1).indices
     return idx.sort(dim=-1).values
+
+
+def feedback_pages(
+    idx: torch.Tensor, mass: torch.Tensor, vecs: torch.Tensor, allowed: torch.Tensor, share: int, seeds: int = 2
+) -> torch.Tensor:
+    """A second hop (pseudo-relevance feedback): `share` of the k selected pages idx [b, h, k]
+    (sorted) go to pages that look like the best selected ones rather than like the query.
+
+    The k - share picks of most `mass` [b, h, n] stay; the `seeds` picks of most mass are the
+    feedback queries; the `share` pages among `allowed` ([b, h or 1, n] bool) not kept whose
+    summary vecs [b, h, n, d] (e.g. mean values: no RoPE, so the same text at another position
+    looks the same) have the highest cosine to any seed, after centring the summaries over the
+    allowed pages, fill the rest -> sorted ids [b, h, k]. Notes that repeat a pattern
+    ("Inventory note: a crate of X") look alike, so the one the query finds brings the others.
+    """
+    b, h, k = idx.shape
+    n = mass.shape[-1]
+    share = min(share, k)
+    if share <= 0 or k >= n:
+        return idx
+    picked = mass.gather(-1, idx)  # [b, h, k]
+    order = idx.gather(-1, picked.argsort(dim=-1, descending=True, stable=True))
+    keep = order[..., : k - share]
+    allow = allowed.expand(b, h, n)
+    w = allow.to(vecs.dtype)[..., None]
+    centre = (vecs * w).sum(-2, keepdim=True) / w.sum(-2, keepdim=True).clamp_min(1.0)
+    unit = torch.nn.functional.normalize((vecs - centre).float(), dim=-1)  # [b, h, n, d]
+    anchor = unit.gather(-2, order[..., : max(1, min(seeds, k)), None].expand(-1, -1, -1, unit.shape[-1]))
+    sim = torch.matmul(unit, anchor.transpose(-1, -2)).amax(-1)  # [b, h, n]
+    sim = sim.masked_fill(~allow, -3.0).scatter(-1, keep, -2.0)
+    extra = torch.topk(sim, share, dim=-1).indices
+    return torch.cat([keep, extra], dim=-1).sort(dim=-1).values
