@@ -142,3 +142,44 @@ def test_no_page_cache_on_the_cpu_or_below_the_cap_or_when_named():
     assert budget_config(1 / 8, 131072, **geo, lsa_cache_pages=7).lsa_cache_pages == 7
     model = tiny_llama()
     assert flashmem.FlashMemoryConfig.for_budget(1 / 8, 131072, model).lsa_cache_pages == 0
+
+
+def test_reordered_rows_take_their_cached_pages_with_them():
+    """Beam search reorders rows (`reorder_cache`): each row's spare pages, their ids and K/V,
+    move with it, or a row would take back another row's pages."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 130), generator=torch.Generator().manual_seed(4))
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**PAGED, lsa_cache_pages=6))
+    with torch.no_grad():
+        model(ids[:, :100], cache=cache, use_cache=True)
+        for t in range(100, 130):
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
+    spare = cache.flash_layers[0].working_set.spare
+    assert spare is not None and spare.ids is not None and bool((spare.ids >= 0).all())
+    b, h, s = spare.ids.shape
+    before = spare.ids.clone(), [tuple(t.view(b, h * s, -1).clone() for t in c) for c in spare.code]
+    cache.reorder_cache(torch.tensor([1, 0, 1]))
+    assert torch.equal(spare.ids, before[0][[1, 0, 1]])
+    for c, old in zip(spare.code, before[1], strict=True):
+        for t, o in zip(c, old, strict=True):
+            assert torch.equal(t.view(3, h * s, -1), o[[1, 0, 1]])
+
+
+@pytest.mark.parametrize("beams", [2, 3])
+def test_beam_search_moves_each_rows_cached_pages_with_it(beams):
+    """Beam search reorders rows every step: a row's spare pages follow it (or a beam would take
+    back another beam's K/V). The page cache changes no output."""
+    torch.manual_seed(6)
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 120))
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=30, num_beams=beams, num_return_sequences=2)
+    outs = []
+    for pages in (0, 6):
+        cfg = flashmem.FlashMemoryConfig(**PAGED, lsa_cache_pages=pages)
+        cache = flashmem.attach(model, cfg)
+        outs.append(model.generate(ids, cache=cache, output_scores=True, return_dict_in_generate=True, **kw))
+        if pages:
+            spare = cache.flash_layers[0].working_set.spare
+            assert spare is not None and spare.ids is not None and bool((spare.ids >= 0).any())
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0].scores, outs[1].scores, strict=True))

@@ -275,6 +275,15 @@ def select_rows(layer: FlashLayer, src: torch.Tensor) -> None:
     ws.plain = [None if p is None else pick(p) for p in ws.plain]
     ws.idx = None if ws.idx is None else pick(ws.idx)
     ws.valid = None if ws.valid is None else pick(ws.valid)
+    spare = ws.spare
+    if spare is not None and spare.ids is not None and spare.used is not None:
+        # ids [b, h, s]; rows [b*h*s, X]: a row's slots are contiguous, so they move as [b, h*s, X]
+        b_sp = spare.ids.shape[0]
+        spare.ids, spare.used = pick(spare.ids), pick(spare.used)
+        spare.code = [
+            None if c is None else tuple(pick(t.view(b_sp, -1, t.shape[-1])).reshape(-1, t.shape[-1]) for t in c)
+            for c in spare.code
+        ]
     exact = layer.exact
     if exact.k is not None and exact.v is not None:
         exact.k, exact.v = pick(exact.k), pick(exact.v)
