@@ -157,10 +157,14 @@ def test_selected_pages_are_capped_at_long_prompts(tokens, budget):
     # (recipe.DEVICE_RERANK); nothing else differs
     rerank = {key: getattr(capped, key) for key in DEVICE_RERANK}
     assert rerank in (DEVICE_RERANK, {key: getattr(full, key) for key in DEVICE_RERANK})
-    assert (
-        capped.model_copy(update={"lsa_top_k": full.lsa_top_k, **{k: getattr(full, k) for k in DEVICE_RERANK}}) == full
-    )
-    assert predicted_ratio(capped, tokens, peak=True) < 0.9 * budget
+    # ... and pages past the selection in what is left (lsa_cache_pages), within the budget
+    assert predicted_ratio(capped, tokens, peak=True) <= budget
+    same = {"lsa_top_k": full.lsa_top_k, "lsa_cache_pages": 0, **{k: getattr(full, k) for k in DEVICE_RERANK}}
+    assert capped.model_copy(update=same) == full
+    # a model on the CPU gets neither: the rest is left unused
+    on_cpu = budget_config(budget, tokens, device_codes=False)
+    assert on_cpu.lsa_cache_pages == 0 and on_cpu.model_copy(update={"lsa_top_k": full.lsa_top_k}) == full
+    assert predicted_ratio(on_cpu, tokens, peak=True) < 0.9 * budget
     assert predicted_ratio(full, tokens, peak=True) == pytest.approx(budget, rel=0.05)
     assert budget_config(budget, tokens, "cap8k").lsa_top_k * capped.page_tokens == min(
         8192, full.lsa_top_k * full.page_tokens
