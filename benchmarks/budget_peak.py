@@ -46,6 +46,8 @@ import flashmem
 from flashmem.cache.block_reads import BlockReader
 from flashmem.sizing.budget import full_kv_bytes
 
+QUESTION = "What is the passage above about? Name the people in it."
+
 
 def _model(name: str, tokens: int) -> tuple[Any, Any]:
     if name == "tiny":
@@ -88,6 +90,7 @@ def measure(
     text_seed: int = 0,
     extra: dict[str, Any] | None = None,
     as_device: bool = False,
+    question: str = QUESTION,
 ) -> dict[str, Any]:
     model, tok = _model(name, tokens)
     vocab = model.config.vocab_size
@@ -95,7 +98,7 @@ def measure(
         from flashmem.texts import haystack
 
         body = haystack(tok, tokens - 40, seed=text_seed, name=text)
-        prompt = body + "\n\nQuestion: What is the passage above about? Name the people in it.\nAnswer:"
+        prompt = body + f"\n\nQuestion: {question}\nAnswer:"
         ids = torch.tensor([tok(prompt, add_special_tokens=True)["input_ids"][:tokens]])
     else:
         ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
@@ -151,6 +154,7 @@ def measure(
         # re-rank candidates whose codes the device held over (lsa_rerank_on_device), else None
         "candidate_hit_rate": traffic.get("candidate_cache", {}).get("hit_rate"),
         "prompt": f"{text} seed {text_seed}" if text and tok is not None else "random tokens",
+        "question": question if text and tok is not None else None,
         "config": {
             k: getattr(cache.cfg, k)
             for k in ("lsa_top_k", "lsa_rerank_codec", "lsa_rerank_on_device", "lsa_cache_pages")
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--text", default=None, help="a haystack text (kjv, stdlib-doc) as the prompt, not random tokens")
     p.add_argument("--text-seed", type=int, default=0, help="where in the text the prompt starts")
+    p.add_argument("--question", default=QUESTION, help="with --text: the question after the passage")
     p.add_argument("--rerank-codec", default=None, help="lsa_rerank_codec (default: the recipe's)")
     p.add_argument("--rerank-on-device", action="store_true", help="lsa_rerank_on_device: true")
     p.add_argument(
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         for codec in a.codecs.split(","):
             row = measure(
                 a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb,
-                a.text, a.text_seed, extra, a.as_device,
+                a.text, a.text_seed, extra, a.as_device, a.question,
             )  # fmt: skip
             rows.append(row)
             print(json.dumps(row))

@@ -473,6 +473,7 @@ def run_flashmem(
             "prefill_chunk",
             "lsa_rerank_codec",
             "lsa_rerank_on_device",
+            "lsa_cache_pages",
         )
         out = {
             "config": {k: getattr(cfg, k) for k in keys},
