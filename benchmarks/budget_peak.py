@@ -14,7 +14,8 @@ With `--rank-on-host` the re-rank scores its candidates where the cold tier hold
 on an accelerator; `BlockReader.rank_on_host`), and the row gives the link's bytes per decode
 step over the bytes of the pages that step newly attends (`h2d_over_new_pages`). With
 `--cold-store disk` the row also gives the process's peak RSS over the request, less the RSS
-before the prompt, against the budget (on a CPU the disk tier is what takes the cold K/V out
+before the prompt (after one forward of a prompt chunk without a cache, so the model's own
+first-forward memory is not counted), against the budget (on a CPU the disk tier is what takes the cold K/V out
 of RAM).
 
     python benchmarks/budget_peak.py --model tiny --lengths 8192,32768 --budget 0.125
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -116,6 +118,15 @@ def measure(
         cache = flashmem.attach(model, device_cfg, tokenizer=tok)
     else:
         cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, **keys)
+    # the baseline after one forward of a prompt chunk with no cache: the model's own first forward
+    # keeps about 0.5 GB (SmolLM2, 512 tokens: its activations and logits, held by the allocator),
+    # which is not the cache's part
+    rss_w = _rss_kib("VmRSS") if _reset_peak_rss() else None
+    with torch.no_grad():
+        model(ids[:, : cache.cfg.prefill_chunk], use_cache=False)
+    # what that forward alone raised the peak by: the model's part of a chunk's peak, for comparison
+    hwm_w = _rss_kib("VmHWM")
+    forward_peak = None if rss_w is None or hwm_w is None else (hwm_w - rss_w) * 1024
     rss0 = _rss_kib("VmRSS")
     rss_ok = _reset_peak_rss() and rss0 is not None
     t0 = time.perf_counter()
@@ -169,6 +180,8 @@ def measure(
         if full
         else None,
         "cold_store": cold_store,
+        # glibc's large-allocation threshold, when set: RSS depends on it (docs/results.md)
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "cold_pending_mb": cold_pending_mb if cold_store == "disk" else None,
         "prefill_chunk": cache.cfg.prefill_chunk,
         "prefill_s": round(prefill_s, 1),
@@ -177,6 +190,8 @@ def measure(
         # the process's peak RSS over the request less its RSS before the prompt: the cache's
         # part, transients (activations, attention's buffers) included, in RAM
         row["rss_peak_over_budget"] = (rss_peak - rss0) * 1024 / (budget * managed_full)
+        if forward_peak is not None:  # one chunk's forward without a cache, from the same start
+            row["rss_forward_peak_over_budget"] = forward_peak / (budget * managed_full)
     cache.close()
     if tmp is not None:
         tmp.cleanup()
