@@ -273,6 +273,8 @@ def hardware_model(
         "host_read_bytes_per_step": tr.host_read_bytes,
         "host_flops_per_step": tr.host_flops,
         "held_code_bytes": tr.held_code_bytes,
+        "page_cache_bytes": tr.page_cache_bytes,
+        "working_set_merge_bytes_per_step": tr.working_set_merge_bytes,
         "device_flops_rerank_per_step": tr.rerank_device_flops,
         "prefill_link_bytes": tr.prefill_link_bytes,
     }

@@ -389,6 +389,8 @@ class FlashTraffic:
     held_code_bytes: float = 0.0
     # pages held past the selection (lsa_cache_pages), inside resident_bytes but not read per step
     page_cache_bytes: float = 0.0
+    # HBM bytes of rebuilding the working set per step (read and write, twice), beside device_read
+    working_set_merge_bytes: float = 0.0
 
 
 def predicted_traffic(
@@ -483,7 +485,11 @@ def predicted_traffic(
     # read and a write each; at most the selection's pages a step, or the cache's, if fewer)
     ws_tokens = selected_tokens + int(counts.get("page_cache", 0))
     cache_bytes = flash.tiers["working_set"] * int(counts.get("page_cache", 0)) / ws_tokens if ws_tokens else 0.0
-    spill = 2 * min(cache_bytes, flash.tiers["working_set"] - cache_bytes)
+    selection = flash.tiers["working_set"] - cache_bytes
+    spill = 2 * min(cache_bytes, selection)
+    # the working set is rebuilt every step it changes (cache/working_set.py merge: a cat of the held
+    # and new rows, then an index_select into page order): about two reads and two writes of it
+    merge = 4 * selection
     # worst case: no host RAM cache hits
     disk = new_exact + disk_keys if cfg.cold_store in ("disk", "lmdb") else 0.0
     # the streamed exact prompt (issue 27 item 3): chunk j of C tokens reads every earlier token
@@ -504,7 +510,7 @@ def predicted_traffic(
     return FlashTraffic(
         resident_bytes=int(flash.device_resident_bytes),
         prompt_bytes=int(flash.prompt_kv_bytes),
-        device_read_bytes=float(flash.device_resident_bytes) - cache_bytes + spill + link + decoded,
+        device_read_bytes=float(flash.device_resident_bytes) - cache_bytes + spill + merge + link + decoded,
         link_bytes=link,
         disk_bytes=disk,
         host_read_bytes=host,
@@ -521,6 +527,7 @@ def predicted_traffic(
             "rerank_keys_on_host": host,
             "rerank_decoded_keys": decoded,
         },
+        working_set_merge_bytes=merge,
         page_cache_bytes=cache_bytes,
         host_flops=flops if host else 0.0,
         rerank_device_flops=flops if rerank or held else 0.0,
