@@ -405,6 +405,7 @@ class SparePages:
         if self.ids is None or self.ids.shape[:2] != (b, h):
             self.ids = torch.full((b, h, s), -1, dtype=prev.dtype, device=dev)
             self.used = torch.full((b, h, s), -1, dtype=torch.long, device=dev)
+            self.code = [None, None]  # rows sized for other rows' slots are not these
         assert self.used is not None
         self.step += 1
         back, slot = self.lookup(idx)  # in the selection again: their slots are free
@@ -433,10 +434,10 @@ class SparePages:
                 if len(code) == 1
                 else (code[0].reshape(-1, P * d), code[1].reshape(-1, P))
             )
-            held = self.code[j]
-            if held is None:
-                held = self.code[j] = tuple(t.new_zeros(b * h * s, t.shape[-1]) for t in flat)
-            for t, f in zip(held, flat, strict=True):
+            kept = self.code[j]
+            if kept is None:
+                kept = self.code[j] = tuple(t.new_zeros(b * h * s, t.shape[-1]) for t in flat)
+            for t, f in zip(kept, flat, strict=True):
                 t.index_copy_(0, dst, f.index_select(0, src))
 
 
