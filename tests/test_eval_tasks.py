@@ -147,7 +147,7 @@ def test_suite_rows_and_share_of_the_full_cache(tmp_path):
     )
     rows = list(run_suite(args, H.load("tiny")).rows.values())
     assert len(rows) == 2 * 2 * 2 and not any(r.get("error") for r in rows)
-    assert {r["wording"] for r in rows} == {0, 1}  # seeds take the wordings in turn
+    assert {(r["seed"], r["wording"]) for r in rows} == {(0, 0), (1, 1)}  # seed s: wording s mod 3
     for r in rows:
         assert len(r["hits"]) == len(r["items"]) and r["score"] == sum(r["hits"]) / len(r["hits"])
     # hand-made hits: the full cache answers 2 items of 3, the method one of those and one the full misses
@@ -223,3 +223,19 @@ def test_answered_only_runs_the_other_methods_where_the_full_cache_answered(tmp_
     md = summary_markdown(rows + held)
     assert "dev wordings [0, 1, 2], seeds [0, 1]: 2 prompts" in md
     assert "heldout wordings [3], seeds [10, 11]: 2 prompts" in md and md.count("| streaming |") == 2
+
+
+def test_a_seed_keeps_its_wording_whatever_other_seeds_a_run_names():
+    """A run of seed 1 alone and a run of seeds 0, 1 give seed 1 the same wording, so a resumed
+    or split run reuses (and never silently re-words) its prompts."""
+    from types import SimpleNamespace
+
+    from flashmem_eval.task_suite import prompts_for
+
+    def run(seeds, which="dev"):
+        args = SimpleNamespace(wordings=which, lengths=[4096], seeds=seeds, haystacks=["kjv"], families=["keyed"])
+        return {s: w for _, _, _, s, w in prompts_for(args)}
+
+    assert run([1]) == {1: 1} and run([0, 1]) == {0: 0, 1: 1} and run([2, 1]) == {2: 2, 1: 1}
+    assert run([4]) == {4: 1}  # the dev set has 3 wordings
+    assert run([11, 12], "heldout") == {11: 3, 12: 3}

@@ -21,14 +21,16 @@ from flashmem_eval.tasks import FAMILIES, WORDING_SETS, TaskProbe, make_task, sc
 
 
 def prompts_for(args: Any) -> list[tuple[str, str, int, int, int]]:
-    """(family, haystack, length, seed, wording): each seed takes one wording of the set in turn,
-    so three seeds cover three wordings without tripling the runs. Shorter lengths and earlier
-    seeds first, every family and haystack in each: a run cut short holds whole rounds."""
+    """(family, haystack, length, seed, wording): seed s takes wording s mod the set's size, so
+    three seeds cover three wordings without tripling the runs, and a seed keeps its wording
+    whatever other seeds a run names (by position, `--seeds 1` alone took seed 1's prompts with
+    wording 0, unlike `--seeds 0,1`, and a resumed run could not reuse them). Shorter lengths and
+    earlier seeds first, every family and haystack in each: a run cut short holds whole rounds."""
     ws = wordings(args.wordings)
     return [
-        (fam, hay, L, s, ws[i % len(ws)])
+        (fam, hay, L, s, ws[s % len(ws)])
         for L in args.lengths
-        for i, s in enumerate(args.seeds)
+        for s in args.seeds
         for hay in args.haystacks
         for fam in args.families
     ]
