@@ -24,7 +24,7 @@ from flashmem.cache.rerank_codes import HOST, DeviceCandidates, RerankCodes
 from flashmem.config import FlashMemoryConfig
 from flashmem.index.base import BlockScorer
 from flashmem.index.rerank import coded_page_mass, exact_block_mass, exact_page_mass
-from flashmem.index.selection import feedback_pages, pool_mass, select_blocks, top_pages
+from flashmem.index.selection import feedback_pages, index_mass, select_blocks, top_pages
 from flashmem.index.vectors import IndexVectors
 
 # (layer_idx, selected page ids [b, h, k] sorted, index scores [b, h, nq, n]) -> page ids
@@ -109,10 +109,54 @@ class CandidateRanker:
         [b, n_pages, P] given) the index picks r * k_sel candidates (at least
         `lsa_rerank_min_pages`) and their exact keys pick the k_sel. With
         `lsa_feedback_share` a share of the k_sel goes to the second hop (`feedback`)."""
-        sel = self._rank(scores, page_valid, k_sel, scaling, qg, page_tokens_valid, num_sealed)
+        cfg = self.cfg
+        cap = cfg.lsa_rerank_max_tokens
+        rerank = qg is not None and page_tokens_valid is not None
+        rerank = rerank and (cap is None or num_sealed * cfg.hca_chunk_size <= cap)
+        n_pages = scores.shape[-1]
+        n_cand = min(max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages) if rerank else k_sel, n_pages)
+        every = n_cand > k_sel and n_cand == n_pages  # every page a candidate: no index stage
+        sel: Selection | None = None
+        if n_cand > k_sel and self.codes is not None:
+            assert qg is not None and page_tokens_valid is not None
+            b, h = scores.shape[:2]
+            cand = (
+                torch.arange(n_pages, device=scores.device).expand(b, h, n_pages)
+                if every
+                else self._index_top(scores, page_valid, n_cand, scaling)
+            )
+            sel = self.rerank_coded(cand, qg, page_tokens_valid, k_sel, scaling, num_sealed)
+        elif every:
+            assert qg is not None and page_tokens_valid is not None
+            b, h = scores.shape[:2]
+            self._count_candidates(torch.arange(n_pages, device=scores.device).expand(b, h, n_pages))
+            sel = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed)
+        if sel is None:
+            idx = self._index_top(scores, page_valid, n_cand, scaling)
+            sel = Selection(idx)
+            if n_cand > k_sel:
+                assert qg is not None and page_tokens_valid is not None
+                self._count_candidates(idx)
+                ranked = None
+                if IN_PLACE_CANDIDATES * n_cand >= n_pages:
+                    ranked = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed, idx)
+                sel = ranked if ranked is not None else self.rerank(idx, qg, page_tokens_valid, k_sel, scaling)
         if self.page_values is not None:
             sel = self.feedback(sel, scores, page_valid, scaling, num_sealed)
         return sel
+
+    def _index_top(self, scores: torch.Tensor, page_valid: torch.Tensor, n: int, scaling: float) -> torch.Tensor:
+        """The index's n pages of most pooled mass per KV head -> sorted ids [b, h, n]."""
+        cfg = self.cfg
+        return select_blocks(
+            scores,
+            page_valid,
+            n,
+            scaling,
+            follow=cfg.lsa_follow_pages,
+            pool=cfg.lsa_pool,
+            share_heads=cfg.lsa_share_heads,
+        )
 
     def feedback(
         self, sel: Selection, scores: torch.Tensor, page_valid: torch.Tensor, scaling: float, num_sealed: int
@@ -129,69 +173,10 @@ class CandidateRanker:
         if share <= 0 or k >= n:
             return sel
         pv.fill(num_sealed, lambda j: self.reader.fetch_block(j, on_host=True)[1])
-        logits = (scores.float() * scaling).masked_fill(~page_valid[:, None, None, :], float("-inf"))
-        mass = pool_mass(torch.softmax(logits, dim=-1).nan_to_num(0.0), cfg.lsa_pool, cfg.lsa_share_heads)
+        mass = index_mass(scores, page_valid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)
         vecs = pv.means[:, :, :n].to(mass.device)
         idx = feedback_pages(sel.idx, mass, vecs, page_valid[:, None, :], share, cfg.lsa_feedback_seeds)
         return Selection(idx, sel.candidates)
-
-    def _rank(
-        self,
-        scores: torch.Tensor,
-        page_valid: torch.Tensor,
-        k_sel: int,
-        scaling: float,
-        qg: torch.Tensor | None = None,
-        page_tokens_valid: torch.Tensor | None = None,
-        num_sealed: int = 0,
-    ) -> Selection:
-        cfg = self.cfg
-        cap = cfg.lsa_rerank_max_tokens
-        rerank = qg is not None and page_tokens_valid is not None
-        rerank = rerank and (cap is None or num_sealed * cfg.hca_chunk_size <= cap)
-        n_pages = scores.shape[-1]
-        n_cand = min(max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages) if rerank else k_sel, n_pages)
-        sel: Selection | None = None
-        if n_cand > k_sel and self.codes is not None:
-            assert qg is not None and page_tokens_valid is not None
-            if n_cand == n_pages:  # every page a candidate: no index stage
-                b, h = scores.shape[:2]
-                cand = torch.arange(n_pages, device=scores.device).expand(b, h, n_pages)
-            else:
-                cand = select_blocks(
-                    scores,
-                    page_valid,
-                    n_cand,
-                    scaling,
-                    follow=cfg.lsa_follow_pages,
-                    pool=cfg.lsa_pool,
-                    share_heads=cfg.lsa_share_heads,
-                )
-            return self.rerank_coded(cand, qg, page_tokens_valid, k_sel, scaling, num_sealed)
-        if n_cand > k_sel and n_cand == n_pages:  # every page a candidate: no index stage
-            assert qg is not None and page_tokens_valid is not None
-            b, h = scores.shape[:2]
-            self._count_candidates(torch.arange(n_pages, device=scores.device).expand(b, h, n_pages))
-            sel = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed)
-        if sel is None:
-            idx = select_blocks(
-                scores,
-                page_valid,
-                n_cand,
-                scaling,
-                follow=cfg.lsa_follow_pages,
-                pool=cfg.lsa_pool,
-                share_heads=cfg.lsa_share_heads,
-            )
-            sel = Selection(idx)
-            if n_cand > k_sel:
-                assert qg is not None and page_tokens_valid is not None
-                self._count_candidates(idx)
-                ranked = None
-                if IN_PLACE_CANDIDATES * n_cand >= n_pages:
-                    ranked = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed, idx)
-                sel = ranked if ranked is not None else self.rerank(idx, qg, page_tokens_valid, k_sel, scaling)
-        return sel
 
     def rerank(
         self, cand: torch.Tensor, qg: torch.Tensor, page_tokens_valid: torch.Tensor, k_sel: int, scaling: float

@@ -29,10 +29,16 @@ def select_blocks(
     `share_heads`: the KV heads' masses are summed and every head gets the same
     pages, so a step needs the blocks of k pages, not of up to h * k.
     """
+    return top_pages(index_mass(scores, block_valid, scaling, pool, share_heads), block_valid[:, None, :], k, follow)
+
+
+def index_mass(
+    scores: torch.Tensor, block_valid: torch.Tensor, scaling: float, pool: str = "mean", share_heads: bool = False
+) -> torch.Tensor:
+    """The pooled expected attention mass per unit [b, h, n] of scores [b, h, nq, n]: each
+    query's softmax over the valid units (block_valid [b, n]), pooled (see pool_mass)."""
     logits = (scores.float() * scaling).masked_fill(~block_valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    mass = pool_mass(probs, pool, share_heads)
-    return top_pages(mass, block_valid[:, None, :], k, follow)
+    return pool_mass(torch.softmax(logits, dim=-1).nan_to_num(0.0), pool, share_heads)
 
 
 def pool_mass(probs: torch.Tensor, pool: str = "mean", share_heads: bool = False) -> torch.Tensor:
