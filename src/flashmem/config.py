@@ -37,6 +37,7 @@ PositionMode = Literal["real", "window"]
 SelectionPool = Literal["mean", "max"]
 ColdLowRank = Literal["none", "keys", "values", "kv"]
 RerankCodec = Literal["exact", "int4", "int2", "sign"]
+RerankMirror = Literal["none", "bf16", "int8"]
 # Bits per key element of each re-rank code (compress/key_code.py); each channel of a block
 # also keeps an fp16 scale and zero (RERANK_CODE_BLOCK_BYTES per channel and block).
 RERANK_CODE_BITS = {"int4": 4, "int2": 2, "sign": 1}
@@ -165,6 +166,13 @@ class FlashMemoryConfig(BaseModel):
         "tier holds them) or a code of each sealed block's keys kept beside the cold tier: int4, int2 "
         "or sign (1 bit), each channel with a scale and zero per block (KIVI's per-channel keys). The "
         "re-rank then reads bits/16 of a bf16 key (docs/accelerator.md)",
+    )
+    lsa_rerank_mirror: RerankMirror = Field(
+        "none",
+        description="with lsa_rerank and lsa_rerank_codec exact: a copy of every sealed key in host "
+        "memory, filled as blocks seal, that the re-rank scores in place when it ranks on the host: "
+        "bf16 (half the bytes of fp32 keys) or int8 (a scale per token and KV head); none: the cold "
+        "tier's keys as they lie (cache/rerank_codes.py KeyMirror)",
     )
     lsa_cache_pages: int = Field(
         0,
@@ -295,6 +303,11 @@ class FlashMemoryConfig(BaseModel):
             out.append(
                 "lsa_rerank_on_device: true holds the candidates' codes on the device, but lsa_rerank_codec "
                 "is 'exact'; allowed: lsa_rerank_codec int4, int2 or sign with it, or lsa_rerank_on_device: false"
+            )
+        if self.lsa_rerank_mirror != "none" and self.lsa_rerank_codec != "exact":
+            out.append(
+                f"lsa_rerank_mirror: {self.lsa_rerank_mirror!r} and lsa_rerank_codec: {self.lsa_rerank_codec!r} "
+                "both give the re-rank's keys; allowed: lsa_rerank_mirror: none with a code, or lsa_rerank_codec: exact"
             )
         return out + self._layer_problems()
 
