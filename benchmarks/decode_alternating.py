@@ -3,7 +3,7 @@
     python benchmarks/decode_alternating.py [--lengths 32768,131072] [--steps 24]
                                             [--json results/decode_alternating_tiny.json]
                                             [--variants norerank] [--no-fixed] [--budget 0.125]
-                                            [--model smollm2]
+                                            [--model smollm2] [--rebuild]
 
 Model: the tiny random Llama of `flashmem_eval.benchkit.tiny_llama_long` (4 layers, 4 KV heads x 64,
 fp32) on random tokens, 1 torch thread; `--model smollm2`: SmolLM2-135M on the
@@ -15,6 +15,8 @@ them alike (as bench_target_8k.py does on SmolLM2):
   int8 mean-key index), memory cold tier;
 - `fixed`: bench_scale.py's config (window 1024, 16 blocks of 128, no summaries),
   memory cold tier: resident size independent of the length;
+- `recipe:rebuild` (`--rebuild`): the recipe with its working sets rebuilt every step the
+  selection changes, as before 2026-12-03, not written in place (cache/working_set.py);
 - `dynamic`: DynamicCache filled with random K/V of the length (its O(n^2)
   prefill would take hours here; decode cost does not depend on the values).
 
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=1 / 8, help="resident fraction of the recipe and its variants")
     ap.add_argument("--no-fixed", action="store_true", help="leave out bench_scale's fixed config")
     ap.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
+    ap.add_argument("--rebuild", action="store_true", help="add the recipe with its working sets rebuilt every step")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -77,6 +80,8 @@ def main() -> None:
         configs = {"recipe": flashmem.FlashMemoryConfig.for_budget(args.budget, n, model)}
         for v in filter(None, args.variants.split(",")):
             configs[f"recipe:{v}"] = flashmem.FlashMemoryConfig.for_budget(args.budget, n, model, variant=v)
+        if args.rebuild:
+            configs["recipe:rebuild"] = configs["recipe"]
         if not args.no_fixed:
             configs["fixed"] = flashmem.FlashMemoryConfig(gpu_cache_limit=1024, lsa_top_k=16, use_summaries=False)
         caches: dict = {}
@@ -88,6 +93,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 logits = flashmem.prefill(model, caches[name], ids, chunk=8192)
                 prefill_s[name] = time.perf_counter() - t0
+                if name == "recipe:rebuild":
+                    for layer in caches[name].flash_layers:
+                        layer.working_set.in_place = False
                 nxt[name] = logits[:, -1].argmax(-1, keepdim=True)
             caches["dynamic"] = random_dynamic(model, n)
             nxt["dynamic"] = ids[:, -1:]

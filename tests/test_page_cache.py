@@ -70,7 +70,9 @@ def test_the_page_cache_changes_nothing_but_where_pages_come_from(codec, monkeyp
     the same logits with and without spare pages, and no more bytes over the link."""
     _, l0, h0 = _run(0, codec, host_ranking=True, monkeypatch=monkeypatch)
     _, l1, h1 = _run(8, codec, host_ranking=True, monkeypatch=monkeypatch)
-    assert torch.equal(l0, l1)
+    # the same pages attended; they may sit in other working-set slots (a page back from the
+    # spare takes a freed slot), which changes only the order attention sums them in
+    torch.testing.assert_close(l0, l1, rtol=0, atol=1e-6)
     assert sum(h1) <= sum(h0)
 
 

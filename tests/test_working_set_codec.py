@@ -111,7 +111,8 @@ def test_pages_held_over_keep_their_codes_as_if_coded_again(monkeypatch, rerank,
     monkeypatch.setattr(WorkingSet, "held_over", lambda self, idx, reader: None)  # code every page every step
     again_out, again = _run(model, ids, 8, **kw)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(kept, again))
-    assert torch.equal(kept_out, again_out)
+    # held pages may sit in other slots (an in-place merge), so attention sums in another order
+    torch.testing.assert_close(kept_out, again_out, rtol=0, atol=1e-6)
 
 
 def test_attention_buffers_are_reused_by_a_threads_caches_and_reported_apart():

@@ -1,6 +1,6 @@
 """Where a decode step of the budget recipe spends its time (cProfile), on the tiny model.
 
-    python benchmarks/diagnostics/profile_decode.py [--tokens 32768] [--budget 0.125] [--steps 6] [--prefetch-threads 2]
+    python benchmarks/diagnostics/profile_decode.py [--model tiny|smollm2] [--tokens 32768] [--budget 0.125] [--steps 6] [--prefetch-threads 2]
                                         [--through-prefetcher] [--variant norerank] [--sort tottime]
 
 Prefills the tiny random Llama (`flashmem_eval.benchkit.tiny_llama_long`) through
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prefetch-threads", type=int, default=2)
     ap.add_argument("--variant", default="default", help="a for_budget variant, e.g. norerank")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "smollm2"], help="smollm2: the default text's prompt")
     ap.add_argument("--sort", default="cumulative", choices=["cumulative", "tottime"], help="order of the table")
     ap.add_argument(
         "--through-prefetcher", action="store_true", help="read the memory store through the prefetcher (as before)"
@@ -41,8 +42,14 @@ def main() -> None:
 
         FlashLayer.read_memory_directly = False
     torch.set_num_threads(1)
-    model = tiny_llama_long(args.tokens + args.steps + 8)
-    ids = torch.randint(0, 1024, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    if args.model == "tiny":
+        model = tiny_llama_long(args.tokens + args.steps + 8)
+        ids = torch.randint(0, 1024, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    else:
+        from flashmem.texts import load_text
+
+        model, tokenizer = flashmem.load_model(args.model)
+        ids = tokenizer(load_text("default")[: args.tokens * 8], return_tensors="pt").input_ids[:, : args.tokens]
     cfg = flashmem.FlashMemoryConfig.for_budget(
         args.budget, args.tokens, model, variant=args.variant, prefetch_threads=args.prefetch_threads
     )

@@ -154,7 +154,13 @@ class FlashLayer(CacheLayerMixin):
         self.validity = Validity(b, dev)  # which positions seen are real tokens
         self.reader.bind((b, h, d), dev, dt, self.cfg.sink_tokens)
         self.ranker = CandidateRanker(self.layer_idx, self.cfg, self.scorer, self.reader, self.index)
-        self.working_set = WorkingSet(self.cfg.working_set_codec, self.cfg.page_tokens, dt, self.cfg.lsa_cache_pages)
+        self.working_set = WorkingSet(
+            self.cfg.working_set_codec,
+            self.cfg.page_tokens,
+            dt,
+            self.cfg.lsa_cache_pages,
+            in_place=self.cfg.position_mode != "window",  # window mode shows the pages in their order
+        )
         # streamed from the tiers when the cold tier gives exact blocks back, else held
         streamed = self.cfg.cold_codec == "exact" and self.cfg.cold_low_rank == "none"
         self.exact = ExactPrompt(self.cfg.prefill_exact_tokens, streamed)

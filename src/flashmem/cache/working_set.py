@@ -13,6 +13,10 @@ where the least recently used one was, nothing else moves): a page that comes ba
 taken from there, not read again. On a CPU that saves nothing (the cold tier is the same
 RAM); on an accelerator it is what the host link does not carry.
 
+A step that keeps the number of pages (most decode steps) writes only the pages that came in,
+into the slots of those that left; the others stay where they are. The working set's page ids
+are then in slot order, not sorted (a step that changes the count rebuilds them sorted).
+
 Shapes: page ids idx [b, h, k]; K/V held [b, h, k*P, d]; validity [b, h, k*P]; the spare
 pages' ids [b, h, s] (-1: an empty slot) and rows [b*h*s, P*d].
 """
@@ -33,18 +37,30 @@ Held = tuple[torch.Tensor, torch.Tensor]
 
 
 class WorkingSet:
-    def __init__(self, codec: str, page_tokens: int, dtype: torch.dtype, cache_pages: int = 0) -> None:
+    def __init__(
+        self, codec: str, page_tokens: int, dtype: torch.dtype, cache_pages: int = 0, in_place: bool = True
+    ) -> None:
         self.codec = codec
         self.page_tokens = page_tokens
         self.dtype = dtype
         self.spare = SparePages(cache_pages) if cache_pages > 0 else None
+        # A step that keeps the number of pages writes its new pages into the slots of those that
+        # left (`_merge_in_place`), in place of rebuilding every row; pages then sit in slot order,
+        # not sorted. Off where their order is seen (position_mode: window shows them in order).
+        self.in_place = in_place
+        # The held tensors are this set's own (made by coding or a rebuild), so writing into them
+        # changes nothing else: a model-dtype set() may hold a view of what a read handed over.
+        self._owned = False
+        # (last selection, its rows as held, this selection): pages that left, for the spare pages;
+        # spilled after the gather, or by an in-place merge before it overwrites their rows
+        self._pending_spill: tuple[torch.Tensor, list[tuple[torch.Tensor, ...] | None], torch.Tensor] | None = None
         # K (0) and V (1) as held: (tensor,) or int8 (codes, scale)
         self.code: list[tuple[torch.Tensor, ...] | None] = [None, None]
         # This step's decoded copy of coded K/V (made while coding, or on first read):
         # attention, the rest entry and a partial re-gather share it; dropped at the
         # step's end (a transient, as the chunk's activations are).
         self.plain: list[torch.Tensor | None] = [None, None]
-        self.idx: torch.Tensor | None = None  # page ids [b, h, k]
+        self.idx: torch.Tensor | None = None  # page ids [b, h, k], in slot order
         self.valid: torch.Tensor | None = None  # [b, h, k*P]
 
     # ------------------------------------------------------------------ reads
@@ -86,6 +102,7 @@ class WorkingSet:
         self.code = [None, None]
         self.plain = [None, None]
         self.idx = self.valid = None
+        self._owned = False
         if self.spare is not None:
             self.spare.clear()
 
@@ -100,6 +117,7 @@ class WorkingSet:
             self.code[slot] = (codes, scale)
         else:
             self.code[slot] = (t,)
+            self._owned = False
 
     def set(self, idx: torch.Tensor, k: Part, v: Part, page_tokens_valid: torch.Tensor) -> None:
         """idx [b, h, k] pages with their K/V [b, h, k, P, d] (int8: or given coded, (codes,
@@ -111,6 +129,8 @@ class WorkingSet:
                 return t[0].reshape(b, h, -1, t[0].shape[-1]), t[1].reshape(b, h, -1, 1)
             return t.reshape(b, h, -1, t.shape[-1])
 
+        # int8 codes are made here or handed over freshly coded; a model-dtype set may be a view
+        self._owned = self.codec == "int8"
         self._store(0, rows(k))
         self._store(1, rows(v))
         self.valid = page_tokens_valid[torch.arange(b, device=idx.device)[:, None, None], idx].reshape(b, h, -1)
@@ -124,6 +144,9 @@ class WorkingSet:
         b, h, k = idx.shape
         assert self.idx is not None
         k_prev = self.idx.shape[-1]
+        if self.in_place and self._owned and k == k_prev:
+            self._merge_in_place(idx, held, k_new, v_new, page_tokens_valid)
+            return
         rows_prev = b * h * k_prev
         bi = torch.arange(b, device=idx.device)[:, None, None]
         hi = torch.arange(h, device=idx.device)[None, :, None]
@@ -158,8 +181,67 @@ class WorkingSet:
             out_s = torch.cat([scale.view(-1, P), *back[1:], new_s.view(-1, P)]).index_select(0, pick)
             self.code[slot] = (out_c.view(b, h, k * P, d), out_s.view(b, h, k * P, 1))
             self.plain[slot] = None  # decoded on this step's first read
+        self._owned = True  # rebuilt by index_select: fresh tensors
         self.valid = page_tokens_valid[bi, idx].reshape(b, h, -1)
         self.idx = idx
+
+    def _merge_in_place(
+        self, idx: torch.Tensor, held: Held, k_new: Part, v_new: Part, page_tokens_valid: torch.Tensor
+    ) -> None:
+        """merge() for a selection of as many pages as the last: a page the last working set
+        holds keeps its slot; the others (from a spare slot, or new: k_new, v_new [n_new, P, d]
+        or coded, in (b, h, k) order) are written into the slots of the pages that left, in
+        place. A step copies the pages that came in, not the whole set (on an accelerator the
+        rebuild read and wrote every selected page's bytes each step)."""
+        keep, src = held
+        assert self.idx is not None
+        b, h, k = idx.shape
+        dev, P = idx.device, self.page_tokens
+        in_ws = keep & (src < k)  # held by the last working set: stays in its slot
+        from_spare, fresh = keep & ~in_ws, ~keep
+        occupied = torch.zeros(b, h, k, dtype=torch.int8, device=dev).scatter_add_(
+            -1, src.clamp_max(k - 1), in_ws.to(torch.int8)
+        )
+        free = occupied.argsort(dim=-1, stable=True)  # the slots of the pages that left first, ascending
+        rank = (~in_ws).long().cumsum(-1) - 1
+        slot = torch.where(in_ws, src, free.gather(-1, rank.clamp_min(0)))  # [b, h, k]: a permutation
+        rows = (torch.arange(b * h, device=dev).view(b, h, 1) * k + slot).reshape(-1)
+        dst_spare, dst_new = rows[from_spare.reshape(-1)], rows[fresh.reshape(-1)]
+        back: list[tuple[torch.Tensor, ...]] = [(), ()]
+        if dst_spare.numel():  # copied out before the spill may reuse their slots
+            assert self.spare is not None
+            s_slots = self.spare.size
+            spare_rows = ((torch.arange(b * h, device=dev).view(b, h, 1) * s_slots + src - k)[from_spare]).reshape(-1)
+            back = [self.spare.rows(j, spare_rows) for j in (0, 1)]
+        self._spill()  # the pages that left go to the spare slots before their rows are written over
+        for j, new in ((0, k_new), (1, v_new)):
+            code = self.code[j]
+            assert code is not None
+            d = code[0].shape[-1]
+            if len(code) == 1:
+                held_rows: tuple[torch.Tensor, ...] = (code[0].view(-1, P * d),)
+                assert isinstance(new, torch.Tensor)
+                came: tuple[torch.Tensor, ...] = (new.reshape(-1, P * d),)
+            else:
+                held_rows = (code[0].view(-1, P * d), code[1].view(-1, P))
+                new_c, new_s = new if isinstance(new, tuple) else page_code.encode(new)
+                came = (new_c.reshape(-1, P * d), new_s.reshape(-1, P))
+            for i, t in enumerate(held_rows):
+                if dst_spare.numel():
+                    t.index_copy_(0, dst_spare, back[j][i])
+                if dst_new.numel():
+                    t.index_copy_(0, dst_new, came[i].to(t.dtype))
+            self.plain[j] = None  # decoded on this step's first read
+        self.idx = torch.empty_like(idx).scatter_(-1, slot, idx)
+        bi = torch.arange(b, device=dev)[:, None, None]
+        self.valid = page_tokens_valid[bi, self.idx].reshape(b, h, -1)
+
+    def _spill(self) -> None:
+        """The pages that left the selection into the spare slots (`_pending_spill`), once."""
+        pending, self._pending_spill = self._pending_spill, None
+        if pending is not None and self.spare is not None:
+            prev, prev_code, idx = pending
+            self.spare.spill(prev, prev_code, idx, self.page_tokens)
 
     def no_pages(self) -> torch.Tensor:
         """The K or V of no pages, [0, P, d] (every page held over)."""
@@ -181,17 +263,17 @@ class WorkingSet:
         one op without a prefetcher; else whole blocks are read once each and the
         selected pages cut out of them."""
         prev = self.idx
-        if prev is not None and prev.shape == idx.shape and torch.equal(prev, idx):
+        if prev is not None and prev.shape == idx.shape and torch.equal(prev.sort(-1).values, idx):
             reader.traffic.pages(idx.numel(), 0, reader.page_bytes())
             return
         held = self.held_over(idx, reader)  # pages the device holds (last working set, spare), kept
         hits = int(held[0].sum()) if held is not None else _held_count(prev, idx)[0]
         reader.traffic.pages(hits, idx.numel() - hits, reader.page_bytes())
-        prev_code = list(self.code)
-        self._gather(idx, page_tokens_valid, reader, candidates, held)
         if self.spare is not None and prev is not None and prev.shape[:2] == idx.shape[:2] and prev.shape[-1]:
             if not (reader.latent is not None and reader.direct):  # (its pages are not kept: held_over)
-                self.spare.spill(prev, prev_code, idx, self.page_tokens)
+                self._pending_spill = (prev, list(self.code), idx)
+        self._gather(idx, page_tokens_valid, reader, candidates, held)
+        self._spill()  # unless an in-place merge did, before writing over their rows
 
     def _gather(
         self,
@@ -269,8 +351,10 @@ class WorkingSet:
             return None
         if reader.latent is not None and reader.direct:
             return None
-        src = torch.searchsorted(prev.contiguous(), idx.contiguous()).clamp_max_(prev.shape[-1] - 1)  # both sorted
-        held = prev.gather(-1, src) == idx
+        by_id, order = prev.sort(-1)  # prev is in slot order (`_merge_in_place`), idx sorted
+        pos = torch.searchsorted(by_id, idx.contiguous()).clamp_max_(prev.shape[-1] - 1)
+        held = by_id.gather(-1, pos) == idx
+        src = order.gather(-1, pos)
         if self.spare is not None:  # ... or a spare slot: src = k_prev + slot
             in_spare, slot = self.spare.lookup(idx)
             in_spare &= ~held
@@ -398,7 +482,7 @@ class SparePages:
         self, prev: torch.Tensor, prev_code: list[tuple[torch.Tensor, ...] | None], idx: torch.Tensor, P: int
     ) -> None:
         """After a step selected idx [b, h, k] (sorted): the pages of the last selection prev
-        [b, h, k'] (sorted; their K/V rows prev_code, [b, h, k'*P, d] as held) that left it take
+        [b, h, k'] (slot order; their K/V rows prev_code, [b, h, k'*P, d] as held) that left it take
         the least recently used slots; a slot whose page came back to the selection is free."""
         b, h, kp = prev.shape
         s, dev = self.size, prev.device
@@ -442,10 +526,11 @@ class SparePages:
 
 
 def _held_count(prev: torch.Tensor | None, idx: torch.Tensor) -> tuple[int, int]:
-    """(pages of idx [b, h, k] the last selection prev [b, h, k'] holds, pages it does not);
-    both sorted per row and head."""
+    """(pages of idx [b, h, k] (sorted) the last selection prev [b, h, k'] (any order) holds,
+    pages it does not)."""
     if prev is None or prev.shape[:2] != idx.shape[:2] or not prev.shape[-1]:
         return 0, idx.numel()
+    prev = prev.sort(-1).values
     src = torch.searchsorted(prev.contiguous(), idx.contiguous()).clamp_max_(prev.shape[-1] - 1)
     hits = int((prev.gather(-1, src) == idx).sum())
     return hits, idx.numel() - hits

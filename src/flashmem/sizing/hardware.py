@@ -389,8 +389,28 @@ class FlashTraffic:
     held_code_bytes: float = 0.0
     # pages held past the selection (lsa_cache_pages), inside resident_bytes but not read per step
     page_cache_bytes: float = 0.0
-    # HBM bytes of rebuilding the working set per step (read and write, twice), beside device_read
+    # HBM bytes of updating the working set per step (new pages into their slots; a rebuild where
+    # the page count changes), beside device_read
     working_set_merge_bytes: float = 0.0
+
+
+def rebuild_fraction(cfg: Any, head_dim: int | None, dtype_bytes: float | None) -> float:
+    """The share of decode steps whose working set changes its page count, so is rebuilt rather
+    than written in place (cache/working_set.py): the count changes when a block seals (k grows
+    with the pages) and, with `lsa_open_room`, each time the open block's filling takes back one
+    page's bytes of room: (B - 1) tokens of K/V in the model's dtype over a page as the working
+    set holds it (int8: d codes and an fp32 scale an element row). 1 (every step) where the
+    geometry is unknown or the pages sit in order (`position_mode: window`)."""
+    B = int(cfg.hca_chunk_size)
+    if not head_dim or not dtype_bytes or getattr(cfg, "position_mode", "") == "window" or B < 2:
+        return 1.0
+    changes = 1.0
+    if getattr(cfg, "lsa_open_room", False):
+        token = 2 * head_dim * float(dtype_bytes)
+        per_elem = head_dim + 4 if cfg.working_set_codec == "int8" else head_dim * float(dtype_bytes)
+        page = 2 * int(cfg.page_tokens) * per_elem
+        changes += min(B - 1, (B - 1) * token / page)
+    return min(1.0, changes / B)
 
 
 def predicted_traffic(
@@ -487,9 +507,11 @@ def predicted_traffic(
     cache_bytes = flash.tiers["working_set"] * int(counts.get("page_cache", 0)) / ws_tokens if ws_tokens else 0.0
     selection = flash.tiers["working_set"] - cache_bytes
     spill = 2 * min(cache_bytes, selection)
-    # the working set is rebuilt every step it changes (cache/working_set.py merge: a cat of the held
-    # and new rows, then an index_select into page order): about two reads and two writes of it
-    merge = 4 * selection
+    # a step that keeps the page count writes the new pages into the slots of those that left (a
+    # read and a write of them: cache/working_set.py _merge_in_place); one that changes it rebuilds
+    # the working set (a cat of held and new rows, then an index_select: two reads and two writes)
+    rebuilds = rebuild_fraction(cfg, head_dim, dtype_bytes)
+    merge = rebuilds * 4 * selection + (1 - rebuilds) * 2 * a.new_page_fraction * selection
     # worst case: no host RAM cache hits
     disk = new_exact + disk_keys if cfg.cold_store in ("disk", "lmdb") else 0.0
     # the streamed exact prompt (issue 27 item 3): chunk j of C tokens reads every earlier token
