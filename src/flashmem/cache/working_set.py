@@ -199,8 +199,8 @@ class WorkingSet:
         dev, P = idx.device, self.page_tokens
         in_ws = keep & (src < k)  # held by the last working set: stays in its slot
         from_spare, fresh = keep & ~in_ws, ~keep
-        occupied = torch.zeros(b, h, k, dtype=torch.int8, device=dev).scatter_add_(
-            -1, src.clamp_max(k - 1), in_ws.to(torch.int8)
+        occupied = torch.zeros(b, h, k, dtype=torch.int32, device=dev).scatter_add_(
+            -1, src.clamp_max(k - 1), in_ws.to(torch.int32)
         )
         free = occupied.argsort(dim=-1, stable=True)  # the slots of the pages that left first, ascending
         rank = (~in_ws).long().cumsum(-1) - 1
