@@ -46,6 +46,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "rrcode-int4": {**RECIPE, "lsa_rerank_codec": "int4"},
     "rrcode-sign": {**RECIPE, "lsa_rerank_codec": "sign"},
     "rrexact": {**RECIPE, "lsa_rerank_codec": "exact"},
+    # the in-place re-rank (on the host) scoring a host copy of the sealed keys (`lsa_rerank_mirror`):
+    # bf16 (one GEMM per layer in bf16) or int8 per token (`torch._int_mm`)
+    "mirror-bf16": {**RECIPE, "lsa_rerank_codec": "exact", "lsa_rerank_mirror": "bf16"},
+    "mirror-int8": {**RECIPE, "lsa_rerank_codec": "exact", "lsa_rerank_mirror": "int8"},
     # the working set in the model's dtype (the recipe until "An int8 working set");
     # wsint8 names the recipe in that section's runs
     "wsmodel": {**RECIPE, "working_set_codec": "model"},

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from flashmem.cache.block_reads import BlockReader
-from flashmem.cache.rerank_codes import HOST, DeviceCandidates, RerankCodes
+from flashmem.cache.rerank_codes import HOST, DeviceCandidates, KeyMirror, RerankCodes
 from flashmem.config import FlashMemoryConfig
 from flashmem.index.base import BlockScorer
-from flashmem.index.rerank import coded_page_mass, exact_block_mass, exact_page_mass
+from flashmem.index.rerank import coded_page_mass, exact_block_mass, exact_page_mass, token_page_mass
 from flashmem.index.selection import feedback_pages, index_mass, select_blocks, top_pages
 from flashmem.index.vectors import IndexVectors
 
@@ -75,7 +75,13 @@ class CandidateRanker:
         self.index = index
         # lsa_rerank_codec: the candidates are scored by a code of their keys kept on the host
         coded = cfg.lsa_rerank > 1 and cfg.lsa_rerank_codec != "exact"
-        self.codes = RerankCodes(cfg.lsa_rerank_codec, cfg.hca_chunk_size, cfg.page_tokens) if coded else None
+        # lsa_rerank_mirror: the in-place re-rank scores a host copy of every sealed key instead.
+        # Both sit in `codes`: the layer extends them as blocks seal, row changes select their rows
+        self.codes: RerankCodes | KeyMirror | None = None
+        if coded:
+            self.codes = RerankCodes(cfg.lsa_rerank_codec, cfg.hca_chunk_size, cfg.page_tokens)
+        elif cfg.lsa_rerank > 1 and cfg.lsa_rerank_mirror != "none":
+            self.codes = KeyMirror(cfg.lsa_rerank_mirror, cfg.hca_chunk_size)
         # lsa_rerank_on_device: this step's candidates' codes held on the device, scored there
         self.device_codes = DeviceCandidates() if coded and cfg.lsa_rerank_on_device else None
         self._last_cand: torch.Tensor | None = None  # the last re-rank's candidates (counted only)
@@ -117,7 +123,7 @@ class CandidateRanker:
         n_cand = min(max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages) if rerank else k_sel, n_pages)
         every = n_cand > k_sel and n_cand == n_pages  # every page a candidate: no index stage
         sel: Selection | None = None
-        if n_cand > k_sel and self.codes is not None:
+        if n_cand > k_sel and isinstance(self.codes, RerankCodes):
             assert qg is not None and page_tokens_valid is not None
             b, h = scores.shape[:2]
             cand = (
@@ -224,7 +230,7 @@ class CandidateRanker:
         the codes lie when the layer ranks on the host (or computes there), else copied to the
         device. Nothing of the candidates' K/V is read; the winners' pages are."""
         cfg, reader, codes = self.cfg, self.reader, self.codes
-        assert codes is not None
+        assert isinstance(codes, RerankCodes)
         codes.fill(num_sealed, lambda j: reader.fetch_block(j, on_host=True)[0])
         if self.device_codes is not None:  # held on the device: only new candidates' codes cross
             where = reader.device
@@ -283,11 +289,17 @@ class CandidateRanker:
         """`rerank` with the keys read where the store holds them (one batched matmul over
         every block, no copy into page order); candidates cand [b, h, c] (None: every page)
         by masking the others' tokens, the same softmax over the candidates. None where the
-        store cannot hand keys over so (`BlockReader.block_keys`)."""
-        cfg = self.cfg
-        block_k = self.reader.block_keys(num_sealed)
-        if block_k is None:
-            return None
+        store cannot hand keys over so (`BlockReader.block_keys`). With `lsa_rerank_mirror`,
+        ranked on the host, the keys are the mirror's (one GEMM over every sealed token)."""
+        cfg, reader = self.cfg, self.reader
+        mirror = self.codes if isinstance(self.codes, KeyMirror) else None
+        if mirror is not None and not (reader.host_ranking or reader.device.type == "cpu"):
+            mirror = None  # on an accelerator the arena's keys on the device are scored
+        block_k = None
+        if mirror is None:
+            block_k = reader.block_keys(num_sealed)
+            if block_k is None:
+                return None
         b, n_pages, P = page_tokens_valid.shape
         allowed = page_tokens_valid.any(-1)[:, None, :]  # [b, 1, pages]
         valid = page_tokens_valid[:, None]  # [b, 1, pages, P]
@@ -296,10 +308,17 @@ class CandidateRanker:
             chosen = torch.zeros(b, h, n_pages, dtype=torch.bool, device=cand.device).scatter_(-1, cand, True)
             allowed = allowed & chosen
             valid = valid & chosen[..., None]
-        where = block_k.device  # the compute device, or the host (`host_ranking`): only ids cross back
-        mass = exact_block_mass(
-            qg.to(where), block_k, valid.flatten(-2).to(where), P, scaling, cfg.lsa_pool, cfg.lsa_share_heads
-        )  # [b, h, pages]
+        if mirror is not None:
+            mirror.fill(num_sealed, lambda j: reader.fetch_block(j, on_host=True)[0])
+            reader.traffic.add("host_read_bytes", mirror.nbytes())
+            tokens = valid.flatten(-2).to(HOST)  # [b, 1 or h, num_sealed * B]: the mirror's tokens
+            mass = token_page_mass(mirror.logits(qg), tokens, P, scaling, cfg.lsa_pool, cfg.lsa_share_heads)
+        else:
+            assert block_k is not None
+            where = block_k.device  # the compute device, or the host (`host_ranking`): only ids cross back
+            mass = exact_block_mass(
+                qg.to(where), block_k, valid.flatten(-2).to(where), P, scaling, cfg.lsa_pool, cfg.lsa_share_heads
+            )  # [b, h, pages]
         return Selection(top_pages(mass.to(qg.device), allowed, k_sel, cfg.lsa_follow_pages))
 
     def _read_candidates(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

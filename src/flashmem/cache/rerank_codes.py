@@ -197,3 +197,132 @@ class DeviceCandidates:
 
     def clear(self) -> None:
         self.idx = self.code = None
+
+
+class KeyMirror:
+    """One layer's sealed keys copied into host memory for the in-place re-rank
+    (`lsa_rerank_mirror`): every sealed token's key [b, h, T, d] in one run per (row, KV
+    head), grown by doubling, so one GEMM per layer scores every sealed token (the cold
+    tier's arena holds blocks [n, b, h, B, d]: n small GEMMs over keys in the model's dtype).
+
+    - bf16: the keys in bf16, scored in bf16 (AMX / avx512_bf16 on recent x86): half the
+      bytes of fp32 keys; the logits are rounded to bf16 (about 3 significant digits)
+      before the softmax;
+    - int8: each token's key scaled by its largest channel (an fp32 scale per token and
+      KV head), scored against int8 queries by `torch._int_mm` (exact int32 sums): a quarter
+      of the bytes of fp32 keys.
+
+    Filled as blocks seal (`extend`, the seal's keys at hand) or, for blocks that never
+    passed a seal here (a restored state), read back (`fill`); rows follow the cache's
+    row changes (`select_rows`); a crop never reaches sealed blocks, and `fill` cuts
+    blocks past num_sealed."""
+
+    def __init__(self, dtype: str, block_tokens: int) -> None:
+        if dtype not in ("bf16", "int8"):
+            raise ValueError(f"KeyMirror: dtype {dtype!r} is not allowed; allowed: bf16 or int8")
+        self.dtype = dtype
+        self.B = block_tokens
+        self.n = 0  # blocks held
+        self.k: torch.Tensor | None = None  # [b, h, cap, d] bf16 or int8
+        self.scale: torch.Tensor | None = None  # int8: [b, h, cap] fp32
+
+    @property
+    def tokens(self) -> int:
+        return self.n * self.B
+
+    # ------------------------------------------------------------------ writes
+    def extend(self, k: torch.Tensor) -> None:
+        """Keys k [b, h, nb*B, d] of the next nb sealed blocks (any device) are copied."""
+        b, h, T, d = k.shape
+        T = T // self.B * self.B
+        if T == 0:
+            return
+        x = k[:, :, :T].detach().to(HOST)
+        if self.dtype == "bf16":
+            code, scale = x.to(torch.bfloat16), None
+        else:
+            code, scale = _int8_rows(x.float())
+        self._grow(self.tokens + T, code)
+        assert self.k is not None
+        t0 = self.tokens
+        self.k[:, :, t0 : t0 + T] = code
+        if scale is not None:
+            assert self.scale is not None
+            self.scale[:, :, t0 : t0 + T] = scale
+        self.n += T // self.B
+
+    def fill(self, num_sealed: int, read_keys: Callable[[int], torch.Tensor]) -> None:
+        """Hold blocks 0..num_sealed-1: those past it are cut, the missing ones' keys
+        [b, h, B, d] read by `read_keys(block)`."""
+        if num_sealed < self.n:
+            self.n = num_sealed
+        while self.n < num_sealed:
+            self.extend(read_keys(self.n))
+
+    def select_rows(self, src: torch.Tensor) -> None:
+        """Rows change (beam search, batch selection): new row r is old row src[r]."""
+        if self.k is None:
+            return
+        src = src.to(HOST)
+        self.k = self.k[:, :, : self.tokens].index_select(0, src)
+        if self.scale is not None:
+            self.scale = self.scale[:, :, : self.tokens].index_select(0, src)
+
+    def _grow(self, need: int, like: torch.Tensor) -> None:
+        if self.k is not None and self.k.shape[2] >= need and self.k.shape[:2] == like.shape[:2]:
+            return
+        old = self.k if self.k is not None and self.k.shape[:2] == like.shape[:2] else None
+        if old is None:
+            self.n = 0
+        cap = max(need, 2 * (old.shape[2] if old is not None else 0), 4 * self.B)
+        b, h, _, d = like.shape
+        t = self.tokens
+        k = like.new_empty((b, h, cap, d))
+        if old is not None:
+            k[:, :, :t] = old[:, :, :t]
+        self.k = k
+        if self.dtype == "int8":
+            scale = torch.empty(b, h, cap)
+            if old is not None and self.scale is not None:
+                scale[:, :, :t] = self.scale[:, :, :t]
+            self.scale = scale
+
+    # ------------------------------------------------------------------ reads
+    def logits(self, qg: torch.Tensor) -> torch.Tensor:
+        """Unscaled logits of queries qg [b, h, nq, d] against every held token -> fp32
+        [b, h, nq, T] (T = n * B, in token order)."""
+        assert self.k is not None
+        T = self.tokens
+        keys = self.k[:, :, :T]
+        q = qg.to(HOST)
+        if self.dtype == "bf16":
+            # [b, h, T, d] @ [b, h, d, nq]: the keys streamed once, a few columns each
+            return torch.matmul(keys, q.to(torch.bfloat16).transpose(-1, -2)).transpose(-1, -2).float()
+        assert self.scale is not None
+        b, h, nq, d = q.shape
+        qi, qs = _int8_rows(q.float())  # [b, h, nq, d], [b, h, nq]
+        cols = max(8, -(-nq // 8) * 8)  # _int_mm: columns a multiple of 8
+        qpad = torch.zeros(b, h, d, cols, dtype=torch.int8)
+        qpad[..., :nq] = qi.transpose(-1, -2)
+        out = torch.empty(b, h, nq, T)
+        for i in range(b):
+            for j in range(h):
+                dots = torch._int_mm(keys[i, j], qpad[i, j])[:, :nq]  # [T, nq] int32, exact
+                out[i, j] = dots.t().float() * self.scale[i, j, :T] * qs[i, j, :, None]
+        return out
+
+    def nbytes(self) -> int:
+        """Host bytes the held tokens take (the capacity past them not counted)."""
+        if self.k is None:
+            return 0
+        b, h, _, d = self.k.shape
+        per = d * self.k.element_size() + (4 if self.scale is not None else 0)
+        return b * h * self.tokens * per
+
+
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] fp32 -> int8 [..., d] and the fp32 scale [...] of each row (its largest
+    magnitude / 127; 0 for a zero row)."""
+    s = x.abs().amax(-1) / 127.0
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+    return (x * inv[..., None]).round_().clamp_(-127, 127).to(torch.int8), s

@@ -100,6 +100,20 @@ def exact_block_mass(
     return _page_mass(logits, tokens_valid[:, :, None, :], page_tokens, scaling, pool, share_heads)
 
 
+def token_page_mass(
+    logits: torch.Tensor,
+    tokens_valid: torch.Tensor,
+    page_tokens: int,
+    scaling: float,
+    pool: str = "mean",
+    share_heads: bool = False,
+) -> torch.Tensor:
+    """exact_block_mass from logits already scored: logits [b, h, nq, L] (unscaled, every
+    sealed token in order, e.g. by a host mirror of the keys: cache/rerank_codes.py KeyMirror);
+    tokens_valid [b, 1 or h, L] -> mass [b, h, L / page_tokens]."""
+    return _page_mass(logits, tokens_valid[:, :, None, :], page_tokens, scaling, pool, share_heads)
+
+
 def _page_mass(
     logits: torch.Tensor, valid: torch.Tensor, P: int, scaling: float, pool: str, share_heads: bool
 ) -> torch.Tensor:
