@@ -304,12 +304,12 @@ class KeyMirror:
         cols = max(8, -(-nq // 8) * 8)  # _int_mm: columns a multiple of 8
         qpad = torch.zeros(b, h, d, cols, dtype=torch.int8)
         qpad[..., :nq] = qi.transpose(-1, -2)
-        out = torch.empty(b, h, nq, T)
+        dots = torch.empty(b, h, T, cols, dtype=torch.int32)
         for i in range(b):
             for j in range(h):
-                dots = torch._int_mm(keys[i, j], qpad[i, j])[:, :nq]  # [T, nq] int32, exact
-                out[i, j] = dots.t().float() * self.scale[i, j, :T] * qs[i, j, :, None]
-        return out
+                torch._int_mm(keys[i, j], qpad[i, j], out=dots[i, j])  # [T, cols] int32, exact sums
+        out = dots[..., :nq].float().mul_(self.scale[:, :, :T, None]).mul_(qs[:, :, None, :])
+        return out.transpose(-1, -2)
 
     def nbytes(self) -> int:
         """Host bytes the held tokens take (the capacity past them not counted)."""
