@@ -20,15 +20,47 @@ ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
 
+def _smollm2_shaped_on_cpu() -> torch.nn.Module:
+    """A random model with SmolLM2-135M's attention geometry (9 query heads, 3 KV heads x 64,
+    fp32) whose weights sit on the CPU: what the solver sees of SmolLM2 loaded on a CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=576, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
 def test_cpu_small_yaml_is_the_recipe_at_one_eighth_of_8k_on_smollm2():
     yaml_cfg = FlashMemoryConfig.from_yaml(ROOT / "configs" / "cpu-small.yaml")
-    # by name (the calculator's SmolLM2, fp32 as load_model loads it) and by its geometry
-    assert yaml_cfg == FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2", prefetch_threads=0)
-    assert yaml_cfg == FlashMemoryConfig.for_budget(
-        1 / 8, 8192, group=3, head_dim=64, dtype_bytes=4, prefetch_threads=0
-    )
+    # for SmolLM2 on a CPU (fp32, as load_model loads it): the recipe with the CPU's key copy
+    assert yaml_cfg == FlashMemoryConfig.for_budget(1 / 8, 8192, _smollm2_shaped_on_cpu(), prefetch_threads=0)
+    # by name (the calculator's SmolLM2) and by its geometry, the device is not known: no copy
+    on_cpu = {"lsa_rerank_mirror": "int8"}
+    by_name = FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2", prefetch_threads=0)
+    assert by_name.lsa_rerank_mirror == "none" and yaml_cfg == by_name.model_copy(update=on_cpu)
+    by_geometry = FlashMemoryConfig.for_budget(1 / 8, 8192, group=3, head_dim=64, dtype_bytes=4, prefetch_threads=0)
+    assert yaml_cfg == by_geometry.model_copy(update=on_cpu)
     for key, value in recipe_keys(1 / 8).items():
         assert getattr(yaml_cfg, key) == value, key
+
+
+def test_a_model_on_the_cpu_reranks_an_int8_key_copy_where_it_reranks_in_place():
+    """The solver gives a CPU model `lsa_rerank_mirror: int8` where the re-rank scores every
+    sealed page in place at the sized length (a third of the pages or more are candidates),
+    with a memory cold tier, unless the caller or the variant names the re-rank's keys."""
+    model = tiny_llama()
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model).lsa_rerank_mirror == "int8"
+    assert FlashMemoryConfig.for_budget(1 / 16, 32768, model).lsa_rerank_mirror == "int8"
+    # at 128K the 1,024 candidates are an eighth of the pages: gathered, so no copy
+    assert FlashMemoryConfig.for_budget(1 / 8, 131072, model).lsa_rerank_mirror == "none"
+    disk = FlashMemoryConfig.for_budget(1 / 8, 8192, model, cold_store="disk", cold_dir=str(ROOT / "unused"))
+    assert disk.lsa_rerank_mirror == "none"  # the RAM is what a disk tier saves
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, lsa_rerank_mirror="bf16").lsa_rerank_mirror == "bf16"
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, variant="rrexact").lsa_rerank_mirror == "none"
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, variant="norerank").lsa_rerank_mirror == "none"
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2").lsa_rerank_mirror == "none"  # device unknown
 
 
 def test_follow_pages_from_one_eighth():

@@ -147,3 +147,27 @@ def test_a_mirror_with_a_code_is_refused():
         flashmem.FlashMemoryConfig(lsa_rerank_mirror="bf16", lsa_rerank_codec="int4")
     with pytest.raises(ValueError, match="allowed: bf16 or int8"):
         rerank_codes.KeyMirror("fp8", 16)
+
+
+@pytest.mark.parametrize("mirror, per_element", [("int8", 1), ("bf16", 2)])
+def test_memory_report_counts_the_key_copy_as_host_bytes(mirror, per_element):
+    """`memory_report()["rerank_host_bytes"]` is the copy's bytes: every sealed token's key per
+    layer and KV head (int8: d codes and an fp32 scale; bf16: 2 bytes an element), 0 without it."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(4))
+    reports = {}
+    for name in ("none", mirror):
+        cfg = flashmem.FlashMemoryConfig(**{**SMALL, **KW, **EVERY, "lsa_rerank_mirror": name})
+        with flashmem.attach(model, cfg) as cache, torch.no_grad():
+            out = model(ids, cache=cache, use_cache=True).logits[:, -1:]
+            model(out.argmax(-1), cache=cache, use_cache=True)
+            reports[name] = cache.memory_report()
+            lay = cache.layers[0]
+            b, h, _, d = lay.sink_k.shape
+            tokens = lay.num_sealed * cfg.hca_chunk_size
+            layers = len(cache.flash_layers)
+    assert reports["none"]["rerank_host_bytes"] == 0
+    scale = 4 if mirror == "int8" else 0
+    assert reports[mirror]["rerank_host_bytes"] == layers * b * h * tokens * (d * per_element + scale) > 0
+    # host memory: not in the device's resident bytes
+    assert reports[mirror]["managed_resident_bytes"] == reports["none"]["managed_resident_bytes"]

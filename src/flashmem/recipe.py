@@ -118,6 +118,14 @@ def recipe_keys(budget: float) -> dict[str, Any]:
 # docs/accelerator.md). int4 ranks the needle's page as the exact keys do (docs/measurements.md,
 # "Re-rank codes"). Llama-3.1-8B: at 1/8 by 64K tokens, at 1/16 by 128K, at 1/32 by 1M.
 DEVICE_RERANK: dict[str, Any] = {"lsa_rerank_codec": "int4", "lsa_rerank_on_device": True}
+# A model on the CPU instead scores an int8 copy of every sealed key (a scale per token and KV
+# head, `lsa_rerank_mirror`, cache/rerank_codes.py KeyMirror) with one integer GEMM per layer, in
+# place of the cold tier's fp32 keys: a quarter of the bytes a step reads to re-rank. SmolLM2 at
+# 4K picked 99.6% of the exact keys' pages (top-1 token 100%); decode at 1/8, alternating in one
+# run, tiny model 32K 3.06x DynamicCache against 2.51x, SmolLM2 8K 0.94x against 0.86x
+# (docs/measurements.md, "An int8 key copy for the CPU's re-rank"). Memory cold tier only: the
+# copy is 13% of an fp32 model's cold tier in RAM, which a disk tier is there to save.
+HOST_RERANK: dict[str, Any] = {"lsa_rerank_mirror": "int8"}
 # What room is left after them holds, per layer and KV head, the pages that most recently left
 # the selection (`lsa_cache_pages`, cache/working_set.py): a page that comes back is not copied
 # again. Gemma3-270m at 16K and 1/8 (the cap binds) on a KJV prompt: a step's selected pages the

@@ -217,6 +217,9 @@ class FlashMemoryCache(Cache):
             "tier_fractions": {name: n / full_cache if full_cache else 0.0 for name, n in tiers.items()},
             "peak_managed_resident_bytes": sum(layer.peak_resident_bytes for layer in self.flash_layers),
             "cold_bytes": self.store.nbytes(),
+            # host memory beside the cold tier the re-rank reads (lsa_rerank_codec's block codes,
+            # lsa_rerank_mirror's key copy): on a CPU the same RAM as the device tiers
+            "rerank_host_bytes": sum(layer.ranker.host_nbytes() for layer in self.flash_layers if layer.is_initialized),
             # attention's keys, values and mask are assembled in buffers this thread's caches
             # share and reuse (a transient like the activations, kept: cache/scratch.py)
             "scratch_bytes": thread_scratch().nbytes(),

@@ -94,6 +94,10 @@ class CandidateRanker:
         """Device bytes the re-rank holds: its candidates' codes with `lsa_rerank_on_device`."""
         return 0 if self.device_codes is None else self.device_codes.nbytes()
 
+    def host_nbytes(self) -> int:
+        """Host bytes the re-rank keeps beside the cold tier: its block codes or key copy."""
+        return 0 if self.codes is None else self.codes.nbytes()
+
     def scores(self, qg: torch.Tensor, scaling: float, hca_k: torch.Tensor) -> torch.Tensor:
         """Index scores of every page for queries qg [b, h, nq, d] -> [b, h, nq, n_pages]
         (hca_k [b, h, n, d]: the HCA entries, for a scorer that ranks by them)."""

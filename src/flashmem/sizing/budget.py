@@ -19,7 +19,15 @@ from flashmem import policies
 from flashmem.config import FlashMemoryConfig, set_budget_solver
 from flashmem.errors import ConfigError, FlashMemError
 from flashmem.models import geometry
-from flashmem.recipe import PAGE_CACHE_MAX_SELECTIONS, check_budget, check_tokens, recipe_keys, resolve_variant
+from flashmem.recipe import (
+    HOST_RERANK,
+    PAGE_CACHE_MAX_SELECTIONS,
+    check_budget,
+    check_tokens,
+    recipe_keys,
+    resolve_variant,
+)
+from flashmem.sizing.hardware import IN_PLACE_CANDIDATES
 from flashmem.sizing.tiers import candidate_code_bytes, index_bytes, tier_counts, working_set_scale
 
 # Recent query positions each managed layer keeps for the attention-mass fusion
@@ -82,7 +90,9 @@ def budget_config(
     candidate codes are held on the device (flashmem.recipe.DEVICE_RERANK) unless
     `device_codes` is False (a model on a CPU, where the device and the cold tier
     are the same RAM and the codes would cost compute and save nothing), or the
-    caller or the variant names a re-rank codec.
+    caller or the variant names a re-rank codec. With `device_codes` False the re-rank
+    scores an int8 host copy of the keys instead (flashmem.recipe.HOST_RERANK, memory
+    cold tier only).
     Small budgets at short lengths can be unreachable (sinks + HCA entries +
     index + the open block already exceed them): the closest config is returned
     and the measured fraction says so.
@@ -114,14 +124,14 @@ def budget_config(
             "allowed: a larger budget or prompt, a smaller lsa_rerank_min_pages, or lsa_rerank_on_device: false"
         )
     cap = spec.cap
+    named = set(overrides) | set(spec.keys)
     if cap is not None and k * base.page_tokens > cap:
         # the budget bought more pages than a step needs: attend the cap, leave the rest unused
         k = max(1, cap // base.page_tokens)
         sized = _sized(base, w, k, band)
         if not device_codes:
-            return sized
+            return _with_host_mirror(sized, tokens, named)
         rerank_keys = spec.device_rerank
-        named = set(overrides) | set(spec.keys)
         if rerank_keys and base.lsa_rerank > 1 and not set(rerank_keys) & named:
             # ... or let the re-rank's candidate codes use the room, where they fit in it
             coded = sized.model_copy(update=dict(rerank_keys))
@@ -131,7 +141,26 @@ def budget_config(
             # ... and what is left holds pages that left the selection (lsa_cache_pages)
             sized = _with_page_cache(sized, budget, tokens, group, head_dim, dtype_bytes)
         return FlashMemoryConfig(**sized.model_dump())
-    return _sized(base, w, k, band)
+    sized = _sized(base, w, k, band)
+    return sized if device_codes else _with_host_mirror(sized, tokens, named)
+
+
+def _with_host_mirror(cfg: FlashMemoryConfig, tokens: int, named: set[str]) -> FlashMemoryConfig:
+    """A model on a CPU: the re-rank scores an int8 copy of the sealed keys in place
+    (flashmem.recipe.HOST_RERANK) where, at `tokens`, it would score exact keys from a memory
+    cold tier in place (candidates at least 1/IN_PLACE_CANDIDATES of the pages; fewer are
+    gathered, and the copy would only take RAM), unless the caller or the variant names the
+    re-rank's keys. Not with a disk tier: there the RAM is what the budget saves, and the copy
+    would be about as large as a 1/8 budget."""
+    keys = set(HOST_RERANK) | {"lsa_rerank_codec"}
+    if cfg.lsa_rerank <= 1 or cfg.lsa_rerank_codec != "exact" or cfg.cold_store != "memory" or keys & named:
+        return cfg
+    counts = tier_counts(cfg, tokens)
+    pages = counts.sealed_blocks * cfg.pages_per_block
+    cand = min(pages, max(cfg.lsa_rerank * (counts.working_set // cfg.page_tokens), cfg.lsa_rerank_min_pages))
+    if IN_PLACE_CANDIDATES * cand < pages:
+        return cfg
+    return FlashMemoryConfig(**cfg.model_copy(update=dict(HOST_RERANK)).model_dump())
 
 
 def _with_page_cache(
