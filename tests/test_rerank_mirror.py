@@ -33,7 +33,7 @@ def test_a_bf16_mirror_selects_the_pages_exact_keys_select(monkeypatch, cands):
     on each of seeds 0-2, both paths; int8 per token: 34-43 of 44, not asserted here)."""
     calls = []
     logits = KeyMirror.logits
-    monkeypatch.setattr(KeyMirror, "logits", lambda self, q: calls.append(1) or logits(self, q))
+    monkeypatch.setattr(KeyMirror, "logits", lambda self, q, *a: calls.append(1) or logits(self, q, *a))
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(0))
     exact, sel_exact = _run(model, ids, 8, **KW, **cands)
@@ -171,3 +171,26 @@ def test_memory_report_counts_the_key_copy_as_host_bytes(mirror, per_element):
     assert reports[mirror]["rerank_host_bytes"] == layers * b * h * tokens * (d * per_element + scale) > 0
     # host memory: not in the device's resident bytes
     assert reports[mirror]["managed_resident_bytes"] == reports["none"]["managed_resident_bytes"]
+
+
+@pytest.mark.parametrize("pool, masked", [("mean", False), ("mean", True), ("max", True)])
+def test_token_major_page_mass_equals_the_query_major_one(pool, masked):
+    """token_page_mass works on token-major logits (the mirror's layout) in place, with the
+    softmax along dim -2; it gives what the query-major path gives, masked tokens (a row with
+    none valid included) and pooling alike."""
+    from flashmem.index.rerank import token_page_mass
+
+    g = torch.Generator().manual_seed(3)
+    b, h, nq, pages, P = 2, 3, 4, 6, 4
+    by_token = torch.randn(b, h, pages * P, nq, generator=g) * 3
+    valid = torch.ones(b, 1, pages * P, dtype=torch.bool)
+    if masked:
+        valid[0, 0, 5:13] = False
+        valid[1] = False  # nothing valid in row 1: zero mass, not NaN
+    want = token_page_mass(by_token.transpose(-1, -2).contiguous(), valid, P, 0.5, pool)  # query-major
+    got = token_page_mass(by_token.clone().transpose(-1, -2), valid, P, 0.5, pool)  # token-major, in place
+    assert got.shape == (b, h, pages) and not torch.isnan(got).any()
+    torch.testing.assert_close(got, want)
+    if masked:
+        assert torch.equal(got[1], torch.zeros(h, pages))
+        assert float(got[0, :, 2].abs().max()) == 0.0 < float(got[0, :, 1].min())  # page 2: every token masked

@@ -316,7 +316,7 @@ class CandidateRanker:
             mirror.fill(num_sealed, lambda j: reader.fetch_block(j, on_host=True)[0])
             reader.traffic.add("host_read_bytes", mirror.nbytes())
             tokens = valid.flatten(-2).to(HOST)  # [b, 1 or h, num_sealed * B]: the mirror's tokens
-            mass = token_page_mass(mirror.logits(qg), tokens, P, scaling, cfg.lsa_pool, cfg.lsa_share_heads)
+            mass = token_page_mass(mirror.logits(qg, scaling), tokens, P, 1.0, cfg.lsa_pool, cfg.lsa_share_heads)
         else:
             assert block_k is not None
             where = block_k.device  # the compute device, or the host (`host_ranking`): only ids cross back

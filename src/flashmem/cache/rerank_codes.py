@@ -288,16 +288,18 @@ class KeyMirror:
             self.scale = scale
 
     # ------------------------------------------------------------------ reads
-    def logits(self, qg: torch.Tensor) -> torch.Tensor:
-        """Unscaled logits of queries qg [b, h, nq, d] against every held token -> fp32
-        [b, h, nq, T] (T = n * B, in token order)."""
+    def logits(self, qg: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
+        """Logits of queries qg [b, h, nq, d] against every held token, times `scaling` ->
+        fp32 [b, h, nq, T] (T = n * B, in token order), the transpose of a contiguous
+        [b, h, T, nq] (index/rerank.py token_page_mass works in that layout)."""
         assert self.k is not None
         T = self.tokens
         keys = self.k[:, :, :T]
         q = qg.to(HOST)
         if self.dtype == "bf16":
             # [b, h, T, d] @ [b, h, d, nq]: the keys streamed once, a few columns each
-            return torch.matmul(keys, q.to(torch.bfloat16).transpose(-1, -2)).transpose(-1, -2).float()
+            out = torch.matmul(keys, q.to(torch.bfloat16).transpose(-1, -2)).float()  # [b, h, T, nq]
+            return (out.mul_(scaling) if scaling != 1.0 else out).transpose(-1, -2)
         assert self.scale is not None
         b, h, nq, d = q.shape
         qi, qs = _int8_rows(q.float())  # [b, h, nq, d], [b, h, nq]
@@ -308,7 +310,9 @@ class KeyMirror:
         for i in range(b):
             for j in range(h):
                 torch._int_mm(keys[i, j], qpad[i, j], out=dots[i, j])  # [T, cols] int32, exact sums
-        out = dots[..., :nq].float().mul_(self.scale[:, :, :T, None]).mul_(qs[:, :, None, :])
+        # int32 x fp32 in one pass to fp32 [b, h, T, nq]; the queries' scales and `scaling`
+        # are nq numbers, folded before the second
+        out = torch.mul(dots[..., :nq], self.scale[:, :, :T, None]).mul_((qs * scaling)[:, :, None, :])
         return out.transpose(-1, -2)
 
     def nbytes(self) -> int:
