@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from flashmem.compress import key_code
+from flashmem.compress import key_code, page_code
 from flashmem.config import RERANK_CODE_BITS
 
 HOST = torch.device("cpu")
@@ -325,8 +325,7 @@ class KeyMirror:
 
 
 def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] fp32 -> int8 [..., d] and the fp32 scale [...] of each row (its largest
-    magnitude / 127; 0 for a zero row)."""
-    s = x.abs().amax(-1) / 127.0
-    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
-    return (x * inv[..., None]).round_().clamp_(-127, 127).to(torch.int8), s
+    """x [..., d] fp32 -> int8 [..., d] and the fp32 scale [...] of each row: the working
+    set's per-token code (compress/page_code.py; a zero row has scale 0)."""
+    codes, scale = page_code.encode(x)
+    return codes, scale.squeeze(-1)
