@@ -124,7 +124,8 @@ DEVICE_RERANK: dict[str, Any] = {"lsa_rerank_codec": "int4", "lsa_rerank_on_devi
 # 4K picked 99.6% of the exact keys' pages (top-1 token 100%); decode at 1/8, alternating in one
 # run, tiny model 32K 3.06x DynamicCache against 2.51x, SmolLM2 8K 0.94x against 0.86x
 # (docs/measurements.md, "An int8 key copy for the CPU's re-rank"). Memory cold tier only: the
-# copy is 13% of an fp32 model's cold tier in RAM, which a disk tier is there to save.
+# copy is 13% of an fp32 model's cold tier in RAM (allocated by doubling: up to 2x that), which a
+# disk tier is there to save.
 HOST_RERANK: dict[str, Any] = {"lsa_rerank_mirror": "int8"}
 # What room is left after them holds, per layer and KV head, the pages that most recently left
 # the selection (`lsa_cache_pages`, cache/working_set.py): a page that comes back is not copied

@@ -28,7 +28,13 @@ from flashmem.recipe import (
     resolve_variant,
 )
 from flashmem.sizing.hardware import IN_PLACE_CANDIDATES
-from flashmem.sizing.tiers import candidate_code_bytes, index_bytes, tier_counts, working_set_scale
+from flashmem.sizing.tiers import (
+    candidate_code_bytes,
+    index_bytes,
+    rerank_candidates,
+    tier_counts,
+    working_set_scale,
+)
 
 # Recent query positions each managed layer keeps for the attention-mass fusion
 # rule (the cache's summaries read it from here).
@@ -157,8 +163,7 @@ def _with_host_mirror(cfg: FlashMemoryConfig, tokens: int, named: set[str]) -> F
         return cfg
     counts = tier_counts(cfg, tokens)
     pages = counts.sealed_blocks * cfg.pages_per_block
-    cand = min(pages, max(cfg.lsa_rerank * (counts.working_set // cfg.page_tokens), cfg.lsa_rerank_min_pages))
-    if IN_PLACE_CANDIDATES * cand < pages:
+    if IN_PLACE_CANDIDATES * rerank_candidates(cfg, pages, counts.working_set // cfg.page_tokens) < pages:
         return cfg
     return FlashMemoryConfig(**cfg.model_copy(update=dict(HOST_RERANK)).model_dump())
 

@@ -402,10 +402,10 @@ def rebuild_fraction(cfg: Any, head_dim: int | None, dtype_bytes: float | None) 
     set holds it (int8: d codes and an fp32 scale an element row). 1 (every step) where the
     geometry is unknown or the pages sit in order (`position_mode: window`)."""
     B = int(cfg.hca_chunk_size)
-    if not head_dim or not dtype_bytes or getattr(cfg, "position_mode", "") == "window" or B < 2:
+    if not head_dim or not dtype_bytes or cfg.position_mode == "window" or B < 2:
         return 1.0
     changes = 1.0
-    if getattr(cfg, "lsa_open_room", False):
+    if cfg.lsa_open_room:
         token = 2 * head_dim * float(dtype_bytes)
         per_elem = head_dim + 4 if cfg.working_set_codec == "int8" else head_dim * float(dtype_bytes)
         page = 2 * int(cfg.page_tokens) * per_elem
