@@ -162,7 +162,15 @@ def test_flashmem_row_predicted_from_the_recipe(h200):
     rebuilds = (1 + 63 * 512 / 4224) / 64
     merge = (rebuilds * 4 + (1 - rebuilds) * 2 * 0.4) * flash.tiers["working_set"]
     assert tr.working_set_merge_bytes == pytest.approx(merge) and merge > 0
-    assert tr.device_read_bytes == pytest.approx(flash.device_resident_bytes + tr.link_bytes + merge)
+    # attention's buffer: every attended token's K and V (512 B in bf16) written and read back; the
+    # int8 working set decoded into it in one pass; the int8 index converted to bf16 for its scores
+    # (written, read back); 32 layers x 8 KV heads
+    c = flash.tier_counts
+    assert cfg.lsa_index_dtype == "int8" and not cfg.use_summaries
+    attended = c["sinks"] + c["window"] + c["open_block"] + 4096
+    assembly = 32 * 8 * (2 * attended * 512 + 2 * c["index_key_vectors"] * 128 * 2)
+    assert tr.assembly_bytes == pytest.approx(assembly) and assembly > flash.device_resident_bytes
+    assert tr.device_read_bytes == pytest.approx(flash.device_resident_bytes + tr.link_bytes + merge + assembly)
     row = hwm.flashmem_row(hw, cost, TOKENS, 1, a, tr, flash.cold_bytes, None)
     assert row.step_s == pytest.approx(tr.link_bytes / LINK) and row.bound == "link"  # ~23 ms
     fixed = WEIGHTS + ALLOW + flash.prompt_kv_bytes  # one sequence's exact prompt at a time
@@ -385,7 +393,14 @@ def test_rerank_codes_held_on_the_device(codec):
     # no open room here: rebuilt at a block's seal (1 step in 64, two reads and two writes), else
     # the new pages written in place (a read and a write of 0.4 of it)
     merge = (4 / 64 + 63 / 64 * 2 * 0.4) * flash.tiers["working_set"]
-    assert tr.device_read_bytes == pytest.approx(flash.device_resident_bytes + tr.link_bytes + 131072 + merge)
+    # attention's buffer: 4 sinks + 124 window + 126 HCA entries + 128 selected tokens' K and V (64 B
+    # in bf16; the open block is empty at 8,192), written and read back, per layer and KV head (a
+    # model-dtype index: nothing converted)
+    assert flash.tier_counts["open_block"] == 0 and held_cfg.use_summaries
+    assert tr.assembly_bytes == 2 * 2 * 2 * (4 + 124 + 126 + 128) * 64
+    assert tr.device_read_bytes == pytest.approx(
+        flash.device_resident_bytes + tr.link_bytes + 131072 + merge + tr.assembly_bytes
+    )
     assert "held on the device" in tr.source and "on the host" not in tr.source
     # the new-candidate fraction, given, replaces the new-page fraction for the codes only
     own = small_traffic(held_cfg, hwm.Assumptions(new_candidate_fraction=0.1))
@@ -448,3 +463,20 @@ def test_page_cache_is_held_but_not_read_by_a_step():
     assert t1.working_set_merge_bytes == pytest.approx(t0.working_set_merge_bytes)
     assert t0.working_set_merge_bytes == pytest.approx(((1 + 63 * 512 / 4224) / 64 * 3.2 + 0.8) * selection)
     assert t1.link_bytes == t0.link_bytes  # the new-page fraction is an assumption: measured with the cache
+
+
+def test_assembly_bytes_charge_the_buffer_and_the_index_conversion():
+    """What a step writes and reads back besides its tiers: attention's buffer (every attended
+    token's K and V in the model's dtype), the same for an int8 working set (decoded into it in
+    one pass on an accelerator), plus an int8 or float16 index converted to the (bf16) model's dtype;
+    0 where the geometry is unknown."""
+    base = small_traffic(small_config())
+    assert base.assembly_bytes == 2 * 2 * 2 * (4 + 124 + 126 + 128) * 64  # 2 layers x 2 KV heads
+    assert small_traffic(small_config(working_set_codec="int8")).assembly_bytes == base.assembly_bytes
+    index = 2 * 2 * 2 * 1008 * 16 * 2  # 1,008 pages' mean keys of 16 elements, written and read in bf16
+    assert small_traffic(small_config(lsa_index_dtype="int8")).assembly_bytes == base.assembly_bytes + index
+    # float16 vectors under a bf16 model are converted too
+    assert small_traffic(small_config(lsa_index_dtype="float16")).assembly_bytes == base.assembly_bytes + index
+    flash = estimate(None, tokens=8192, config=small_config(), **SMALL).flashmem
+    assert flash is not None
+    assert hwm.assembly_bytes(small_config(), flash.tier_counts, 256, None, None) == 0

@@ -126,3 +126,35 @@ def test_gaussian_prefers_the_spread_a_query_points_at_when_means_tie():
         means[name] = sc.score(q[None, None, None], summ, d**-0.5)[0, 0, 0]
     assert means["mean_key"][0].item() == pytest.approx(means["mean_key"][1].item(), abs=1e-4)
     assert means["gaussian"][1] > means["gaussian"][0] + 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_mean_keys_score_without_a_decoded_copy_as_decoded_ones_do(monkeypatch, dtype):
+    """IndexVectors.score: int8 mean keys are scored with their scales applied to the scores
+    (MeanKeyScorer.score_coded), not to a decoded copy (`read` is not called), and give the
+    scores of the decoded summaries; a scorer without score_coded is scored on `read`."""
+    from flashmem.index.vectors import IndexVectors
+
+    g = torch.Generator().manual_seed(0)
+    b, h, n, d = 2, 3, 40, 16
+    summaries = torch.randn(b, h, n, 1, d, generator=g) * torch.linspace(0.1, 5, d)
+    q = (torch.randn(b, h, 4, d, generator=g) * 2).to(dtype)
+    iv = IndexVectors(b, h, 1, d, "int8", dtype, torch.device("cpu"))
+    iv.extend(summaries[:, :, :25])
+    iv.extend(summaries[:, :, 25:])
+    mean_key = SCORERS["mean_key"]()
+    want = mean_key.score(q.float(), iv.read(torch.float32))
+    reads = []
+    read = IndexVectors.read
+    monkeypatch.setattr(IndexVectors, "read", lambda self, dt: reads.append(dt) or read(self, dt))
+    got = iv.score(mean_key, q)
+    assert not reads and got.dtype == dtype and got.shape == (b, h, 4, n)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    # a scorer that needs the summaries decoded reads them
+    quest = SCORERS["quest"]()
+    iv2 = IndexVectors(b, h, 2, d, "int8", torch.float32, torch.device("cpu"))
+    iv2.extend(torch.randn(b, h, n, 2, d, generator=g))
+    assert quest.score_coded(q.float(), iv2.codes, iv2.scales) is None
+    iv2.score(quest, q.float())
+    assert reads == [torch.float32]

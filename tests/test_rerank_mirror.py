@@ -173,12 +173,14 @@ def test_memory_report_counts_the_key_copy_as_host_bytes(mirror, per_element):
     assert reports[mirror]["managed_resident_bytes"] == reports["none"]["managed_resident_bytes"]
 
 
+@pytest.mark.parametrize("layout", ["query-major", "token-major"])
 @pytest.mark.parametrize("pool, masked", [("mean", False), ("mean", True), ("max", True)])
-def test_token_major_page_mass_equals_the_query_major_one(pool, masked):
-    """token_page_mass works on token-major logits (the mirror's layout) in place, with the
-    softmax along dim -2; it gives what the query-major path gives, masked tokens (a row with
-    none valid included) and pooling alike."""
-    from flashmem.index.rerank import token_page_mass
+def test_page_mass_in_place_equals_the_generic_one(pool, masked, layout):
+    """token_page_mass works on fp32 logits in place in either contiguous layout (the int8
+    mirror's query-major, the bf16 mirror's token-major), the softmax along the tokens; it
+    gives what the generic path (a scaled copy) gives, masked tokens (a row with none valid
+    included) and pooling alike, and scores in place."""
+    from flashmem.index.rerank import _page_mass, token_page_mass
 
     g = torch.Generator().manual_seed(3)
     b, h, nq, pages, P = 2, 3, 4, 6, 4
@@ -187,10 +189,15 @@ def test_token_major_page_mass_equals_the_query_major_one(pool, masked):
     if masked:
         valid[0, 0, 5:13] = False
         valid[1] = False  # nothing valid in row 1: zero mass, not NaN
-    want = token_page_mass(by_token.transpose(-1, -2).contiguous(), valid, P, 0.5, pool)  # query-major
-    got = token_page_mass(by_token.clone().transpose(-1, -2), valid, P, 0.5, pool)  # token-major, in place
+    want = _page_mass(by_token.transpose(-1, -2), valid[:, :, None, :], P, 0.5, pool, False)
+    logits = by_token.clone().transpose(-1, -2)  # token-major
+    if layout == "query-major":
+        logits = logits.contiguous()
+    before = logits.clone()
+    got = token_page_mass(logits, valid, P, 0.5, pool)
     assert got.shape == (b, h, pages) and not torch.isnan(got).any()
     torch.testing.assert_close(got, want)
+    assert not torch.equal(logits, before)  # the caller's logits were scaled in place, not copied
     if masked:
         assert torch.equal(got[1], torch.zeros(h, pages))
         assert float(got[0, :, 2].abs().max()) == 0.0 < float(got[0, :, 1].min())  # page 2: every token masked

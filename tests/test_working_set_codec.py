@@ -177,3 +177,33 @@ def test_a_forward_outside_no_grad_runs_and_matches_and_backpropagates():
     assert torch.allclose(logits[0], logits[1].detach(), atol=1e-5)
     logits[1].sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_pass_decode_an_accelerator_takes_gives_the_cpus_buffer(monkeypatch, dtype):
+    """assembly.concat decodes int8 parts in one mixed-dtype multiply where `one_pass_decode`
+    says so (an accelerator) and by a copy and a scale pass on a CPU: the same buffer, bit for
+    bit, in fp32 and bf16, beside a model-dtype part."""
+    from flashmem.cache import assembly
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 40, 16, generator=g) * torch.rand(2, 3, 40, 1, generator=g) * 8
+    plain = torch.randn(2, 3, 5, 16, generator=g).to(dtype)
+    codes, scale = page_code.encode(x)
+
+    def build(one_pass: bool) -> torch.Tensor:
+        monkeypatch.setattr(assembly, "one_pass_decode", lambda device: one_pass)
+        calls = []
+        mul = torch.mul
+        monkeypatch.setattr(torch, "mul", lambda *a, **kw: calls.append(1) or mul(*a, **kw))
+        with torch.no_grad():  # (under autograd parts are decoded, then concatenated)
+            out = assembly.concat([plain, (codes, scale)], lambda shape: torch.full(shape, float("nan"), dtype=dtype))
+        monkeypatch.setattr(torch, "mul", mul)
+        assert len(calls) == int(one_pass)
+        return out
+
+    assert not assembly.one_pass_decode(torch.device("cpu"))
+    cpu, one = build(False), build(True)
+    assert cpu.dtype == one.dtype == dtype and cpu.shape == (2, 3, 45, 16)
+    assert torch.equal(one, cpu)
+    assert torch.equal(one[:, :, 5:], page_code.decode(codes, scale, dtype))

@@ -123,6 +123,13 @@ def bias_from_valid(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, NEG)[:, None]
 
 
+def one_pass_decode(device: torch.device) -> bool:
+    """An int8 part is decoded into attention's buffer by one mixed-dtype multiply on an
+    accelerator (one kernel: the decoded bytes written once, as the hardware model charges,
+    sizing/hardware.py `assembly_bytes`), by a copy and an in-place scale on a CPU (faster there)."""
+    return device.type != "cpu"
+
+
 def concat(parts: list[Part], buffer: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
     """Attention's keys or values: parts [b, h, n_i, d] -> [b, h, sum n_i, d], written into
     `buffer(shape)` (a reused scratch buffer). An int8 part (codes, scale [b, h, n, 1]) is
@@ -139,9 +146,13 @@ def concat(parts: list[Part], buffer: Callable[[tuple[int, ...]], torch.Tensor])
     for p in parts:
         n = part_len(p)
         if isinstance(p, tuple):
-            # int8 codes are exact in fp32 and bf16; a copy then an in-place multiply is about
-            # 2x torch.mul(codes, scale, out=) on CPU, whose mixed-dtype loop does not vectorise
-            out[:, :, at : at + n].copy_(p[0]).mul_(p[1])
+            dst = out[:, :, at : at + n]
+            if one_pass_decode(dst.device):  # codes and scales read, the buffer written: once
+                torch.mul(p[0], p[1], out=dst)
+            else:
+                # int8 codes are exact in fp32 and bf16; on a CPU a copy then an in-place multiply
+                # is about 2x torch.mul(codes, scale, out=), whose mixed-dtype loop does not vectorise
+                dst.copy_(p[0]).mul_(p[1])
         else:
             out[:, :, at : at + n] = p
         at += n

@@ -101,8 +101,9 @@ class CandidateRanker:
     def scores(self, qg: torch.Tensor, scaling: float, hca_k: torch.Tensor) -> torch.Tensor:
         """Index scores of every page for queries qg [b, h, nq, d] -> [b, h, nq, n_pages]
         (hca_k [b, h, n, d]: the HCA entries, for a scorer that ranks by them)."""
-        summaries = hca_k[:, :, :, None] if self.scorer.uses_hca_entries else self.index.read(qg.dtype)
-        return self.scorer.score(qg, summaries, scaling)
+        if self.scorer.uses_hca_entries:
+            return self.scorer.score(qg, hca_k[:, :, :, None], scaling)
+        return self.index.score(self.scorer, qg, scaling)
 
     def rank(
         self,

@@ -275,6 +275,7 @@ def hardware_model(
         "held_code_bytes": tr.held_code_bytes,
         "page_cache_bytes": tr.page_cache_bytes,
         "working_set_merge_bytes_per_step": tr.working_set_merge_bytes,
+        "assembly_bytes_per_step": tr.assembly_bytes,
         "device_flops_rerank_per_step": tr.rerank_device_flops,
         "prefill_link_bytes": tr.prefill_link_bytes,
     }

@@ -50,3 +50,11 @@ class BlockScorer(ABC):
         """queries: [b, h, nq, d] (a GQA group's queries under their KV head);
         summaries: [b, h, n_pages, vectors, width] -> scores [b, h, nq, n_pages]
         on the scale of q.k (before the attention scaling `scaling`, d**-0.5 if None)."""
+
+    def score_coded(
+        self, queries: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scaling: float | None = None
+    ) -> torch.Tensor | None:
+        """`score` of int8 summaries codes [b, h, n_pages, vectors, width] with a scale per
+        vector scales [b, h, n_pages, vectors], without decoding them first; None: this scorer
+        needs them decoded (IndexVectors.read)."""
+        return None

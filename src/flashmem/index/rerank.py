@@ -112,23 +112,31 @@ def token_page_mass(
     in order, e.g. by a host mirror of the keys: cache/rerank_codes.py KeyMirror), times
     `scaling`; tokens_valid [b, 1 or h, L] -> mass [b, h, L / page_tokens].
 
-    Logits laid out token-major (the transpose of a contiguous [b, h, L, nq], as the mirror
-    scores them) are worked on in that layout, in place (they are the caller's to give up):
-    the softmax over the tokens runs along dim -2, not over a transposed copy."""
+    fp32 logits laid out query-major (contiguous) or token-major (the transpose of a
+    contiguous [b, h, L, nq]) are worked on in that layout, in place (they are the caller's
+    to give up): the softmax over the tokens runs along whichever dim they are contiguous in,
+    not over a transposed copy."""
     b, h, nq, L = logits.shape
     by_token = logits.transpose(-1, -2)  # [b, h, L, nq]
-    if logits.dtype != torch.float32 or not by_token.is_contiguous():
+    if logits.dtype != torch.float32 or not (logits.is_contiguous() or by_token.is_contiguous()):
         return _page_mass(logits, tokens_valid[:, :, None, :], page_tokens, scaling, pool, share_heads)
+    query_major = logits.is_contiguous()
     if scaling != 1.0:
-        by_token.mul_(scaling)
+        logits.mul_(scaling)
     every = bool(tokens_valid.all())
     if not every:
-        by_token.masked_fill_(~tokens_valid[..., None], float("-inf"))
-    probs = torch.softmax(by_token, dim=-2)
+        logits.masked_fill_(~tokens_valid[:, :, None, :], float("-inf"))
+    if query_major:
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        probs = torch.softmax(by_token, dim=-2).transpose(-1, -2)  # along the tokens, in their layout
     if not every:
         probs.nan_to_num_(0.0)
-    per_page = probs.view(b, h, L // page_tokens, page_tokens, nq).sum(-2)  # [b, h, pages, nq]
-    return pool_mass(per_page.transpose(-1, -2), pool, share_heads)
+    if query_major:
+        per_page = probs.view(b, h, nq, L // page_tokens, page_tokens).sum(-1)  # [b, h, nq, pages]
+    else:
+        per_page = probs.transpose(-1, -2).view(b, h, L // page_tokens, page_tokens, nq).sum(-2).transpose(-1, -2)
+    return pool_mass(per_page, pool, share_heads)
 
 
 def _page_mass(

@@ -52,6 +52,15 @@ class IndexVectors:
             return self.codes.to(dtype)
         return (self.codes.to(torch.float32) * self.scales.to(torch.float32)[..., None]).to(dtype)
 
+    def score(self, scorer: BlockScorer, queries: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+        """scorer.score over every summary: int8 summaries by the scorer's `score_coded` where it
+        has one (the scales applied to the scores), else decoded (`read`) first."""
+        if self.scales is not None:
+            got = scorer.score_coded(queries, self.codes, self.scales, scaling)
+            if got is not None:
+                return got
+        return scorer.score(queries, self.read(queries.dtype), scaling)
+
     def nbytes(self) -> int:
         return self.codes.nbytes + (0 if self.scales is None else self.scales.nbytes)
 

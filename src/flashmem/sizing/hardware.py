@@ -392,6 +392,9 @@ class FlashTraffic:
     # HBM bytes of updating the working set per step (new pages into their slots; a rebuild where
     # the page count changes), beside device_read
     working_set_merge_bytes: float = 0.0
+    # HBM bytes a step writes and reads back besides what it holds (`assembly_bytes`), inside
+    # device_read_bytes: attention's K/V buffer, an int8 working set decoded, the index converted
+    assembly_bytes: float = 0.0
 
 
 def rebuild_fraction(cfg: Any, head_dim: int | None, dtype_bytes: float | None) -> float:
@@ -521,6 +524,7 @@ def predicted_traffic(
     n_chunks = -(-tokens // chunk)
     behind = _tokens_behind(n_chunks, chunk, resident_tok)
     attended = int(counts["sinks"]) + int(counts["window"]) + int(counts["open_block"]) + selected_tokens
+    assembly = assembly_bytes(cfg, counts, cold_tok, head_dim, dtype_bytes)
     what = f"{codec} keys" if codec == "exact" else f"{codec} codes"
     where = ", in place over every sealed page" if in_place else ""
     over = f", re-rank {what} over the link"
@@ -532,7 +536,7 @@ def predicted_traffic(
     return FlashTraffic(
         resident_bytes=int(flash.device_resident_bytes),
         prompt_bytes=int(flash.prompt_kv_bytes),
-        device_read_bytes=float(flash.device_resident_bytes) - cache_bytes + spill + merge + link + decoded,
+        device_read_bytes=float(flash.device_resident_bytes) - cache_bytes + spill + merge + link + decoded + assembly,
         link_bytes=link,
         disk_bytes=disk,
         host_read_bytes=host,
@@ -550,11 +554,47 @@ def predicted_traffic(
             "rerank_decoded_keys": decoded,
         },
         working_set_merge_bytes=merge,
+        assembly_bytes=assembly,
         page_cache_bytes=cache_bytes,
         host_flops=flops if host else 0.0,
         rerank_device_flops=flops if rerank or held else 0.0,
         held_code_bytes=held,
     )
+
+
+def assembly_bytes(
+    cfg: Any, counts: dict[str, Any], cold_tok: float, head_dim: int | None, dtype_bytes: float | None
+) -> float:
+    """HBM bytes a decode step writes and reads back besides the tiers it holds, per sequence,
+    every managed layer (0 where the geometry is unknown):
+
+    - attention's K/V buffer (cache/assembly.py `concat`): every attended part (sinks, HCA and
+      CSA entries, the working set, the open block, the window) is copied into one buffer in
+      the model's dtype, written, then read by SDPA;
+    - an int8 working set is decoded into that buffer in one pass on an accelerator (a mixed-dtype
+      multiply, `torch.mul(codes, scale, out=)`): its codes are read as held, nothing more (on a
+      CPU a copy then a scale pass, which vectorises there: not modelled);
+    - int8 or float16 index vectors are converted to the model's dtype for the scores
+      (index/mean_key.py `score_coded`, index/vectors.py `read`), written and read back.
+
+    A fused kernel that attends int8 pages where they lie, and scores the index from its codes,
+    would not pay these; SDPA over one buffer does."""
+    from flashmem.sizing.tiers import codec_bytes_per_element
+
+    if not head_dim or not dtype_bytes:
+        return 0.0
+    # layers x KV heads: one sealed token's K elements over every managed layer, per head_dim
+    heads = cold_tok / 2 / codec_bytes_per_element(str(cfg.cold_codec), int(dtype_bytes)) / head_dim
+    token = 2 * head_dim * float(dtype_bytes)  # K and V of one token, in the model's dtype
+    parts = ("sinks", "window", "open_block", "working_set", "csa_entries", "hca_entries")
+    attended = sum(int(counts.get(p, 0)) for p in parts)
+    if not cfg.use_summaries:  # HCA entries read by a scorer are not attended
+        attended -= int(counts.get("hca_entries", 0)) + int(counts.get("csa_entries", 0))
+    per_head = 2 * attended * token  # the buffer written, then read
+    index_dtype = str(cfg.lsa_index_dtype)
+    if index_dtype in ("int8", "float16"):  # (a float16 model's float16 index is not copied: bf16 assumed)
+        per_head += 2 * int(counts["index_key_vectors"]) * head_dim * float(dtype_bytes)
+    return heads * per_head
 
 
 def _tokens_behind(n_chunks: int, chunk: int, resident: int) -> int:
