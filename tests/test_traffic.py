@@ -55,6 +55,10 @@ def test_decode_traffic_matches_bytes_worked_out_by_hand():
     device = after["totals"]["device_read_bytes"] - before["device_read_bytes"]
     assert device == resident  # = the tiers during the step (101 tokens) + the new token's K/V
     assert after["totals"]["h2d_bytes"] == before["h2d_bytes"]  # every page held over
+    # attention's buffer: all 102 tokens' K and V (every page selected, plus the new token), fp32,
+    # written and read back by SDPA, in every layer; a model-dtype index is not converted
+    copied = after["totals"]["device_copy_bytes"] - before["device_copy_bytes"]
+    assert copied == len(layers) * 2 * 102 * per_token
     assert after["per_decode_step_median"]["full_cache_bytes"] > 0
     assert after["steps"] == {"prefill_forwards": 1, "decode_steps": 2}
     # a full cache reads all 102 tokens in every layer at the last step
@@ -171,3 +175,39 @@ def test_past_lsa_rerank_max_tokens_the_index_choice_stands_and_no_keys_are_read
     on = flashmem.attach(model, flashmem.FlashMemoryConfig(**RERANKED, lsa_rerank_max_tokens=10_000))
     _decode(model, on, ids, 6)
     assert on.traffic_report()["per_decode_step_median"]["host_read_bytes"] > 0
+
+
+def test_copies_counted_for_an_int8_working_set_and_index():
+    """device_copy_bytes counts what a selecting step writes and reads back beside its tiers: the
+    K/V buffer attention reads (every attended token, in the model's dtype), on a CPU an int8
+    working set's second (scale) pass over its decoded bytes, and an int8 index converted to the
+    queries' dtype; the counted hardware traffic adds them to the device's reads."""
+    from flashmem.sizing import hardware as hwm
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(3))
+    cfg = flashmem.FlashMemoryConfig(**{**RERANKED, "working_set_codec": "int8"})
+    cache = flashmem.attach(model, cfg)
+    layers = cache.flash_layers
+    with torch.no_grad():
+        model(ids[:, :150], cache=cache, use_cache=True)
+        before = cache.traffic_report()["totals"]["device_copy_bytes"]
+        # the step's own tiers (its append may seal a block and index it after it has attended)
+        recent = [lay.sink_k.shape[-2] + lay.open_k.shape[-2] + lay.win_k.shape[-2] + 1 for lay in layers]
+        index = [lay.ranker.index.codes.numel() for lay in layers]
+        model(ids[:, 150:151], cache=cache, use_cache=True)
+    report = cache.traffic_report()
+    copied = report["totals"]["device_copy_bytes"] - before
+    want = 0
+    for layer, r, n in zip(layers, recent, index):
+        b, h, _, d = layer.sink_k.shape
+        ws = layer.working_set.idx.shape[-1] * cfg.page_tokens  # selected tokens per KV head
+        # the int8 pages decoded: the buffer written and read, plus the scale pass (read and write)
+        want += 2 * 2 * b * h * (ws + r) * d * 4 + 2 * 2 * b * h * ws * d * 4
+        want += 2 * n * 4  # int8 mean keys converted to fp32
+    assert copied == want > 0
+    # counted traffic for the hardware model: the copies are HBM traffic too
+    tr = hwm.counted_traffic(report, 1, 0, "test")
+    step = report["per_decode_step_median"]
+    assert tr.device_read_bytes == step["device_read_bytes"] + step["device_copy_bytes"]
+    assert tr.assembly_bytes == step["device_copy_bytes"]

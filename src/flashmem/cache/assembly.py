@@ -42,6 +42,8 @@ class Assembly:
         self.keys: list[Part] = []
         self.values: list[Part] = []
         self.biases: list[torch.Tensor] = []
+        # bytes `attend` wrote into its K/V buffers and SDPA read back (traffic's device_copy_bytes)
+        self.copied_bytes = 0
 
     def add(self, k: Part, v: Part, bias: torch.Tensor) -> None:
         """A part k, v [b, h, n, d] with its bias [b, h or 1, n]; empty parts are skipped."""
@@ -82,6 +84,7 @@ class Assembly:
             values.append(v_rest.to(v_new.dtype))
         K = concat(keys, lambda shape: scratch.take("keys", shape, k_new.dtype, dev))
         V = concat(values, lambda shape: scratch.take("values", shape, v_new.dtype, dev))
+        self.copied_bytes = copy_bytes(keys, K) + copy_bytes(values, V)
         # The mask [b, Hq, rows, L] is written into a reused buffer laid out [b, h, group, rows, L]
         # (query head h * group + g, as enable_gqa pairs them): a prefill chunk's mask is 100+ MB
         # per layer, and a fresh one each time costs its page faults. Past MASK_BYTES the chunk's
@@ -121,6 +124,19 @@ def part_len(p: Part) -> int:
 def bias_from_valid(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[b, L] validity -> [b, 1, L] additive bias (0 or -inf)."""
     return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, NEG)[:, None]
+
+
+def copy_bytes(parts: list[Part], out: torch.Tensor) -> int:
+    """Bytes `concat` moved beyond reading its parts: the buffer `out` written and read back by
+    attention (nothing when one part was handed over as is), and, where int8 parts are decoded
+    in two passes (a CPU), their decoded bytes read and written once more."""
+    if len(parts) == 1 and isinstance(parts[0], torch.Tensor):
+        return 0
+    moved = 2 * out.nbytes
+    if not one_pass_decode(out.device):
+        moved += sum(2 * part_len(p) * out.shape[0] * out.shape[1] * out.shape[-1] * out.element_size()
+                     for p in parts if isinstance(p, tuple))  # fmt: skip
+    return moved
 
 
 def one_pass_decode(device: torch.device) -> bool:

@@ -103,6 +103,7 @@ class CandidateRanker:
         (hca_k [b, h, n, d]: the HCA entries, for a scorer that ranks by them)."""
         if self.scorer.uses_hca_entries:
             return self.scorer.score(qg, hca_k[:, :, :, None], scaling)
+        self.reader.traffic.add("device_copy_bytes", 2 * self.index.converted_bytes(qg.dtype))
         return self.index.score(self.scorer, qg, scaling)
 
     def rank(

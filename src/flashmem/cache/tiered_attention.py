@@ -46,7 +46,9 @@ def attend(
     if layer.num_sealed > 0:
         shown, rest = _add_history(layer, asm, qg, m, scaling)
     q, k_new = _add_recent(layer, asm, q, k_new, shown)
-    return asm.attend(q, k_new, v_new, valid_new, scaling, rest)
+    out = asm.attend(q, k_new, v_new, valid_new, scaling, rest)
+    layer.reader.traffic.add("device_copy_bytes", asm.copied_bytes)
+    return out
 
 
 def _add_history(

@@ -11,7 +11,12 @@ On an accelerator what a step costs is what it reads, and where from
   within RAM). A coded cold tier counts its coded bytes;
 - `host_read_bytes`: bytes read by compute where the cold tier holds them (the
   re-rank scoring a memory store's keys in place, on a CPU only);
-- `disk_read_bytes`: bytes the store's disk tier read (prefetch included).
+- `disk_read_bytes`: bytes the store's disk tier read (prefetch included);
+- `device_copy_bytes`: bytes a selecting step writes on the device and reads back to run
+  attention, beside the tiers it holds: attention's K/V buffer (cache/assembly.py `concat`,
+  written then read by SDPA; on a CPU an int8 part's scale pass too) and the index converted
+  to the queries' dtype for its scores (written, read back). The hardware model charges
+  them as HBM traffic (sizing/hardware.py `assembly_bytes`).
 
 One `Traffic` is shared by a cache's layers; the cache opens a step at the first
 layer's update (`begin_step`) and `report()` gives totals and per-step medians
@@ -29,7 +34,7 @@ import torch
 
 from flashmem.store.base import ColdStore
 
-PATHS = ("device_read_bytes", "h2d_bytes", "host_read_bytes", "disk_read_bytes")
+PATHS = ("device_read_bytes", "h2d_bytes", "host_read_bytes", "disk_read_bytes", "device_copy_bytes")
 # Store tiers that live in RAM: their reads are not disk reads.
 _RAM_TIERS = frozenset({"memory", "ram"})
 

@@ -401,7 +401,8 @@ def traffic_lines(r: dict[str, Any]) -> list[str]:
         return f"{n / 1e6:,.1f} MB"
 
     lines = [
-        f"per decode step (median): read from device tiers {mb(d['device_read_bytes'])}, copied from the cold "
+        f"per decode step (median): read from device tiers {mb(d['device_read_bytes'])}, written and read back "
+        f"to attend {mb(d.get('device_copy_bytes', 0))}, copied from the cold "
         f"tier {mb(d['h2d_bytes'])}, read on the host {mb(d['host_read_bytes'])}, from disk "
         f"{mb(d['disk_read_bytes'])}; a full cache reads {mb(d['full_cache_bytes'])}; pages already held "
         f"{t['page_cache']['hit_rate']:.0%}"

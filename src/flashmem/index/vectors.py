@@ -52,6 +52,13 @@ class IndexVectors:
             return self.codes.to(dtype)
         return (self.codes.to(torch.float32) * self.scales.to(torch.float32)[..., None]).to(dtype)
 
+    def converted_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the copy `score` makes of the vectors in `dtype` to score them (int8, or
+        float16 under another dtype; 0 when they are held in it): written, then read back."""
+        if self.codes.dtype == dtype:
+            return 0
+        return self.codes.numel() * torch.empty(0, dtype=dtype).element_size()
+
     def score(self, scorer: BlockScorer, queries: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """scorer.score over every summary: int8 summaries by the scorer's `score_coded` where it
         has one (the scales applied to the scores), else decoded (`read`) first."""

@@ -649,6 +649,8 @@ def check_traffic(data: Any, where: str = "traffic") -> None:
     ):
         for k in TRAFFIC_KEYS:
             count(values.get(k), f"{section}.{k}")
+        if "device_copy_bytes" in values:  # (files from before it was counted have none)
+            count(values["device_copy_bytes"], f"{section}.device_copy_bytes")
     count(data.get("full_cache_bytes"), "full_cache_bytes")
     count(data.get("layers"), "layers")
 
@@ -675,12 +677,14 @@ def counted_traffic(report: dict[str, Any], resident_bytes: int, prompt_bytes: i
     return FlashTraffic(
         resident_bytes=resident_bytes,
         prompt_bytes=prompt_bytes,
-        device_read_bytes=float(step["device_read_bytes"]),
+        # the copies attention and the index make count as HBM traffic too (older files: none)
+        device_read_bytes=float(step["device_read_bytes"]) + float(step.get("device_copy_bytes", 0)),
         link_bytes=float(step["h2d_bytes"]),
         disk_bytes=float(step["disk_read_bytes"]),
         host_read_bytes=float(step["host_read_bytes"]),
         prefill_link_bytes=float(chunk["h2d_bytes"]) * int(_prefill_count(report)),
         attended_tokens=0,
+        assembly_bytes=float(step.get("device_copy_bytes", 0)),
         # a run counts bytes, not FLOPs: its host reads bound the host's DRAM time only
         source=f"counted: {source} (per-decode-step medians of that run; host FLOPs not counted)",
     )
