@@ -54,10 +54,11 @@ class IndexVectors:
 
     def converted_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the copy `score` makes of the vectors in `dtype` to score them (int8, or
-        float16 under another dtype; 0 when they are held in it): written, then read back."""
+        float16 under another dtype; 0 when they are held in it): written, then read back. A
+        scorer without `score_coded` decodes int8 through fp32 first, which copies more."""
         if self.codes.dtype == dtype:
             return 0
-        return self.codes.numel() * torch.empty(0, dtype=dtype).element_size()
+        return self.codes.numel() * dtype.itemsize
 
     def score(self, scorer: BlockScorer, queries: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         """scorer.score over every summary: int8 summaries by the scorer's `score_coded` where it
