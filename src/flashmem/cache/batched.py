@@ -245,6 +245,13 @@ def _attend_short(
             tiers = layer.resident_bytes()  # what FlashLayer._attended_bytes counts: every tier it reads
             read = sum(nb for name, nb in tiers.items() if name not in ("query_buffer", "prefill_kv"))
             layer.reader.traffic.add("device_read_bytes", read + 2 * k_new.nbytes)
+            # the row's part of the K/V buffer, written and read back, as its step alone counts it
+            # (assembly.copy_bytes: nothing when the new token is the only part)
+            parts = sum(t.shape[-2] > 0 for t in (layer.sink_k, layer.open_k, layer.win_k)) + 1
+            if parts > 1:
+                layer.reader.traffic.add(
+                    "device_copy_bytes", 2 * (K[i, :, : lengths[i]].nbytes + V[i, :, : lengths[i]].nbytes)
+                )
             layer.working_set.end_step()
             layer.append(k_new, v_new, valid, group_queries(query[:, :, ans.at : ans.at + 1], group), group)
             layer.peak_resident_bytes = max(layer.peak_resident_bytes, sum(layer.resident_bytes().values()))
