@@ -63,9 +63,13 @@ def test_a_model_on_the_cpu_reranks_an_int8_key_copy_where_it_reranks_in_place()
     assert FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2").lsa_rerank_mirror == "none"  # device unknown
 
 
-def test_follow_pages_from_one_eighth():
-    assert recipe_keys(1 / 8)["lsa_follow_pages"] == 1 and recipe_keys(1 / 16)["lsa_follow_pages"] == 0
+def test_follow_pages_from_one_eighth_up_and_from_one_thirty_second_down():
+    follows = {b: recipe_keys(b)["lsa_follow_pages"] for b in (1 / 4, 1 / 8, 1 / 12, 1 / 16, 1 / 24, 1 / 32, 1 / 64)}
+    assert follows == {1 / 4: 1, 1 / 8: 1, 1 / 12: 0, 1 / 16: 0, 1 / 24: 0, 1 / 32: 1, 1 / 64: 1}
     assert FlashMemoryConfig.for_budget(1 / 16, 8192).lsa_follow_pages == 0
+    assert FlashMemoryConfig.for_budget(1 / 32, 8192).lsa_follow_pages == 1
+    # a caller's choice stands
+    assert FlashMemoryConfig.for_budget(1 / 32, 8192, lsa_follow_pages=0).lsa_follow_pages == 0
 
 
 def test_bare_config_is_the_seed_layout_not_the_recipe():
