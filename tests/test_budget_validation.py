@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
 from flashmem.recipe import MAX_TOKENS, recipe_keys
-from flashmem.sizing.budget import _ratio_of, _sized, model_geometry, predicted_ratio
+from flashmem.sizing.budget import _ratio_of, _sized, budget_config, model_geometry, predicted_ratio
 
 
 def _one_line(call) -> str:
@@ -185,3 +185,21 @@ def test_the_solver_selects_a_page_when_the_budget_allows_one():
         cfg = budget_config(1 / 32, tokens, **geo)
         assert cfg.lsa_top_k >= 1, tokens
         assert predicted_ratio(cfg, tokens, **geo, peak=True) <= 1.03 / 32
+
+
+def test_an_unreachable_budget_warns_with_what_it_holds():
+    """At 2K, 1/32 is 64 tokens a layer: less than the sinks, the window and the open block the
+    solver can shape, so it returns its closest config and says so in one warning naming what
+    that config holds; a reachable budget gives no warning."""
+    import warnings
+
+    from flashmem.errors import BudgetWarning
+
+    with pytest.warns(
+        BudgetWarning, match=r"budget 0\.03125 is not reachable at 2048 tokens.*allowed: a budget of at least 0\.0"
+    ):
+        budget_config(1 / 32, 2048, group=3, head_dim=64, dtype_bytes=4, device_codes=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetWarning)
+        budget_config(1 / 32, 4096, group=3, head_dim=64, dtype_bytes=4, device_codes=False)
+        budget_config(1 / 16, 2048, group=3, head_dim=64, dtype_bytes=4, device_codes=False)

@@ -23,5 +23,9 @@ class ChecksumError(FlashMemError):
     """Bytes read back from the cold tier do not match the checksum written with them."""
 
 
+class BudgetWarning(UserWarning):
+    """A budget the solver cannot reach at this length: the config it returns holds more."""
+
+
 class ColdStoreError(FlashMemError):
     """The cold tier cannot be used as configured (missing dir, not writable, disk full)."""

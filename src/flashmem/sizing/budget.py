@@ -11,13 +11,14 @@ measured from its tensors (`memory_report()["device_resident_bytes"]`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from flashmem import policies
 from flashmem.config import FlashMemoryConfig, set_budget_solver
-from flashmem.errors import ConfigError, FlashMemError
+from flashmem.errors import BudgetWarning, ConfigError, FlashMemError
 from flashmem.models import geometry
 from flashmem.recipe import (
     HOST_RERANK,
@@ -121,7 +122,15 @@ def budget_config(
     per_page = base.page_tokens * working_set_scale(base, head_dim, dtype_bytes)
     bands = range(0, 33) if base.use_summaries else [0]  # the band is dropped without summaries
     cands = _candidates(ratio, budget, tokens, _page_counts(int(target / per_page) + 9), bands)
-    _, w, k, band, _ = _nearest_shape(cands, budget, spec.shape, target, per_page, base)
+    _, w, k, band, got = _nearest_shape(cands, budget, spec.shape, target, per_page, base)
+    if got > 1.03 * budget:
+        # sinks, the open block and the index alone pass it: say so, not silently hold more
+        warnings.warn(
+            f"budget {budget:g} is not reachable at {tokens} tokens: the closest config holds {got:.3f} of the "
+            f"full cache at its peak ({k} selected pages); allowed: a budget of at least {got:.3f}, or a longer prompt",
+            BudgetWarning,
+            stacklevel=3,
+        )
     if k == 0 and base.lsa_rerank_on_device and base.lsa_rerank > 1:
         # the held codes of the candidate floor took the room: a re-rank with nothing to select
         raise FlashMemError(
