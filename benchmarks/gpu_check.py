@@ -325,6 +325,10 @@ def predictions(hw: hwm.Hardware, model: Any, tokens: int, cfg: Any, traffic: di
         "flashmem_link_parts": pred.parts,
         "flashmem_held_code_bytes": pred.held_code_bytes,
         "flashmem_host_flops_per_step": pred.host_flops,
+        # HBM per step: the tiers read plus what the step writes and reads back to attend (its
+        # K/V buffer, the index converted); beside the run's counted device_copy_bytes
+        "flashmem_device_read_bytes_per_step": pred.device_read_bytes,
+        "flashmem_assembly_bytes_per_step": pred.assembly_bytes,
         "flashmem_device_resident_bytes": flash.device_resident_bytes,
         "flashmem_peak_bytes": cost.weight_bytes + flash.prompt_peak_bytes,
         "prefill_s": fm.prefill_s,
