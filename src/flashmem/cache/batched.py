@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from flashmem.cache.assembly import copy_bytes
 from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.cache.flash_layer import FlashLayer
 from flashmem.cache.tiered_attention import group_queries
@@ -247,11 +248,11 @@ def _attend_short(
             layer.reader.traffic.add("device_read_bytes", read + 2 * k_new.nbytes)
             # the row's part of the K/V buffer, written and read back, as its step alone counts it
             # (assembly.copy_bytes: nothing when the new token is the only part)
-            parts = sum(t.shape[-2] > 0 for t in (layer.sink_k, layer.open_k, layer.win_k)) + 1
-            if parts > 1:
-                layer.reader.traffic.add(
-                    "device_copy_bytes", 2 * (K[i, :, : lengths[i]].nbytes + V[i, :, : lengths[i]].nbytes)
-                )
+            n = lengths[i]
+            ks = [t for t in (layer.sink_k, layer.open_k, layer.win_k) if t.shape[-2]] + [k_new]
+            vs = [t for t in (layer.sink_v, layer.open_v, layer.win_v) if t.shape[-2]] + [v_new]
+            copied = copy_bytes(ks, K[i : i + 1, :, :n]) + copy_bytes(vs, V[i : i + 1, :, :n])
+            layer.reader.traffic.add("device_copy_bytes", copied)
             layer.working_set.end_step()
             layer.append(k_new, v_new, valid, group_queries(query[:, :, ans.at : ans.at + 1], group), group)
             layer.peak_resident_bytes = max(layer.peak_resident_bytes, sum(layer.resident_bytes().values()))
