@@ -160,6 +160,8 @@ def measure(
         "prompt_h2d_bytes": traffic["totals"]["h2d_bytes"],
         "decode_h2d_median": traffic["per_decode_step_median"]["h2d_bytes"],
         "decode_host_read_median": traffic["per_decode_step_median"]["host_read_bytes"],
+        # a disk cold tier's reads (the slow tier there): blocks the prefetcher's buffer lacked
+        "decode_disk_read_median": traffic["per_decode_step_median"]["disk_read_bytes"],
         "decode_full_cache_read": traffic["per_decode_step_median"]["full_cache_bytes"],
         "page_hit_rate": traffic["page_cache"]["hit_rate"],
         # re-rank candidates whose codes the device held over (lsa_rerank_on_device), else None
@@ -177,6 +179,9 @@ def measure(
         "h2d_over_new_pages": traffic["h2d_over_new_pages_median"],
         "decode_h2d_over_full_cache": traffic["per_decode_step_median"]["h2d_bytes"] / full if full else None,
         "decode_host_read_over_full_cache": traffic["per_decode_step_median"]["host_read_bytes"] / full
+        if full
+        else None,
+        "decode_disk_read_over_full_cache": traffic["per_decode_step_median"]["disk_read_bytes"] / full
         if full
         else None,
         "cold_store": cold_store,
