@@ -345,6 +345,20 @@ def predictions(hw: hwm.Hardware, model: Any, tokens: int, cfg: Any, traffic: di
     return out
 
 
+def recipe_config(budget: float, tokens: int, model: Any, device: torch.device, **overrides: Any) -> Any:
+    """The recipe at `budget` after `tokens`, cold tier in host memory, prefetch on, pages split
+    evenly; off the CPU with the prompt streamed in the chunks `flashmem.attach(model)` picks
+    there (`ACCELERATOR_PREFILL_CHUNK`, 4,096 tokens: the 512 of a CPU read every earlier block
+    back over the link 8x as often, docs/accelerator.md)."""
+    from flashmem.cache.attach import ACCELERATOR_PREFILL_CHUNK
+
+    if device.type != "cpu":
+        overrides = {"prefill_chunk": ACCELERATOR_PREFILL_CHUNK, **overrides}
+    return flashmem.FlashMemoryConfig.for_budget(
+        budget, tokens, model, lsa_layer_shares=None, cold_store="memory", prefetch_threads=2, **overrides
+    )
+
+
 def run_length(
     model: Any, tokens: int, args: argparse.Namespace, device: torch.device, hw: hwm.Hardware, deadline: float
 ) -> dict[str, Any]:
@@ -393,9 +407,7 @@ def run_length(
     else:
         res["offloaded"] = "n/a (transformers offloads on CUDA only)"
     # flashmem: the recipe, cold tier in host memory, prefetch on
-    cfg = flashmem.FlashMemoryConfig.for_budget(
-        args.budget, tokens, model, lsa_layer_shares=None, cold_store="memory", prefetch_threads=2
-    )
+    cfg = recipe_config(args.budget, tokens, model, device)
     try:
         res["prediction"] = predictions(hw, model, tokens, cfg, None)
     except Exception as exc:
@@ -429,9 +441,7 @@ def run_device_rerank(
     refuses that), so it runs at 3/4 of the cache; a refusal at real sizes is recorded as skipped."""
     budget = max(args.budget, 0.75) if args.smoke else args.budget
     try:
-        cfg = flashmem.FlashMemoryConfig.for_budget(
-            budget, tokens, model, lsa_layer_shares=None, cold_store="memory", prefetch_threads=2, **DEVICE_RERANK
-        )
+        cfg = recipe_config(budget, tokens, model, device, **DEVICE_RERANK)
     except FlashMemError as exc:
         return {"tokens": tokens, "budget": budget, "skipped": str(exc)}
     last = getattr(args, "last_prefill", None)
