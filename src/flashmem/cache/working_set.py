@@ -285,7 +285,9 @@ class WorkingSet:
     ) -> None:
         if candidates is not None and self._cut_from_candidates(idx, page_tokens_valid, held, candidates, reader):
             return
-        if reader.direct and self._gather_from_arena(idx, page_tokens_valid, held, reader):
+        # a store that cuts pages itself (a memory arena; a disk tier reading just the pages):
+        # without a prefetcher, or ranked on the host where the pages are cut there anyway
+        if (reader.direct or reader.host_ranking) and self._gather_from_arena(idx, page_tokens_valid, held, reader):
             return
         ppb = reader.cfg.pages_per_block
         if held is not None:  # read (and, int8, code) only the blocks of the pages not held
@@ -423,14 +425,15 @@ class WorkingSet:
     def _gather_from_arena(
         self, idx: torch.Tensor, page_tokens_valid: torch.Tensor, held: Held | None, reader: BlockReader
     ) -> bool:
-        """Without a prefetcher, a store that can cut pages out of many blocks at once
-        (MemoryStore's arena) hands over just the selected pages: one indexing op, no whole
-        blocks stacked. held: `held_over`'s pages, not read again. False: the store cannot."""
+        """A store that can cut pages out of many blocks at once (MemoryStore's arena, or a disk
+        tier reading just those pages: `DiskStore.gather_pages`) hands over just the selected
+        pages, no whole blocks stacked: without a prefetcher, or on the host when ranked there.
+        held: `held_over`'s pages, not read again. False: the store cannot."""
         if held is not None and not bool((~held[0]).any()):
             self.merge(idx, held, self.no_pages(), self.no_pages(), page_tokens_valid)
             return True
-        # ranked on the host, an int8 working set's new pages are cut there and cross as codes
-        on_host = reader.host_ranking and self.codec == "int8"
+        # ranked on the host, the new pages are cut there and cross the link (int8: as codes)
+        on_host = reader.host_ranking
         got = reader.arena_pages(idx, only=None if held is None else ~held[0], on_host=on_host)
         if got is None:
             return False

@@ -4,7 +4,9 @@
 the background writer; this class says how a batch becomes durable (records
 appended to the current segment, then their commit entries to commit.log, each
 fdatasync'd when sync is on) and how a block is read back (`os.preadv` of its
-record, header and xxh64 checked). Layout: see `flashmem.store.format`.
+record, header and xxh64 checked), or some of its pages (`read_units`: runs of a record,
+each checked against the unit sums kept in RAM, store/page_sums.py). Layout: see
+`flashmem.store.format`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 
-from flashmem.errors import ChecksumError
+from flashmem.errors import ChecksumError, ColdStoreError
 from flashmem.store.base import BlockKey
 from flashmem.store.codecs import DTYPE_CODES, Codec
 from flashmem.store.codecs.base import Shape
@@ -31,6 +34,7 @@ from flashmem.store.format import (
     unpack_header,
     xxh64,
 )
+from flashmem.store.page_sums import payload_sums, unit_sums
 from flashmem.store.private_fs import open_private, open_read
 from flashmem.store.transfer import host_buffer
 from flashmem.store.write_behind import Pending, WriteBehindCore, WriteOptions
@@ -59,6 +63,8 @@ class DiskCore(WriteBehindCore):
         super().__init__(folder, codec, opts, lock_fd)
         self.segment_bytes = segment_bytes
         self.index: dict[BlockKey, Loc] = dict(index or {})
+        # unit sums of durable records put by this process (a reopened record has none: read whole)
+        self.page_sums: dict[BlockKey, np.ndarray] = {}
         self.read_fds: dict[int, int] = {}
         self.seg = first_segment
         self.seg_off = 0
@@ -74,9 +80,20 @@ class DiskCore(WriteBehindCore):
     def _error_path(self) -> str:
         return os.path.join(self.folder, segment_name(self.seg))
 
+    def enqueue(self, item: Pending) -> None:
+        """Queue a coded block, with its unit sums when the codec is exact (so its pages can be
+        read alone); computed before the lock, from the payload as put."""
+        if self.codec.name == "exact":
+            item.page_sums = payload_sums(item.payload.numpy(), item.shape, item.dtype.itemsize)
+        super().enqueue(item)
+
     def _committed(self, item: Pending, result: object) -> None:
         assert isinstance(result, CommitEntry)
         self.index[item.key] = Loc(result, item.shape, item.dtype)
+        if item.page_sums is None:
+            self.page_sums.pop(item.key, None)
+        else:
+            self.page_sums[item.key] = item.page_sums
 
     def _write_batch(self, batch: list[Pending]) -> list[CommitEntry]:
         entries: list[CommitEntry] = []
@@ -141,6 +158,61 @@ class DiskCore(WriteBehindCore):
             )
         return payload, loc.shape, loc.dtype, dt
 
+    def layout(self, key: BlockKey) -> tuple[Shape, torch.dtype] | None:
+        """The block's shape and dtype when its pages can be read alone (`read_units`), else None
+        (not in the store, a coded record, or one recovered from disk without unit sums)."""
+        with self.lock:
+            item = self.pending.get(key)
+            if item is not None:
+                return (item.shape, item.dtype) if item.page_sums is not None else None
+            loc = self.index.get(key)
+            return (loc.shape, loc.dtype) if loc is not None and key in self.page_sums else None
+
+    def read_units(self, key: BlockKey, units: np.ndarray, nbytes: int) -> np.ndarray | None:
+        """Units `units` (sorted unique indices into the payload's units of `nbytes` bytes) of a
+        block -> uint8 [len(units), nbytes]: from memory while pending, else read from its
+        segment file in runs of consecutive units, each unit checked against its sum
+        (ChecksumError naming the block and offset); None where `layout` is None."""
+        with self.lock:
+            if self.closed:
+                raise ColdStoreError(f"cold store {self.folder}: get after close; allowed: a new store")
+            item = self.pending.get(key)
+            if item is not None:
+                if item.page_sums is None:
+                    return None
+                self.stats.gets += 1
+                self.stats.extra["pending_hits"] = self.stats.extra.get("pending_hits", 0) + 1
+                return item.payload.numpy().reshape(-1, nbytes)[units]
+            loc, sums = self.index.get(key), self.page_sums.get(key)
+            if loc is None or sums is None:
+                return None
+            fd = self._read_fd(loc.entry.segment)
+        out = np.empty((len(units), nbytes), dtype=np.uint8)
+        start = loc.entry.offset + HEADER_SIZE
+        breaks = np.flatnonzero(np.diff(units) != 1) + 1  # runs of consecutive units: one pread each
+        t0 = time.perf_counter()
+        for i0, i1 in zip(np.r_[0, breaks], np.r_[breaks, len(units)]):
+            got = pread_into(fd, [out[i0:i1]], start + int(units[i0]) * nbytes)
+            if got < (i1 - i0) * nbytes:
+                raise ChecksumError(
+                    f"{os.path.join(self.folder, segment_name(loc.entry.segment))}: block (layer {key[0]}, "
+                    f"block {key[1]}) at offset {loc.entry.offset}: record truncated"
+                )
+        dt = time.perf_counter() - t0
+        bad = np.flatnonzero(unit_sums(out) != sums[units])
+        if bad.size:
+            raise ChecksumError(
+                f"{os.path.join(self.folder, segment_name(loc.entry.segment))}: block (layer {key[0]}, block "
+                f"{key[1]}) at offset {loc.entry.offset}: page checksum mismatch at payload byte "
+                f"{int(units[bad[0]]) * nbytes}; the file was modified or damaged"
+            )
+        with self.lock:
+            self.stats.gets += 1
+            self.stats.bytes_read += out.nbytes
+            self.stats.extra["read_s"] = self.stats.extra.get("read_s", 0.0) + dt
+            self.stats.extra["page_reads"] = self.stats.extra.get("page_reads", 0) + 1
+        return out
+
     def _read_fd(self, seg: int) -> int:
         fd = self.read_fds.get(seg)
         if fd is None:
@@ -152,6 +224,7 @@ class DiskCore(WriteBehindCore):
     def _release(self) -> None:
         with self.lock:
             self.index.clear()
+            self.page_sums.clear()
             fds = list(self.read_fds.values()) + [self.log_fd]
             self.read_fds.clear()
         for fd in fds:

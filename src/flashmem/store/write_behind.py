@@ -64,6 +64,8 @@ class Pending:
     payload: torch.Tensor  # uint8 [n], host
     shape: Shape
     dtype: torch.dtype
+    # the payload's unit checksums (store/page_sums.py), where the backend reads single pages
+    page_sums: Any = None
 
 
 class WriteBehindCore:
