@@ -237,17 +237,22 @@ def main(argv: list[str] | None = None) -> None:
         extra["lsa_rerank_on_device"] = True
     if a.cache_pages is not None:
         extra["lsa_cache_pages"] = a.cache_pages
+    # a class-wide switch: put back after the run (the smoke tests run this script in-process)
+    was = BlockReader.rank_on_host
     if a.rank_on_host:
         BlockReader.rank_on_host = True
     rows = []
-    for n in (int(x) for x in a.lengths.split(",")):
-        for codec in a.codecs.split(","):
-            row = measure(
-                a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb,
-                a.text, a.text_seed, extra, a.as_device, a.question,
-            )  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row))
+    try:
+        for n in (int(x) for x in a.lengths.split(",")):
+            for codec in a.codecs.split(","):
+                row = measure(
+                    a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb,
+                    a.text, a.text_seed, extra, a.as_device, a.question,
+                )  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row))
+    finally:
+        BlockReader.rank_on_host = was
     if a.out:
         with open(a.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

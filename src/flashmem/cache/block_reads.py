@@ -241,8 +241,8 @@ class BlockReader:
         """Queue background loads of the blocks predicted for the next step: this step's
         blocks [b, h, k] and neighbours within prefetch_window (docs/design.md)."""
         pf = self.prefetcher
-        if pf is None:
-            return
+        if pf is None or (self.host_ranking and self.store.page_reads):
+            return  # nothing to load ahead: ranked on the host, a step takes its pages from the store
         cfg = self.cfg
         cap = None
         if self.lookahead_bytes is not None:

@@ -180,6 +180,10 @@ class RowMappedStore:
     def get(self, key: BlockKey, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return _pick(self._live(), key, self.inner.get(key, device))
 
+    @property
+    def page_reads(self) -> bool:
+        return self._live() is None and bool(self.inner.page_reads)
+
     def gather_pages(self, *args: Any, **kwargs: Any) -> Any:
         return None if self._live() is not None else self.inner.gather_pages(*args, **kwargs)
 

@@ -55,6 +55,13 @@ class ColdStore(ABC):
     tier: str  # its name in tier_stats()
     coded_reads: bool = False
 
+    @property
+    def page_reads(self) -> bool:
+        """`gather_pages` hands over just the pages asked for (the default: it declines, and
+        pages are cut from whole blocks). Then a reader that takes its pages so on the host
+        has no use for whole blocks loaded ahead."""
+        return False
+
     @abstractmethod
     def put(self, key: BlockKey, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep a copy of a sealed block. k, v: [batch, kv_heads, B, head_dim].

@@ -63,6 +63,10 @@ class DiskStore(OnDiskStore):
             log_offset=rec.log_length,
         )
 
+    @property
+    def page_reads(self) -> bool:
+        return self.codec.name == "exact"  # records of coded blocks are read whole
+
     def gather_pages(
         self,
         layer_idx: int,

@@ -137,6 +137,10 @@ class MemoryStore(ColdStore):
         arena.write(j, k, v)
         return arena.k[j], arena.v[j]
 
+    @property
+    def page_reads(self) -> bool:
+        return self.codec.name == "exact"  # exact blocks live in the arena that pages are cut from
+
     def gather_pages(
         self,
         layer_idx: int,
