@@ -102,3 +102,30 @@ def test_the_cache_takes_the_share_from_the_pages_mean_values():
 def test_a_share_out_of_range_is_refused():
     with pytest.raises((FlashMemError, ValueError)):
         flashmem.FlashMemoryConfig(**SMALL, lsa_feedback_share=0.9)
+
+
+def test_the_pages_mean_values_follow_their_rows():
+    """Rows reordered (beam search) or selected (batch selection): each row keeps its own pages'
+    mean values, as its stored blocks give them, and the next steps run on the new rows."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(5))
+    kw = dict(lsa_scorer="mean_key", lsa_page_tokens=4, lsa_index_dtype="int8", lsa_top_k=8)
+    cfg = flashmem.FlashMemoryConfig(**{**SMALL, **kw, "lsa_feedback_share": 0.25, "lsa_feedback_seeds": 1})
+    with flashmem.attach(model, cfg) as cache, torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True).logits[:, -1:]
+        out = model(out.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
+        layers = [layer for layer in cache.layers if hasattr(layer, "ranker")]
+        before = [layer.ranker.page_values.means.clone() for layer in layers]
+        cache.reorder_cache(torch.tensor([1, 0]))
+        for layer, old in zip(layers, before):
+            assert torch.equal(layer.ranker.page_values.means, old[[1, 0]])
+        cache.batch_select_indices(torch.tensor([1]))
+        out = model(out.argmax(-1)[[0, 1]][[1]], cache=cache, use_cache=True).logits[:, -1:]
+        for layer in layers:
+            pv = layer.ranker.page_values
+            assert pv.means.shape[0] == 1
+            ref = torch.cat(
+                [v.float().view(*v.shape[:2], -1, 4, v.shape[-1]).mean(-2) for v in
+                 (layer.fetch_block(j)[1] for j in range(pv.blocks))], dim=2,
+            )  # fmt: skip
+            assert torch.allclose(pv.means[:, :, : ref.shape[2]], ref, atol=1e-5)

@@ -244,6 +244,22 @@ def test_rows_change_during_a_streamed_exact_prompt():
     pair.check(torch.randint(0, 128, (2, 20)))
 
 
+@pytest.mark.parametrize("tier", ["memory", "disk+prefetch"])
+@pytest.mark.parametrize("changes", [[[0]], [[1, 0], [1]]])
+def test_rows_dropped_to_the_first_ones_read_only_theirs(tier, changes, tmp_path):
+    """Keeping row 0 of two (alone, or after a swap that puts it first) maps each current row to
+    its own stored row, which reads like no map at all, except that the blocks hold rows that
+    were dropped: reads must still pick the kept row."""
+    torch.manual_seed(6)
+    pair = Pair(tiny_llama(), exact_cfg(**cold_tiers(tmp_path)[tier]))
+    pair.check(torch.randint(0, 128, (2, 100)))
+    for rows in changes:
+        pair.both("reorder_cache" if len(rows) == 2 else "batch_select_indices", torch.tensor(rows))
+    forget_working_sets(pair.cache)
+    for _ in range(4):
+        pair.check(torch.randint(0, 128, (1, 1)))
+
+
 def test_identity_reorder_keeps_the_fast_reads():
     pair = Pair(tiny_llama(), exact_cfg())
     pair.check(torch.randint(0, 128, (2, 60)))

@@ -137,15 +137,20 @@ def end_exact_prompt(layer: FlashLayer) -> None:
 # ---------------------------------------------------------------------------- rows
 class RowMap:
     """For each block sealed before the last row change: which stored row each current row
-    reads ([n, b] long). Blocks from `n` on are stored in the current row order."""
+    reads ([n, b] long), and how many rows it was stored with (stored [n]). Blocks from `n`
+    on are stored in the current row order."""
 
-    def __init__(self, rows: torch.Tensor, owner: object) -> None:
+    def __init__(self, rows: torch.Tensor, owner: object, stored: torch.Tensor) -> None:
         self.rows = rows
+        self.stored = stored
         # The layer's index object when the map was made: a reset layer builds a new one,
         # and its blocks are stored in its own row order (the map no longer applies).
         self.owner = owner
-        # every block read as stored: the fast paths (arena, in-place keys) stay open
-        self.identity = rows.numel() == 0 or bool((rows == torch.arange(rows.shape[1], device=rows.device)).all())
+        # every block read as stored: the fast paths (arena, in-place keys) stay open. Not when
+        # rows were dropped: [0] of blocks stored with 2 rows reads a part of each block
+        b = rows.shape[1]
+        same = bool((stored == b).all()) and bool((rows == torch.arange(b, device=rows.device)).all())
+        self.identity = rows.numel() == 0 or same
 
     @property
     def blocks(self) -> int:
@@ -215,17 +220,20 @@ def _pick(m: RowMap | None, key: BlockKey, kv: tuple[torch.Tensor, torch.Tensor]
     return k.index_select(0, rows.to(k.device)), v.index_select(0, rows.to(v.device))
 
 
-def _remap_cold(layer: FlashLayer, src: torch.Tensor) -> None:
-    """Compose the layer's row map with src and route its reads through it."""
+def _remap_cold(layer: FlashLayer, src: torch.Tensor, b_old: int) -> None:
+    """Compose the layer's row map with src (the layer had b_old rows) and route its reads
+    through it."""
     old = _map_of(layer)
     n = layer.sealed
     dev = src.device
     if old is None:
         rows = src.expand(n, -1)
+        stored = torch.full((n,), b_old, dtype=torch.long)
     else:
         fresh = src.expand(n - old.blocks, -1)  # sealed since the last change: stored in that row order
         rows = torch.cat([old.rows.index_select(1, src), fresh])
-    row_map = RowMap(rows.to(dev).contiguous(), layer.index)
+        stored = torch.cat([old.stored, torch.full((n - old.blocks,), b_old, dtype=torch.long)])
+    row_map = RowMap(rows.to(dev).contiguous(), layer.index, stored)
     reader = layer.reader
     inner = reader.store.inner if isinstance(reader.store, RowMappedStore) else reader.store
     view = RowMappedStore(inner, layer.layer_idx, row_map, layer)
@@ -291,11 +299,14 @@ def select_rows(layer: FlashLayer, src: torch.Tensor) -> None:
     exact = layer.exact
     if exact.k is not None and exact.v is not None:
         exact.k, exact.v = pick(exact.k), pick(exact.v)
-    _remap_cold(layer, src)
+    _remap_cold(layer, src, b_old)
     if layer.ranker.codes is not None:  # coded per row as the blocks sealed: rows follow as the index's do
         layer.ranker.codes.select_rows(src)
     if layer.ranker.device_codes is not None:  # copied again for the new rows at the next re-rank
         layer.ranker.device_codes.clear()
+    pv = layer.ranker.page_values
+    if pv is not None and pv.blocks:  # lsa_feedback_share: the pages' mean values, per row (host)
+        pv.means = pv.means.index_select(0, src.to(pv.means.device))
     if src.numel() != b_old:
         _, h, _, d = layer.sink_k.shape
         layer.reader.bind((src.numel(), h, d), layer.device, layer.dtype, layer.cfg.sink_tokens)
