@@ -13,6 +13,10 @@ httpx = pytest.importorskip("httpx")
 
 from serve_helpers import MODEL, make_engine, serving, wait_for  # noqa: E402
 
+# a sampled answer that runs until it is stopped: the tiny tokenizer's <eos> (id 1) never drawn,
+# else at temperature 1 it comes after a few hundred tokens, and a slow test thread sees it ended
+LONG = {"logit_bias": {"1": -100}}
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
@@ -123,7 +127,14 @@ def test_metrics_exposition(server) -> None:
 
 def test_disconnect_mid_stream_frees_the_sequence(server) -> None:
     engine, url = server
-    body = {"model": MODEL, "prompt": "Let there be light", "max_tokens": 4000, "stream": True, "temperature": 1}
+    body = {
+        "model": MODEL,
+        "prompt": "Let there be light",
+        "max_tokens": 4000,
+        "stream": True,
+        "temperature": 1,
+        **LONG,
+    }
     before = _outcome(url, "cancelled")
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
@@ -137,7 +148,7 @@ def test_disconnect_mid_stream_frees_the_sequence(server) -> None:
 
 def test_queue_beyond_max_concurrent_gets_429(server) -> None:
     engine, url = server
-    body = {"model": MODEL, "prompt": "busy", "max_tokens": 4000, "stream": True, "temperature": 1}
+    body = {"model": MODEL, "prompt": "busy", "max_tokens": 4000, "stream": True, "temperature": 1, **LONG}
     streams = [httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) for _ in range(3)]
     try:
         responses = [s.__enter__() for s in streams]  # 2 running + 1 waiting
@@ -286,7 +297,7 @@ def test_keepalive_comments_do_not_disturb_clients(server, monkeypatch) -> None:
 
 def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(server) -> None:
     engine, url = server
-    body = {"model": MODEL, "prompt": "Let there be light", "max_tokens": 4000, "temperature": 1}
+    body = {"model": MODEL, "prompt": "Let there be light", "max_tokens": 4000, "temperature": 1, **LONG}
     before = _outcome(url, "cancelled")
     eos, engine.eos_ids = engine.eos_ids, set()  # a sampled EOS must not end it before the client gives up
     try:
