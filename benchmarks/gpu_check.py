@@ -311,6 +311,10 @@ def predictions(hw: hwm.Hardware, model: Any, tokens: int, cfg: Any, traffic: di
     group = c.num_attention_heads // c.num_key_value_heads  # query heads per KV head: the re-rank's FLOPs
     pred = hwm.predicted_traffic(flash, cfg, tokens, a, c.head_dim, eb, group)
     fm = hwm.flashmem_row(hw, cost, tokens, 1, a, pred, flash.cold_bytes, None)
+    # the roofline alone (the host's operator launches not counted) and flashmem's upper bound
+    # (its launches added to the device's time: it waits on the device within every layer)
+    roof = hwm.Assumptions(dispatch="off")
+    serial = hwm.Assumptions(dispatch="serial")
     out: dict[str, Any] = {
         "label": "modelled, not measured",
         "hardware": hw.key,
@@ -318,6 +322,13 @@ def predictions(hw: hwm.Hardware, model: Any, tokens: int, cfg: Any, traffic: di
         "dynamic_decode_ms": dyn.step_s * 1e3,
         "ideal_full_decode_ms": ideal.step_s * 1e3,
         "offloaded_decode_ms": off.step_s * 1e3,
+        "dynamic_roofline_ms": hwm.full_row(hw, cost, tokens, 1, roof, kv_passes=3).step_s * 1e3,
+        "ideal_full_roofline_ms": hwm.full_row(hw, cost, tokens, 1, roof).step_s * 1e3,
+        "flashmem_roofline_ms": hwm.flashmem_row(hw, cost, tokens, 1, roof, pred, flash.cold_bytes, None).step_s * 1e3,
+        "flashmem_serial_dispatch_ms": hwm.flashmem_row(
+            hw, cost, tokens, 1, serial, pred, flash.cold_bytes, None
+        ).step_s
+        * 1e3,
         "dynamic_peak_bytes": cost.weight_bytes + tokens * kv_tok + tokens * kv_tok / c.num_hidden_layers,
         "flashmem_decode_ms": fm.step_s * 1e3,
         "flashmem_bound": fm.bound,

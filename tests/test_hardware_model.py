@@ -30,7 +30,7 @@ ALLOW = 2 * 2**30
 @pytest.fixture
 def h200() -> tuple[hwm.Hardware, hwm.ModelCost, hwm.Assumptions]:
     cost = hwm.model_cost("llama-3.1-8b", layers=32, kv_bytes_per_token=KV_TOKEN, dtype_bytes=2, q_width=0)
-    return hwm.get_hardware("h200"), cost, hwm.Assumptions()
+    return hwm.get_hardware("h200"), cost, hwm.Assumptions(dispatch="off")
 
 
 def test_the_model_knows_llama_8b_as_published(h200):
@@ -72,7 +72,7 @@ def test_offloaded_streams_every_layer_over_the_link(h200):
     # host memory bounds it when given: 100 GiB holds 6 caches of 16 GiB
     assert hwm.offloaded_row(hw, cost, TOKENS, 1, a, 100 * 2**30).largest_batch == 6
     # without overlap the step is the sum of its parts
-    serial = hwm.offloaded_row(hw, cost, TOKENS, 1, hwm.Assumptions(overlap=False), None)
+    serial = hwm.offloaded_row(hw, cost, TOKENS, 1, hwm.Assumptions(dispatch="off", overlap=False), None)
     flops = 2 * PARAMS + 4 * 32 * 4096 * TOKENS
     assert serial.step_s == pytest.approx(KV_SEQ / LINK + (WEIGHTS + KV_SEQ) / BW + flops / (0.5 * 989e12))
 
@@ -134,22 +134,24 @@ def test_flashmem_row_predicted_from_the_recipe(h200):
     assert flash is not None and flash.tier_counts["working_set"] == 4096
     # without the head size and dtype, a re-ranking config's keys and FLOPs cannot be counted
     with pytest.raises(ConfigError, match="needs head_dim, dtype_bytes and group"):
-        hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions())
+        hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(dispatch="off"))
     # a working set in the model's dtype: the new pages cross as the cold tier holds them
     plain = cfg.model_copy(update={"working_set_codec": "model"})
-    host = hwm.predicted_traffic(flash, plain, TOKENS, hwm.Assumptions(), 128, 2, 4)
+    host = hwm.predicted_traffic(flash, plain, TOKENS, hwm.Assumptions(dispatch="off"), 128, 2, 4)
     assert host.parts["rerank_keys"] == 0 and host.host_read_bytes == 1024 * 16 * KV_TOKEN / 2
     assert host.link_bytes == pytest.approx(0.4 * 4096 * KV_TOKEN)
     # the host scores them: 16,384 keys x 4 query heads x 32 layers x 8 KV heads x (2 x 128 + 4)
     assert host.host_flops == 16384 * 4 * 32 * 8 * (2 * 128 + 4)
     # given the head size and dtype, the int8 working set's new pages cross as codes: (1 + 4/128) / 2 of bf16
-    coded = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(), head_dim=128, dtype_bytes=2, group=4)
+    coded = hwm.predicted_traffic(
+        flash, cfg, TOKENS, hwm.Assumptions(dispatch="off"), head_dim=128, dtype_bytes=2, group=4
+    )
     assert coded.link_bytes == pytest.approx(0.4 * 4096 * KV_TOKEN * (1 + 4 / 128) / 2)
     assert coded.host_read_bytes == host.host_read_bytes
     # over the link (the old path) the pages cross as the cold tier holds them
-    linked = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(rerank_keys="link"), 128, 2)
+    linked = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(dispatch="off", rerank_keys="link"), 128, 2)
     assert linked.parts["new_pages"] == pytest.approx(0.4 * 4096 * KV_TOKEN)
-    a = hwm.Assumptions(rerank_keys="link")
+    a = hwm.Assumptions(dispatch="off", rerank_keys="link")
     tr = hwm.predicted_traffic(flash, cfg, TOKENS, a, 128, 2, 4)
     assert tr.parts["rerank_keys"] == 1024 * 16 * KV_TOKEN / 2 == 2**30
     assert tr.host_flops == 0 and tr.rerank_device_flops == 16384 * 4 * 32 * 8 * (2 * 128 + 4)  # on the device
@@ -176,7 +178,7 @@ def test_flashmem_row_predicted_from_the_recipe(h200):
     fixed = WEIGHTS + ALLOW + flash.prompt_kv_bytes  # one sequence's exact prompt at a time
     assert row.largest_batch == math.floor((HBM - fixed) / flash.device_resident_bytes)
     # ranked on the device: only new pages cross, and batch 1 is then faster than the full cache
-    dev = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(rerank_keys="device"))
+    dev = hwm.predicted_traffic(flash, cfg, TOKENS, hwm.Assumptions(dispatch="off", rerank_keys="device"))
     assert dev.parts["rerank_keys"] == 0 and dev.link_bytes == pytest.approx(0.4 * 4096 * KV_TOKEN)
     # the streamed prompt: chunk j of 512 reads every earlier token past the sinks and window
     resident_tok = flash.tier_counts["sinks"] + flash.tier_counts["window"]
@@ -195,12 +197,14 @@ def test_overrides_and_mistakes():
         with pytest.raises(ConfigError, match="--link-gbps"):
             hwm.get_hardware("h100", link_gbps=bad)
     with pytest.raises(ConfigError, match="--new-page-fraction"):
-        hwm.Assumptions(new_page_fraction=1.5).check()
+        hwm.Assumptions(dispatch="off", new_page_fraction=1.5).check()
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ConfigError, match="--new-candidate-fraction"):
-            hwm.Assumptions(new_candidate_fraction=bad).check()
-    assert hwm.Assumptions(new_page_fraction=0.2).candidate_fraction == 0.2
-    assert hwm.Assumptions(new_page_fraction=0.2, new_candidate_fraction=0.05).candidate_fraction == 0.05
+            hwm.Assumptions(dispatch="off", new_candidate_fraction=bad).check()
+    assert hwm.Assumptions(dispatch="off", new_page_fraction=0.2).candidate_fraction == 0.2
+    assert (
+        hwm.Assumptions(dispatch="off", new_page_fraction=0.2, new_candidate_fraction=0.05).candidate_fraction == 0.05
+    )
     with pytest.raises(ConfigError, match="--params"):
         hwm.model_cost("mystery", layers=2, kv_bytes_per_token=1, dtype_bytes=2, q_width=1)
     with pytest.raises(ConfigError, match="missing the object 'per_decode_step_median'"):
@@ -253,7 +257,7 @@ def test_the_caches_own_traffic_names_are_accepted(h200):
 def test_a_cache_that_does_not_fit_has_no_ratio():
     """At 1M tokens Llama-3.1-8B's cache (128 GiB) does not fit an H100 next to its weights:
     the full row has no batch, and the targets say so instead of printing a ratio."""
-    hw, a = hwm.get_hardware("h100"), hwm.Assumptions()
+    hw, a = hwm.get_hardware("h100"), hwm.Assumptions(dispatch="off")
     cost = hwm.model_cost("llama-3.1-8b", layers=32, kv_bytes_per_token=KV_TOKEN, dtype_bytes=2, q_width=0)
     full = hwm.full_row(hw, cost, 2**20, 1, a)
     assert full.largest_batch == 0 and not full.fits
@@ -281,7 +285,9 @@ def small_traffic(cfg: FlashMemoryConfig, a: hwm.Assumptions | None = None) -> h
     assert flash is not None and flash.cold_bytes_per_token == 256
     # 8,192 tokens: 126 sealed blocks (504 pages); 8 pages of 16 tokens selected per layer
     assert flash.tier_counts["sealed_blocks"] == 126 and flash.tier_counts["working_set"] == 128
-    return hwm.predicted_traffic(flash, cfg, 8192, a or hwm.Assumptions(), head_dim=16, dtype_bytes=2, group=3)
+    return hwm.predicted_traffic(
+        flash, cfg, 8192, a or hwm.Assumptions(dispatch="off"), head_dim=16, dtype_bytes=2, group=3
+    )
 
 
 # bytes one key element costs each codec: bf16; bits/8 + an fp16 scale and zero per channel over 64 tokens
@@ -299,7 +305,7 @@ def test_rerank_host_bytes_and_flops_by_codec(codec, key_bytes):
     assert tr.link_bytes == pytest.approx(0.4 * 128 * 256)  # only new pages cross
     assert f"re-rank {codec} " in tr.source and "on the host" in tr.source
     # over the link (--rerank-keys link) the same bytes cross and the device scores them
-    linked = small_traffic(small_config(lsa_rerank_codec=codec), hwm.Assumptions(rerank_keys="link"))
+    linked = small_traffic(small_config(lsa_rerank_codec=codec), hwm.Assumptions(dispatch="off", rerank_keys="link"))
     assert linked.parts["rerank_keys"] == tr.host_read_bytes and linked.host_read_bytes == 0
     assert linked.rerank_device_flops == 221184 and linked.host_flops == 0
     # a disk cold tier reads exact candidates' blocks whole (K and V); codes sit in host memory
@@ -334,7 +340,7 @@ def test_the_bound_is_host_compute_when_the_host_is_slow(h200):
     assert row.step_s_at_largest == pytest.approx(row.largest_batch * 221184 / 1e6)
     # at the default rate the same step is bound elsewhere
     assert hwm.flashmem_row(hw, cost, 8192, 1, a, tr, 8064 * 256, None).bound != "host compute"
-    t, bound = hwm.step_time(hw, hwm.Assumptions(overlap=False), hbm=0, host_flops=hw.host_flops)
+    t, bound = hwm.step_time(hw, hwm.Assumptions(dispatch="off", overlap=False), hbm=0, host_flops=hw.host_flops)
     assert t == pytest.approx(1.0) and bound == "host compute (serial sum)"
     # a host that misses the target alone leaves no link budget for it
     full1 = hwm.full_row(slow, cost, 8192, 1, a)
@@ -403,7 +409,7 @@ def test_rerank_codes_held_on_the_device(codec):
     )
     assert "held on the device" in tr.source and "on the host" not in tr.source
     # the new-candidate fraction, given, replaces the new-page fraction for the codes only
-    own = small_traffic(held_cfg, hwm.Assumptions(new_candidate_fraction=0.1))
+    own = small_traffic(held_cfg, hwm.Assumptions(dispatch="off", new_candidate_fraction=0.1))
     assert own.link_bytes == pytest.approx(new_pages + 0.1 * HELD[codec])
     # a disk cold tier: the codes come from the host's arena, only new pages from disk
     disk = small_traffic(small_config(lsa_rerank_codec=codec, lsa_rerank_on_device=True, cold_store="disk",
@@ -420,7 +426,7 @@ def test_codes_on_the_device_set_the_batch_and_the_bound():
     same scores are the device's, and the step is bound by HBM or the link. The largest batch is the
     HBM left after the weights over the resident bytes with the codes: by hand."""
     slow = hwm.get_hardware("h200", host_tflops=1e-6, hbm_gib=1)
-    a = hwm.Assumptions(activation_bytes=0)
+    a = hwm.Assumptions(dispatch="off", activation_bytes=0)
     cost = hwm.model_cost("small", layers=2, kv_bytes_per_token=256, dtype_bytes=2, q_width=6 * 16, params=10**6)
     host_tr = small_traffic(small_config(lsa_rerank_codec="int4"), a)
     dev_tr = small_traffic(small_config(lsa_rerank_codec="int4", lsa_rerank_on_device=True), a)
@@ -451,7 +457,7 @@ def test_page_cache_is_held_but_not_read_by_a_step():
     f1 = estimate("llama-3.1-8b", tokens=TOKENS, config=recipe).flashmem
     f0 = estimate("llama-3.1-8b", tokens=TOKENS, config=bare).flashmem
     assert f1 is not None and f0 is not None
-    a = hwm.Assumptions()
+    a = hwm.Assumptions(dispatch="off")
     t1 = hwm.predicted_traffic(f1, recipe, TOKENS, a, 128, 2, 4)
     t0 = hwm.predicted_traffic(f0, bare, TOKENS, a, 128, 2, 4)
     cache = f1.device_resident_bytes - f0.device_resident_bytes
@@ -480,3 +486,32 @@ def test_assembly_bytes_charge_the_buffer_and_the_index_conversion():
     flash = estimate(None, tokens=8192, config=small_config(), **SMALL).flashmem
     assert flash is not None
     assert hwm.assembly_bytes(small_config(), flash.tier_counts, 256, None, None) == 0
+
+
+def test_the_hosts_operator_launches_bound_a_small_step(h200):
+    """`dispatch`: each step's operators cost the host `op_launch_s` (kernels) and `view_op_s`
+    (views) per layer, whatever the batch. Overlapped, a step takes the longer of the host and
+    the device; serial (flashmem waits on the device within each layer), their sum; off, the
+    roofline alone. By hand, from the counted operators per layer."""
+    hw, cost, _ = h200
+    host_full = 32 * (hwm.FULL_LAYER_OPS.kernels * 5e-6 + hwm.FULL_LAYER_OPS.views * 1e-6)
+    host_flash = 32 * (hwm.FLASH_LAYER_OPS.kernels * 5e-6 + hwm.FLASH_LAYER_OPS.views * 1e-6)
+    assert hwm.FLASH_LAYER_OPS.waits > 0 and hwm.FULL_LAYER_OPS.waits == 0
+    over, serial, off = (hwm.Assumptions(dispatch=d) for d in ("overlap", "serial", "off"))
+    assert hwm.FULL_LAYER_OPS.seconds(over, 32) == pytest.approx(host_full)
+    assert hwm.FULL_LAYER_OPS.seconds(off, 32) == 0
+    roofline = (WEIGHTS + KV_SEQ) / BW
+    assert hwm.full_row(hw, cost, TOKENS, 1, over).step_s == pytest.approx(max(roofline, host_full))
+    # at the largest batch the device's time is the longer: the host's launches do not show
+    assert hwm.full_row(hw, cost, TOKENS, 1, over).step_s_at_largest == pytest.approx((WEIGHTS + 7 * KV_SEQ) / BW)
+    step_read = 10**9
+    tr = hwm.counted_traffic(synthetic_report(step_read, 50 * 10**6, 10**8, 256), 2**30, 0, "synthetic")
+    flash_roof = (WEIGHTS + step_read) / BW
+    rows = {a.dispatch: hwm.flashmem_row(hw, cost, TOKENS, 1, a, tr, KV_SEQ, None) for a in (over, serial, off)}
+    assert rows["off"].step_s == pytest.approx(flash_roof)
+    assert rows["overlap"].step_s == pytest.approx(max(flash_roof, host_flash))
+    assert rows["overlap"].bound == "host dispatch"
+    assert rows["serial"].step_s == pytest.approx(flash_roof + host_flash)
+    assert rows["serial"].bound == "HBM + host dispatch (serial)"
+    with pytest.raises(ConfigError, match="--dispatch: 'sometimes' is not allowed; allowed: overlap, serial, off"):
+        hwm.Assumptions(dispatch="sometimes").check()

@@ -119,6 +119,13 @@ def estimate_command(
     activation_gib: float = typer.Option(2.0, "--activation-gib", help="HBM set aside beyond weights and KV, GiB"),
     flops_fraction: float = typer.Option(0.5, "--flops-fraction", help="fraction of peak FLOP/s reached"),
     no_overlap: bool = typer.Option(False, "--no-overlap", help="add link, HBM and compute times instead of max"),
+    dispatch: str = typer.Option(
+        "overlap",
+        "--dispatch",
+        help="the host launching each step's operators (eager PyTorch): overlap (queued ahead: the longer of host "
+        "and device), serial (flashmem's waits on the device add it: an upper bound) or off (CUDA graphs' bound)",
+    ),
+    op_us: float = typer.Option(5.0, "--op-us", help="host microseconds per operator that launches a kernel"),
     host_gib: float | None = typer.Option(
         None, "--host-gib", help="host memory for the offloaded cache / cold tier, GiB (default: unbounded)"
     ),
@@ -131,7 +138,8 @@ def estimate_command(
         _refuse_hardware_only(
             {**overrides, "traffic": traffic, "params": params, "host_gib": host_gib, "budget": budget,
              "rerank_codec": rerank_codec, "rerank_on_device": rerank_on_device,
-             "new_candidate_fraction": new_candidate_fraction}
+             "new_candidate_fraction": new_candidate_fraction,
+             "dispatch": None if dispatch == "overlap" else dispatch, "op_us": None if op_us == 5.0 else op_us}
         )  # fmt: skip
     dtype_given = dtype
     dtype = assumed_dtype(model, dtype)
@@ -141,7 +149,7 @@ def estimate_command(
     if hardware is not None:
         hw, a = _hardware_and_assumptions(
             hardware, overrides, activation_gib, flops_fraction, not no_overlap, new_page_fraction, rerank_keys,
-            new_candidate_fraction,
+            new_candidate_fraction, dispatch, op_us,
         )  # fmt: skip
         hw_model = hardware_model(model, est, hw, a, config=config, budget=budget, params=params, traffic=traffic,
                                   host_gib=host_gib, dims=(layers, kv_heads, head_dim),
@@ -162,6 +170,7 @@ def _refuse_hardware_only(given: dict[str, Any]) -> None:
 def _hardware_and_assumptions(
     hardware: str, overrides: dict[str, float | None], activation_gib: float, flops_fraction: float, overlap: bool,
     new_page_fraction: float, rerank_keys: str, new_candidate_fraction: float | None = None,
+    dispatch: str = "overlap", op_us: float = 5.0,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The accelerator (its constants, with the --*-gbps/--hbm-gib/--tflops overrides) and the checked assumptions."""
     from flashmem.sizing import hardware as hwm
@@ -174,6 +183,8 @@ def _hardware_and_assumptions(
         new_page_fraction=new_page_fraction,
         rerank_keys=rerank_keys,
         new_candidate_fraction=new_candidate_fraction,
+        dispatch=dispatch,
+        op_launch_s=op_us * 1e-6,
     )
     a.check()
     return hw, a
@@ -537,7 +548,8 @@ def _print_hardware(d: dict[str, Any]) -> None:
     typer.echo(
         f"weights {fmt_bytes(m['weight_bytes'])} ({m['params']:,} parameters, {m['params_source']}); "
         f"activation allowance {fmt_bytes(a['activation_bytes'])}; "
-        f"{'overlapped (max)' if a['overlap'] else 'serial (sum)'}; flashmem: {d['flashmem_config']}; "
+        f"{'overlapped (max)' if a['overlap'] else 'serial (sum)'}; host dispatch {a['dispatch']} "
+        f"({a['op_launch_s'] * 1e6:g} us an operator); flashmem: {d['flashmem_config']}; "
         f"{d['flops_note']}"
     )
     typer.echo(f"decode and prefill at {d['tokens']:,} tokens per sequence, batch {d['batch']} and the largest:")

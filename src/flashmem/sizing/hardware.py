@@ -290,6 +290,17 @@ class Assumptions:
     # new_page_fraction (the candidates are the index's top pages, which move as the selected
     # pages do; cache.traffic_report()["candidate_cache"] measures it)
     new_candidate_fraction: float | None = None
+    # the host's time to dispatch one operator that launches a kernel (eager PyTorch on CUDA:
+    # PyTorch's operator micro-benchmarks give about 3.3 us for a small op, before the caller's
+    # own Python) and one that only makes a view; `LayerOps` counts them per layer and step
+    op_launch_s: float = 5e-6
+    view_op_s: float = 1e-6
+    # how that host time meets the device's: "overlap" (the host queues work ahead, so a step
+    # takes the longer of the two: a lower bound), "serial" (flashmem's step waits on the device
+    # about 9 times a layer, `LayerOps.waits`, so its dispatch adds to the device's time: an
+    # upper bound) or "off" (not counted, as the model was before 2026-12-03; what CUDA graphs or
+    # a compiled step would approach)
+    dispatch: str = "overlap"
 
     @property
     def candidate_fraction(self) -> float:
@@ -308,6 +319,36 @@ class Assumptions:
             raise ConfigError(f"--activation-gib: {self.activation_bytes / GiB!r} is not allowed; allowed: >= 0")
         if self.rerank_keys not in ("host", "link", "device"):
             raise ConfigError(f"--rerank-keys: {self.rerank_keys!r} is not allowed; allowed: host, link, device")
+        if self.dispatch not in ("overlap", "serial", "off"):
+            raise ConfigError(f"--dispatch: {self.dispatch!r} is not allowed; allowed: overlap, serial, off")
+        if not (0 <= self.op_launch_s < 1e-3 and 0 <= self.view_op_s < 1e-3):
+            raise ConfigError(f"--op-us: {self.op_launch_s * 1e6!r} is not allowed; allowed: 0 to 1000")
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """What one layer's decode step dispatches from the host: operators that launch a kernel,
+    operators that only make views, and points where the host waits for the device's result."""
+
+    kernels: float
+    views: float
+    waits: float = 0.0
+
+    def seconds(self, a: Assumptions, layers: int) -> float:
+        """Host dispatch time of a step over `layers` layers (0 with `dispatch: off`)."""
+        if a.dispatch == "off":
+            return 0.0
+        return layers * (self.kernels * a.op_launch_s + self.views * a.view_op_s)
+
+
+# Counted with `python benchmarks/diagnostics/ops_per_step.py --tokens 8192 --layers 2|4` (ATen
+# operators of one decode step, this CPU, 2026-12-03; per layer: the 4-layer count less the
+# 2-layer one, halved; results/ops_per_step.json): a transformers Llama layer over DynamicCache,
+# and flashmem's recipe on the accelerator's path (ranked on the host; exact re-rank, or the
+# candidates' int4 codes held on the device at 1/4).
+FULL_LAYER_OPS = LayerOps(kernels=40, views=36, waits=0)
+FLASH_LAYER_OPS = LayerOps(kernels=265, views=230, waits=9)
+FLASH_DEVICE_CODES_OPS = LayerOps(kernels=309, views=213, waits=8)
 
 
 # ----------------------------------------------------------------------------- flashmem's traffic
@@ -744,9 +785,16 @@ def step_time(
     host: float = 0.0,
     flops: float = 0.0,
     host_flops: float = 0.0,
+    dispatch: float = 0.0,
+    waits: bool = False,
 ) -> tuple[float, str]:
     """Seconds for one step and the resource that sets it (roofline). `flops` run on the
-    device at `flops_fraction` of its peak, `host_flops` on the host at `hw.host_flops`."""
+    device at `flops_fraction` of its peak, `host_flops` on the host at `hw.host_flops`;
+    `dispatch` seconds of the host launching the step's operators, which with `waits` (the step
+    waits on the device within each layer) and `dispatch: serial` add to the rest."""
+    if waits and a.dispatch == "serial" and a.overlap and dispatch > 0:
+        t, bound = step_time(hw, a, hbm=hbm, link=link, disk=disk, host=host, flops=flops, host_flops=host_flops)
+        return t + dispatch, bound + " + host dispatch (serial)"
     parts = {
         "HBM": hbm / hw.hbm_bytes_per_s,
         "link": link / hw.link_bytes_per_s,
@@ -754,6 +802,7 @@ def step_time(
         "host DRAM": host / hw.host_bytes_per_s,
         "host compute": host_flops / hw.host_flops,
         "compute": flops / (a.flops_fraction * hw.peak_flops),
+        "host dispatch": dispatch,
     }
     bound = max(parts, key=lambda k: parts[k])
     if a.overlap:
@@ -786,10 +835,12 @@ def full_row(
     kv = float(tokens * m.kv_bytes_per_token)
     fixed = m.weight_bytes + a.activation_bytes
 
+    dispatch = FULL_LAYER_OPS.seconds(a, m.layers)  # the batch's rows share each operator
+
     def at(b: int) -> tuple[float, str, float]:
         hbm = m.weight_bytes + b * kv * kv_passes
         flops = b * (2.0 * m.params + m.attention_flops(1, tokens))
-        t, bound = step_time(hw, a, hbm=hbm, flops=flops)
+        t, bound = step_time(hw, a, hbm=hbm, flops=flops, dispatch=dispatch)
         return t, bound, hbm
 
     big = largest_batch(hw, fixed, kv, None, 0)
@@ -810,7 +861,8 @@ def offloaded_row(hw: Hardware, m: ModelCost, tokens: int, batch: int, a: Assump
     def at(b: int) -> tuple[float, str, float]:
         hbm = m.weight_bytes + b * kv  # what arrives is read once by attention
         flops = b * (2.0 * m.params + m.attention_flops(1, tokens))
-        t, bound = step_time(hw, a, hbm=hbm, link=b * kv, flops=flops)
+        # the full cache's operators (its per-layer copies are a few more launches: not counted)
+        t, bound = step_time(hw, a, hbm=hbm, link=b * kv, flops=flops, dispatch=FULL_LAYER_OPS.seconds(a, m.layers))
         return t, bound, hbm
 
     big = largest_batch(hw, fixed, per_seq, host_bytes, kv)
@@ -835,6 +887,8 @@ def flashmem_row(
     per_seq = float(traffic.resident_bytes)
     fixed = m.weight_bytes + a.activation_bytes + traffic.prompt_bytes
     attended = traffic.attended_tokens or tokens
+    ops = FLASH_DEVICE_CODES_OPS if traffic.held_code_bytes else FLASH_LAYER_OPS
+    dispatch = ops.seconds(a, m.layers)  # rows of one cache share each operator
 
     def at(b: int) -> tuple[float, str, float, float]:
         hbm = m.weight_bytes + b * traffic.device_read_bytes
@@ -842,7 +896,7 @@ def flashmem_row(
         flops = b * (2.0 * m.params + m.attention_flops(1, attended) + traffic.rerank_device_flops)
         t, bound = step_time(
             hw, a, hbm=hbm, link=link, disk=b * traffic.disk_bytes, host=b * traffic.host_read_bytes, flops=flops,
-            host_flops=b * traffic.host_flops,
+            host_flops=b * traffic.host_flops, dispatch=dispatch, waits=ops.waits > 0,
         )  # fmt: skip
         return t, bound, hbm, link
 
@@ -888,9 +942,11 @@ def targets(
         flops = b * (2.0 * m.params + m.attention_flops(1, attended) + traffic.rerank_device_flops)
         # everything but the link: HBM, the device's and the host's compute, host DRAM, NVMe
         # (overlapped: the slowest of them; serial: their sum, which the link's time adds to)
+        ops = FLASH_DEVICE_CODES_OPS if traffic.held_code_bytes else FLASH_LAYER_OPS
         t_rest, _ = step_time(
             hw, a, hbm=hbm, flops=flops, host=b * traffic.host_read_bytes,
             host_flops=b * traffic.host_flops, disk=b * traffic.disk_bytes,
+            dispatch=ops.seconds(a, m.layers), waits=ops.waits > 0,
         )  # fmt: skip
         if t_rest < t_max:  # else HBM, NVMe or compute (device or host) alone already miss the target
             need = (t_max if a.overlap else t_max - t_rest) * hw.link_bytes_per_s / b

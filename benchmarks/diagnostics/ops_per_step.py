@@ -1,0 +1,133 @@
+"""How many operators a decode step dispatches, per layer, and how many of them wait on the device.
+
+On a GPU, eager PyTorch pays a fixed host cost for every operator it launches (a few
+microseconds, whatever the tensor's size), and an operator whose result the host reads
+(`.item()`, `.tolist()`, `nonzero`, `unique`, a copy to the host) makes the host wait for the
+device's queue. This counts, for one decode step of a random-weight model with Llama-3.1-8B's
+attention geometry (32 query heads and 8 KV heads of 128; small hidden size, a few layers: the
+counts do not depend on them), the ATen operators each cache's step dispatches per layer:
+kernels (every operator that is not a view), views, and host waits. flashmem runs the path it
+takes on an accelerator (ranked on the host, `BlockReader.rank_on_host`), at the recipe's
+config for the budget and length.
+
+    python benchmarks/diagnostics/ops_per_step.py --tokens 16384 --budget 0.0625 --out results/ops_per_step.json
+
+The counts come from this CPU; on CUDA the same Python code dispatches the same operators,
+except where a path is CUDA-only (the prefetcher's staged copies). The hardware model's
+dispatch term (`flashmem.sizing.hardware`, `Assumptions.op_overhead_s`) takes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flashmem
+from flashmem.cache.block_reads import BlockReader
+from flashmem_eval.tiny import build_llama
+
+GEOMETRY = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=512,
+    rope_theta=500000.0,
+)
+# operators the host must wait on the device for: their result is read on the host
+WAITS = ("_local_scalar_dense", "nonzero", "unique", "_unique", "is_nonzero", "equal", "masked_select")
+
+
+class Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: Counter[str] = Counter()
+        self.names: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        self.names[name] += 1
+        if any(w == name or name.startswith(w) for w in WAITS):
+            self.kinds["waits"] += 1
+        if torch.Tag.view_copy in func.tags or func.is_view or name in ("detach", "alias", "_unsafe_view"):
+            self.kinds["views"] += 1
+        else:
+            self.kinds["kernels"] += 1
+        if name in ("_to_copy", "copy_") and _crosses(args, kwargs):
+            self.kinds["device_copies"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _crosses(args: Any, kwargs: Any) -> bool:
+    """A copy between two devices (on a CPU run every tensor is on the CPU: never)."""
+    devs = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+    dev = (kwargs or {}).get("device")
+    return len(devs) > 1 or (dev is not None and torch.device(dev).type not in devs)
+
+
+def step_counts(model: Any, cache: Any, ids: torch.Tensor, steps: int) -> dict[str, float]:
+    """Prefill ids into cache, then `steps` decode steps counted -> medians per step and layer."""
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        if isinstance(cache, flashmem.FlashMemoryCache):
+            logits = flashmem.prefill(model, cache, ids)
+        else:
+            logits = model(ids, past_key_values=cache, use_cache=True).logits
+        nxt = logits[:, -1:].argmax(-1)
+        model(nxt, past_key_values=cache, use_cache=True)  # one step uncounted (first selection)
+        per: list[Counter[str]] = []
+        for _ in range(steps):
+            with Count() as c:
+                out = model(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            per.append(c.kinds)
+    keys = ("kernels", "views", "waits", "device_copies")
+    return {k: statistics.median(p[k] for p in per) / layers for k in keys}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--budget", type=float, default=0.0625)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--device-codes", action="store_true", help="the re-rank's int4 codes held on the device")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    model = build_llama(0, "sdpa", num_hidden_layers=a.layers, max_position_embeddings=1 << 18, **GEOMETRY).to(
+        torch.bfloat16
+    )
+    ids = torch.randint(0, GEOMETRY["vocab_size"], (1, a.tokens), generator=torch.Generator().manual_seed(0))
+    from transformers import DynamicCache
+
+    rows: dict[str, Any] = {"tokens": a.tokens, "budget": a.budget, "layers": a.layers, "steps": a.steps}
+    rows["full_cache"] = step_counts(model, DynamicCache(), ids, a.steps)
+    was = BlockReader.rank_on_host
+    BlockReader.rank_on_host = True  # the accelerator's path
+    try:
+        extra = {"lsa_rerank_codec": "int4", "lsa_rerank_on_device": True} if a.device_codes else {}
+        cfg = flashmem.FlashMemoryConfig.for_budget(
+            a.budget, a.tokens + a.steps + 2, model, lsa_layer_shares=None, prefill_chunk=4096, **extra
+        )
+        cache = flashmem.attach(model, cfg)
+        rows["flashmem"] = step_counts(model, cache, ids, a.steps)
+        rows["config"] = {k: getattr(cfg, k) for k in ("lsa_top_k", "lsa_rerank_codec", "lsa_rerank_on_device")}
+        cache.close()
+    finally:
+        BlockReader.rank_on_host = was
+    print(json.dumps(rows, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
