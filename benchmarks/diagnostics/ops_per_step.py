@@ -7,8 +7,8 @@ device's queue. This counts, for one decode step of a random-weight model with L
 attention geometry (32 query heads and 8 KV heads of 128; small hidden size, a few layers: the
 counts do not depend on them), the ATen operators each cache's step dispatches per layer:
 kernels (every operator that is not a view), views, and host waits. flashmem runs the path it
-takes on an accelerator (ranked on the host, `BlockReader.rank_on_host`), at the recipe's
-config for the budget and length.
+takes on an accelerator (ranked on the host, `BlockReader.rank_on_host`) with the config an
+accelerator gets for the budget and length (`budget_config(..., device_codes=True)`).
 
     python benchmarks/diagnostics/ops_per_step.py --tokens 16384 --budget 0.0625 --out results/ops_per_step.json
 
@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashmem
 from flashmem.cache.block_reads import BlockReader
+from flashmem.sizing.budget import budget_config, model_geometry
 from flashmem_eval.tiny import build_llama
 
 GEOMETRY = dict(
@@ -113,13 +114,19 @@ def main(argv: list[str] | None = None) -> None:
     was = BlockReader.rank_on_host
     BlockReader.rank_on_host = True  # the accelerator's path
     try:
+        # the config an accelerator gets (budget_config(device_codes=True): no host key copy, the
+        # candidates' codes on the device where the page cap leaves room), its 4,096-token chunks
         extra = {"lsa_rerank_codec": "int4", "lsa_rerank_on_device": True} if a.device_codes else {}
-        cfg = flashmem.FlashMemoryConfig.for_budget(
-            a.budget, a.tokens + a.steps + 2, model, lsa_layer_shares=None, prefill_chunk=4096, **extra
-        )
+        cfg = budget_config(
+            a.budget, a.tokens + a.steps + 2, **model_geometry(model), device_codes=True,
+            lsa_layer_shares=None, prefill_chunk=4096, **extra,
+        )  # fmt: skip
         cache = flashmem.attach(model, cfg)
         rows["flashmem"] = step_counts(model, cache, ids, a.steps)
-        rows["config"] = {k: getattr(cfg, k) for k in ("lsa_top_k", "lsa_rerank_codec", "lsa_rerank_on_device")}
+        rows["config"] = {
+            k: getattr(cfg, k)
+            for k in ("lsa_top_k", "lsa_rerank_codec", "lsa_rerank_on_device", "lsa_rerank_mirror", "lsa_cache_pages")
+        }
         cache.close()
     finally:
         BlockReader.rank_on_host = was

@@ -344,10 +344,10 @@ class LayerOps:
 # Counted with `python benchmarks/diagnostics/ops_per_step.py --tokens 8192 --layers 2|4` (ATen
 # operators of one decode step, this CPU, 2026-12-03; per layer: the 4-layer count less the
 # 2-layer one, halved; results/ops_per_step.json): a transformers Llama layer over DynamicCache,
-# and flashmem's recipe on the accelerator's path (ranked on the host; exact re-rank, or the
-# candidates' int4 codes held on the device at 1/4).
+# and flashmem with the config an accelerator gets on its path (ranked on the host): at 1/16
+# (exact re-rank), and with the candidates' int4 codes held on the device (at 1/4).
 FULL_LAYER_OPS = LayerOps(kernels=40, views=36, waits=0)
-FLASH_LAYER_OPS = LayerOps(kernels=265, views=230, waits=9)
+FLASH_LAYER_OPS = LayerOps(kernels=241, views=177, waits=9)
 FLASH_DEVICE_CODES_OPS = LayerOps(kernels=309, views=213, waits=8)
 
 
