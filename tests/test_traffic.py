@@ -211,3 +211,24 @@ def test_copies_counted_for_an_int8_working_set_and_index():
     step = report["per_decode_step_median"]
     assert tr.device_read_bytes == step["device_read_bytes"] + step["device_copy_bytes"]
     assert tr.assembly_bytes == step["device_copy_bytes"]
+
+
+def test_counts_handed_over_as_tensors_are_read_when_the_step_closes():
+    """Page and candidate hits counted on the device are kept as tensors (reading them in each
+    layer would make the host wait for the device) and read when the step closes."""
+    from flashmem.cache.traffic import Traffic
+
+    t = Traffic()
+    t.begin_step(1, 10, 100)
+    t.pages(torch.tensor(3), torch.tensor(5), 7)
+    t.pages(1, 2, 7)  # plain ints as before
+    t.candidates(torch.tensor(2), 4)
+    first = t.steps[0]
+    assert first.page_hits == 1 and first.lazy  # not read yet
+    t.begin_step(1, 11, 100)  # closes the first step
+    assert not first.lazy
+    got = (first.page_hits, first.page_misses, first.new_page_bytes, first.candidate_hits, first.candidate_misses)
+    assert got == (4, 7, 49, 2, 4)
+    t.pages(torch.tensor(6), torch.tensor(0), 7)
+    report = t.report()  # closes the open one too
+    assert report["page_cache"]["hits"] == 10 and report["page_cache"]["misses"] == 7

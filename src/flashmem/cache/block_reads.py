@@ -212,9 +212,13 @@ class BlockReader:
         slots = (keys, values) if lat is None else lat.slots(keys, values)  # store slots holding them
         t0 = time.perf_counter()
         where = "cpu" if on_host else self.device
-        got = self.store.gather_pages(self.layer_idx, idx // ppb, idx % ppb, ppb, where, *slots, only=only)
+        # the page ids go to the host once (the stores cut pages by them there); the blocks touched
+        # are counted there too, not by a `unique` the host would wait on the device for
+        blk, sub = (idx // ppb).cpu(), (idx % ppb).cpu()
+        only_h = None if only is None else only.cpu()
+        got = self.store.gather_pages(self.layer_idx, blk, sub, ppb, where, *slots, only=only_h)
         if got is not None:
-            self._count_sync(int(torch.unique(idx // ppb if only is None else (idx // ppb)[only]).numel()), t0)
+            self._count_sync(int(torch.unique(blk if only_h is None else blk[only_h]).numel()), t0)
             nbytes = sum(t.nbytes for t in got if t is not None)
             self.traffic.cold_read(self.store, self.device, nbytes, in_place=on_host)
         if got is not None and lat is not None:  # coefficients -> K/V, keys rotated at their positions

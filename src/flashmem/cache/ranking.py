@@ -271,7 +271,7 @@ class CandidateRanker:
             return
         prev = prev.contiguous()
         pos = torch.searchsorted(prev, cand.contiguous()).clamp_max_(prev.shape[-1] - 1)
-        hits = int((prev.gather(-1, pos) == cand).sum())
+        hits = (prev.gather(-1, pos) == cand).sum()  # read when the step closes: no wait here
         self.reader.traffic.candidates(hits, cand.numel() - hits)
 
     def _top(self, cand: torch.Tensor, mass: torch.Tensor, page_tokens_valid: torch.Tensor, k_sel: int) -> torch.Tensor:

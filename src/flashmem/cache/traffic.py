@@ -18,6 +18,10 @@ On an accelerator what a step costs is what it reads, and where from
   to the queries' dtype for its scores (written, read back). The hardware model charges
   them as HBM traffic (sizing/hardware.py `assembly_bytes`).
 
+Page and candidate hits may be handed over as device tensors: they are read when the step
+closes (the next forward's start, or `report()`), not in each layer, where reading them would
+make the host wait for the device's queue.
+
 One `Traffic` is shared by a cache's layers; the cache opens a step at the first
 layer's update (`begin_step`) and `report()` gives totals and per-step medians
 beside the full cache's bytes for the same steps (a full cache reads every
@@ -56,6 +60,21 @@ class StepTraffic:
     candidate_hits: int = 0
     candidate_misses: int = 0
     full_cache_bytes: int = 0  # what a full cache reads for the same step
+    # counts still held as tensors (read when the step closes): (kind, hits, misses, page bytes)
+    lazy: list[tuple[str, Any, Any, int]] = field(default_factory=list)
+
+    def resolve(self) -> None:
+        """Read the counts handed over as tensors into the fields."""
+        for kind, hits, misses, page_bytes in self.lazy:
+            h, m = int(hits), int(misses)
+            if kind == "pages":
+                self.page_hits += h
+                self.page_misses += m
+                self.new_page_bytes += m * page_bytes
+            else:
+                self.candidate_hits += h
+                self.candidate_misses += m
+        self.lazy.clear()
 
 
 class Traffic:
@@ -82,17 +101,22 @@ class Traffic:
         if self.steps:
             self.steps[-1].counts[path] += int(nbytes)
 
-    def pages(self, hits: int, misses: int, page_bytes: int = 0) -> None:
+    def pages(self, hits: int | torch.Tensor, misses: int | torch.Tensor, page_bytes: int = 0) -> None:
         """A working set gathered: `hits` selected pages were held already, `misses` were read
-        (`page_bytes` each, K and V as the cold tier hands them over)."""
-        if self.steps:
+        (`page_bytes` each, K and V as the cold tier hands them over); tensors are read later."""
+        if self.steps and (isinstance(hits, torch.Tensor) or isinstance(misses, torch.Tensor)):
+            self.steps[-1].lazy.append(("pages", hits, misses, int(page_bytes)))
+        elif self.steps:
             self.steps[-1].page_hits += int(hits)
             self.steps[-1].page_misses += int(misses)
             self.steps[-1].new_page_bytes += int(misses) * int(page_bytes)
 
-    def candidates(self, hits: int, misses: int) -> None:
-        """Candidate codes held on the device: `hits` kept from the last step, `misses` copied."""
-        if self.steps:
+    def candidates(self, hits: int | torch.Tensor, misses: int | torch.Tensor) -> None:
+        """Candidate codes held on the device: `hits` kept from the last step, `misses` copied
+        (tensors are read later)."""
+        if self.steps and (isinstance(hits, torch.Tensor) or isinstance(misses, torch.Tensor)):
+            self.steps[-1].lazy.append(("candidates", hits, misses, 0))
+        elif self.steps:
             self.steps[-1].candidate_hits += int(hits)
             self.steps[-1].candidate_misses += int(misses)
 
@@ -157,4 +181,5 @@ class Traffic:
         now = self._disk_bytes()
         if self.steps:
             self.steps[-1].counts["disk_read_bytes"] += now - self._disk_mark
+            self.steps[-1].resolve()
         self._disk_mark = now

@@ -267,7 +267,8 @@ class WorkingSet:
             reader.traffic.pages(idx.numel(), 0, reader.page_bytes())
             return
         held = self.held_over(idx, reader)  # pages the device holds (last working set, spare), kept
-        hits = int(held[0].sum()) if held is not None else _held_count(prev, idx)[0]
+        # counted as a tensor, read when the step closes: no wait on the device here
+        hits = held[0].sum() if held is not None else _held_count(prev, idx)
         reader.traffic.pages(hits, idx.numel() - hits, reader.page_bytes())
         if self.spare is not None and prev is not None and prev.shape[:2] == idx.shape[:2] and prev.shape[-1]:
             if not (reader.latent is not None and reader.direct):  # (its pages are not kept: held_over)
@@ -528,12 +529,11 @@ class SparePages:
                 t.index_copy_(0, dst, f.index_select(0, src))
 
 
-def _held_count(prev: torch.Tensor | None, idx: torch.Tensor) -> tuple[int, int]:
-    """(pages of idx [b, h, k] (sorted) the last selection prev [b, h, k'] (any order) holds,
-    pages it does not)."""
+def _held_count(prev: torch.Tensor | None, idx: torch.Tensor) -> int | torch.Tensor:
+    """Pages of idx [b, h, k] (sorted) the last selection prev [b, h, k'] (any order) holds
+    (a 0-dim tensor where it is counted on the device)."""
     if prev is None or prev.shape[:2] != idx.shape[:2] or not prev.shape[-1]:
-        return 0, idx.numel()
+        return 0
     prev = prev.sort(-1).values
     src = torch.searchsorted(prev.contiguous(), idx.contiguous()).clamp_max_(prev.shape[-1] - 1)
-    hits = int((prev.gather(-1, src) == idx).sum())
-    return hits, idx.numel() - hits
+    return (prev.gather(-1, src) == idx).sum()
