@@ -417,8 +417,9 @@ def run_length(
             res["offloaded"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(-3)}
     else:
         res["offloaded"] = "n/a (transformers offloads on CUDA only)"
-    # flashmem: the recipe, cold tier in host memory, prefetch on
-    cfg = recipe_config(args.budget, tokens, model, device)
+    # flashmem: the recipe, cold tier in host memory, prefetch on (a smoke run's 256-512 tokens
+    # hold no page at 1/16: at 1/2 the recipe selects pages, so ranking and the working set run)
+    cfg = recipe_config(max(args.budget, 0.5) if args.smoke else args.budget, tokens, model, device)
     try:
         res["prediction"] = predictions(hw, model, tokens, cfg, None)
     except Exception as exc:

@@ -30,6 +30,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
         assert r["dynamic"]["decode_ms_median"] > 0 and len(r["dynamic"]["decode_ms"]) == 3
         assert r["flashmem"]["decode_ms_median"] > 0 and r["flashmem"]["prefill_s"] > 0
         assert r["flashmem"]["cold_bytes"] > 0
+        assert r["flashmem"]["config"]["lsa_top_k"] > 0  # pages are ranked and selected on a CPU too
         assert "h2d_over_new_pages" in r["flashmem"]
         p = r["prediction"]
         assert p["label"] == "modelled, not measured" and p["dynamic_roofline_ms"] > p["ideal_full_roofline_ms"] > 0
