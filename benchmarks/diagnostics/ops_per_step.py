@@ -42,7 +42,8 @@ GEOMETRY = dict(
     vocab_size=512,
     rope_theta=500000.0,
 )
-# operators the host must wait on the device for: their result is read on the host
+# operators the host must wait on the device for: their result is read on the host (and
+# indexing by a boolean mask, `_bool_mask`)
 WAITS = ("_local_scalar_dense", "nonzero", "unique", "_unique", "is_nonzero", "equal", "masked_select")
 
 
@@ -55,7 +56,7 @@ class Count(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = func.overloadpacket.__name__
         self.names[name] += 1
-        if any(w == name or name.startswith(w) for w in WAITS):
+        if any(w == name or name.startswith(w) for w in WAITS) or _bool_mask(name, args):
             self.kinds["waits"] += 1
         if torch.Tag.view_copy in func.tags or func.is_view or name in ("detach", "alias", "_unsafe_view"):
             self.kinds["views"] += 1
@@ -64,6 +65,14 @@ class Count(TorchDispatchMode):
         if name in ("_to_copy", "copy_") and _crosses(args, kwargs):
             self.kinds["device_copies"] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _bool_mask(name: str, args: Any) -> bool:
+    """Indexing by a boolean mask: its result's size depends on the mask's values, which the host
+    must read from the device (a nonzero inside the operator)."""
+    if name not in ("index", "index_put", "index_put_") or len(args) < 2:
+        return False
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in args[1] if t is not None)
 
 
 def _crosses(args: Any, kwargs: Any) -> bool:

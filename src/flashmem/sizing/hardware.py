@@ -297,7 +297,7 @@ class Assumptions:
     view_op_s: float = 1e-6
     # how that host time meets the device's: "overlap" (the host queues work ahead, so a step
     # takes the longer of the two: a lower bound), "serial" (flashmem's step waits on the device
-    # about 9 times a layer, `LayerOps.waits`, so its dispatch adds to the device's time: an
+    # several times a layer, `LayerOps.waits`, so its dispatch adds to the device's time: an
     # upper bound) or "off" (not counted, as the model was before 2026-12-03; what CUDA graphs or
     # a compiled step would approach)
     dispatch: str = "overlap"
@@ -328,7 +328,9 @@ class Assumptions:
 @dataclass(frozen=True)
 class LayerOps:
     """What one layer's decode step dispatches from the host: operators that launch a kernel,
-    operators that only make views, and points where the host waits for the device's result."""
+    operators that only make views, and points where the host may wait for the device (a
+    tensor's value read, a boolean-mask index; counted on a CPU, where some of them read host
+    tensors that on a GPU would not wait)."""
 
     kernels: float
     views: float
@@ -347,8 +349,8 @@ class LayerOps:
 # and flashmem with the config an accelerator gets on its path (ranked on the host): at 1/16
 # (exact re-rank), and with the candidates' int4 codes held on the device (at 1/4).
 FULL_LAYER_OPS = LayerOps(kernels=40, views=36, waits=0)
-FLASH_LAYER_OPS = LayerOps(kernels=241, views=177, waits=9)
-FLASH_DEVICE_CODES_OPS = LayerOps(kernels=309, views=213, waits=8)
+FLASH_LAYER_OPS = LayerOps(kernels=244, views=177, waits=15)
+FLASH_DEVICE_CODES_OPS = LayerOps(kernels=310, views=213, waits=18)
 
 
 # ----------------------------------------------------------------------------- flashmem's traffic
