@@ -430,3 +430,26 @@ def test_the_recipe_at_128k_holds_int4_codes_and_exact_takes_them_off(capsys):
     assert code == 0 and not hm["rerank_on_device"] and hm["flashmem_traffic"]["held_code_bytes"] == 0
     assert "lsa_rerank_on_device false (--rerank-codec exact)" in hm["flashmem_config"]
     assert hm["flashmem_traffic"]["host_read_bytes_per_step"] == 2**30
+
+
+def test_dispatch_and_op_us_options(capsys):
+    """--dispatch and --op-us reach the model: off is the bytes-only step, serial adds the host's
+    launches to flashmem's, and a larger --op-us lengthens a launch-bound step; both need
+    --hardware, and a bad value is one line naming what is allowed."""
+    base = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "--json")
+
+    def rows(*extra: str) -> dict:
+        code, out, _ = run(capsys, *base, *extra)
+        assert code == 0
+        return json.loads(out)["hardware_model"]
+
+    default, off, serial = rows(), rows("--dispatch", "off"), rows("--dispatch", "serial")
+    slow = rows("--op-us", "10")
+    assert default["assumptions"]["dispatch"] == "overlap" and default["assumptions"]["op_launch_s"] == 5e-6
+    f = {name: d["rows"]["flashmem"]["step_s"] for name, d in (("default", default), ("off", off), ("serial", serial))}
+    assert f["off"] < f["default"] < f["serial"]
+    assert slow["rows"]["flashmem"]["step_s"] > f["default"]
+    code, _, err = run(capsys, "estimate", "-m", "llama-3.1-8b", "-t", "128K", "--op-us", "3")
+    assert code == 2 and "--op-us: only with --hardware" in err
+    code, _, err = run(capsys, *base, "--dispatch", "never")
+    assert code == 2 and "--dispatch: 'never' is not allowed; allowed: overlap, serial, off" in err

@@ -119,13 +119,16 @@ def estimate_command(
     activation_gib: float = typer.Option(2.0, "--activation-gib", help="HBM set aside beyond weights and KV, GiB"),
     flops_fraction: float = typer.Option(0.5, "--flops-fraction", help="fraction of peak FLOP/s reached"),
     no_overlap: bool = typer.Option(False, "--no-overlap", help="add link, HBM and compute times instead of max"),
-    dispatch: str = typer.Option(
-        "overlap",
+    dispatch: str | None = typer.Option(
+        None,
         "--dispatch",
-        help="the host launching each step's operators (eager PyTorch): overlap (queued ahead: the longer of host "
-        "and device), serial (flashmem's waits on the device add it: an upper bound) or off (CUDA graphs' bound)",
+        help="the host launching each step's operators (eager PyTorch): overlap (the default: queued ahead, the "
+        "longer of host and device), serial (flashmem's waits on the device add it: an upper bound) or off "
+        "(CUDA graphs' bound)",
     ),
-    op_us: float = typer.Option(5.0, "--op-us", help="host microseconds per operator that launches a kernel"),
+    op_us: float | None = typer.Option(
+        None, "--op-us", help="host microseconds per operator that launches a kernel (default 5)"
+    ),
     host_gib: float | None = typer.Option(
         None, "--host-gib", help="host memory for the offloaded cache / cold tier, GiB (default: unbounded)"
     ),
@@ -139,7 +142,7 @@ def estimate_command(
             {**overrides, "traffic": traffic, "params": params, "host_gib": host_gib, "budget": budget,
              "rerank_codec": rerank_codec, "rerank_on_device": rerank_on_device,
              "new_candidate_fraction": new_candidate_fraction,
-             "dispatch": None if dispatch == "overlap" else dispatch, "op_us": None if op_us == 5.0 else op_us}
+             "dispatch": dispatch, "op_us": op_us}
         )  # fmt: skip
     dtype_given = dtype
     dtype = assumed_dtype(model, dtype)
@@ -170,12 +173,16 @@ def _refuse_hardware_only(given: dict[str, Any]) -> None:
 def _hardware_and_assumptions(
     hardware: str, overrides: dict[str, float | None], activation_gib: float, flops_fraction: float, overlap: bool,
     new_page_fraction: float, rerank_keys: str, new_candidate_fraction: float | None = None,
-    dispatch: str = "overlap", op_us: float = 5.0,
+    dispatch: str | None = None, op_us: float | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The accelerator (its constants, with the --*-gbps/--hbm-gib/--tflops overrides) and the checked assumptions."""
     from flashmem.sizing import hardware as hwm
 
     hw = hwm.get_hardware(hardware, **overrides)
+    # --dispatch / --op-us not given: the model's defaults (Assumptions)
+    given: dict[str, Any] = {} if dispatch is None else {"dispatch": dispatch}
+    if op_us is not None:
+        given["op_launch_s"] = op_us * 1e-6
     a = hwm.Assumptions(
         activation_bytes=int(activation_gib * hwm.GiB),
         flops_fraction=flops_fraction,
@@ -183,8 +190,7 @@ def _hardware_and_assumptions(
         new_page_fraction=new_page_fraction,
         rerank_keys=rerank_keys,
         new_candidate_fraction=new_candidate_fraction,
-        dispatch=dispatch,
-        op_launch_s=op_us * 1e-6,
+        **given,
     )
     a.check()
     return hw, a

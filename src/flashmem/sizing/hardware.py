@@ -353,6 +353,11 @@ FLASH_LAYER_OPS = LayerOps(kernels=244, views=177, waits=15)
 FLASH_DEVICE_CODES_OPS = LayerOps(kernels=310, views=213, waits=18)
 
 
+def flash_layer_ops(traffic: FlashTraffic) -> LayerOps:
+    """flashmem's operators a layer for its config: with the candidates' codes on the device or not."""
+    return FLASH_DEVICE_CODES_OPS if traffic.held_code_bytes else FLASH_LAYER_OPS
+
+
 # ----------------------------------------------------------------------------- flashmem's traffic
 @dataclass(frozen=True)
 class MeasuredFraction:
@@ -889,7 +894,7 @@ def flashmem_row(
     per_seq = float(traffic.resident_bytes)
     fixed = m.weight_bytes + a.activation_bytes + traffic.prompt_bytes
     attended = traffic.attended_tokens or tokens
-    ops = FLASH_DEVICE_CODES_OPS if traffic.held_code_bytes else FLASH_LAYER_OPS
+    ops = flash_layer_ops(traffic)
     dispatch = ops.seconds(a, m.layers)  # rows of one cache share each operator
 
     def at(b: int) -> tuple[float, str, float, float]:
@@ -944,7 +949,7 @@ def targets(
         flops = b * (2.0 * m.params + m.attention_flops(1, attended) + traffic.rerank_device_flops)
         # everything but the link: HBM, the device's and the host's compute, host DRAM, NVMe
         # (overlapped: the slowest of them; serial: their sum, which the link's time adds to)
-        ops = FLASH_DEVICE_CODES_OPS if traffic.held_code_bytes else FLASH_LAYER_OPS
+        ops = flash_layer_ops(traffic)
         t_rest, _ = step_time(
             hw, a, hbm=hbm, flops=flops, host=b * traffic.host_read_bytes,
             host_flops=b * traffic.host_flops, disk=b * traffic.disk_bytes,
