@@ -492,6 +492,7 @@ def run_flashmem(
         ms = timed_decode(model, cache, tokens, args.steps, 2, device)
         traffic = traffic_of(cache)
         report = cache.memory_report()
+        reuse = reuse_decode(model, cache, cfg, tokens + args.steps + 2, args, device, hw)
         keys = (
             "lsa_top_k",
             "gpu_cache_limit",
@@ -518,6 +519,7 @@ def run_flashmem(
             # the link's bytes over the bytes of the pages a step newly attends (1.0: only those)
             "h2d_over_new_pages": traffic.get("h2d_over_new_pages_median", "n/a") if traffic else "n/a",
             "traffic_report": traffic if traffic is not None else "n/a",
+            "select_every": reuse,
         }
         try:
             out["prediction"] = predictions(hw, model, tokens, cfg, traffic)
@@ -529,6 +531,28 @@ def run_flashmem(
         if cache is not None:
             cache.close()
         model.set_attn_implementation("sdpa")
+    return out
+
+
+def reuse_decode(
+    model: Any, cache: Any, cfg: Any, start: int, args: argparse.Namespace, device: torch.device, hw: hwm.Hardware
+) -> Any:
+    """The same cache's next decode steps with `lsa_select_every` N (--select-every): one step in
+    N ranks and gathers, the others attend its pages (docs/accelerator.md, "A selection that
+    serves several steps"); no second prompt. 'n/a' with N <= 1."""
+    every = int(args.select_every)
+    if every <= 1:
+        return "n/a"
+    for layer in cache.flash_layers:
+        layer.cfg = layer.cfg.model_copy(update={"lsa_select_every": every})
+    # the mean, not the median: one step in N selects and costs more
+    ms = timed_decode(model, cache, start, max(args.steps, 2 * every), 2, device)
+    out: dict[str, Any] = {"every": every, "decode_ms_mean": statistics.fmean(ms), "decode_ms": ms}
+    try:
+        pred = predictions(hw, model, start, cfg.model_copy(update={"lsa_select_every": every}), None)
+        out["modelled_decode_ms"] = pred.get("flashmem_decode_ms")
+    except Exception as exc:
+        out["modelled_decode_ms"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -560,6 +584,12 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             f"{f.get('link_bytes_per_step', 'n/a')} (modelled {p.get('flashmem_link_bytes_per_step', 0):.3g}, "
             f"{f.get('h2d_over_new_pages', 'n/a')} x the new pages); "
             f"max_memory_allocated {d.get('max_memory_allocated') or 'n/a'} / {f.get('max_memory_allocated') or 'n/a'} B"
+            + (
+                f"; select_every {f['select_every']['every']}: {ms(f['select_every'].get('decode_ms_mean'))} ms/step "
+                f"(modelled {ms(f['select_every'].get('modelled_decode_ms'))})"
+                if isinstance(f.get("select_every"), dict)
+                else ""
+            )
             + (
                 f"; flashmem: {f['error'] if 'error' in f else f.get('skipped')}"
                 if "error" in f or "skipped" in f
@@ -596,6 +626,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hardware", default=None, help="h100|h200|a100|l4 (default: from the device name)")
     ap.add_argument("--time-limit", type=float, default=450.0, help="seconds for the whole check (default 450)")
     ap.add_argument("--min-flashmem-s", type=float, default=None, help="skip a flashmem length with less time left")
+    ap.add_argument(
+        "--select-every",
+        type=int,
+        default=4,
+        help="after the recipe's timed steps, time as many more with lsa_select_every N (default 4; 1: not run)",
+    )
     ap.add_argument(
         "--device-rerank",
         action=argparse.BooleanOptionalAction,

@@ -308,6 +308,12 @@ def test_hardware_model_when_the_full_cache_does_not_fit(capsys):
             ["--hardware", "h200", "--rerank-codec", "sign", "--traffic", "/nonexistent.json"],
             "--rerank-codec: not allowed together with --traffic",
         ),
+        (["--hardware", "h200", "--select-every", "0"], "--select-every: 0 is not allowed; allowed: 1 to 64"),
+        (["--select-every", "4"], "--select-every: only with --hardware"),
+        (
+            ["--hardware", "h200", "--select-every", "4", "--traffic", "/nonexistent.json"],
+            "--select-every: not allowed together with --traffic",
+        ),
     ],
 )
 def test_hardware_mistakes_are_one_line(capsys, args, needle):
@@ -453,3 +459,20 @@ def test_dispatch_and_op_us_options(capsys):
     assert code == 2 and "--op-us: only with --hardware" in err
     code, _, err = run(capsys, *base, "--dispatch", "never")
     assert code == 2 and "--dispatch: 'never' is not allowed; allowed: overlap, serial, off" in err
+
+
+def test_select_every_replaces_the_configs(capsys):
+    """--select-every 4: the config's lsa_select_every is 4 (named in the source line and the JSON),
+    and the step's operators and ranking bytes come once in 4 steps: a shorter step at batch 1."""
+    base = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "--json")
+    code, one, _ = run(capsys, *base)
+    assert code == 0
+    code, four, _ = run(capsys, *base, "--select-every", "4")
+    assert code == 0
+    one_hm, four_hm = json.loads(one)["hardware_model"], json.loads(four)["hardware_model"]
+    assert one_hm["select_every"] == 1 and four_hm["select_every"] == 4
+    assert "lsa_select_every 4 (--select-every)" in four_hm["flashmem_config"]
+    parts1, parts4 = one_hm["flashmem_traffic"]["parts"], four_hm["flashmem_traffic"]["parts"]
+    assert parts4["rerank_keys"] == pytest.approx(parts1["rerank_keys"] / 4)
+    assert parts4["new_pages"] == pytest.approx(parts1["new_pages"])
+    assert four_hm["rows"]["flashmem"]["step_s"] < one_hm["rows"]["flashmem"]["step_s"]

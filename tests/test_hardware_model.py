@@ -515,3 +515,53 @@ def test_the_hosts_operator_launches_bound_a_small_step(h200):
     assert rows["serial"].bound == "HBM + host dispatch (serial)"
     with pytest.raises(ConfigError, match="--dispatch: 'sometimes' is not allowed; allowed: overlap, serial, off"):
         hwm.Assumptions(dispatch="sometimes").check()
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_selection_that_serves_several_steps(held, h200):
+    """lsa_select_every r: the ranking's bytes and FLOPs, the working set's writes and the index's
+    read come once in r steps; the new pages per step are kept (an upper bound); the operators are
+    one selecting step's and r - 1 reusing ones' mean, waits kept (serial stays an upper bound)."""
+    extra = dict(lsa_rerank_codec="int4", lsa_rerank_on_device=True) if held else dict(lsa_rerank_codec="int4")
+    one = small_traffic(small_config(**extra))
+    four = small_traffic(small_config(**extra, lsa_select_every=4))
+    assert one.select_every == 1 and four.select_every == 4
+    assert four.parts["new_pages"] == pytest.approx(one.parts["new_pages"])
+    for part in ("rerank_keys", "rerank_keys_on_host", "rerank_decoded_keys"):
+        assert four.parts[part] == pytest.approx(one.parts[part] / 4)
+    assert four.host_flops == pytest.approx(one.host_flops / 4)
+    assert four.rerank_device_flops == pytest.approx(one.rerank_device_flops / 4)
+    assert four.working_set_merge_bytes == pytest.approx(one.working_set_merge_bytes / 4)
+    flash = estimate(None, tokens=8192, config=small_config(**extra), **SMALL).flashmem
+    assert flash is not None and flash.tiers["index"] > 0
+    skipped = 0.75 * flash.tiers["index"]
+    assert four.device_read_bytes == pytest.approx(
+        one.device_read_bytes - skipped - 0.75 * (one.working_set_merge_bytes + one.parts["rerank_keys"])
+        - 0.75 * one.parts["rerank_decoded_keys"]
+    )  # fmt: skip
+    assert four.resident_bytes == one.resident_bytes  # what the device holds does not change
+    select = hwm.FLASH_DEVICE_CODES_OPS if held else hwm.FLASH_LAYER_OPS
+    ops = hwm.flash_layer_ops(four)
+    assert ops.kernels == pytest.approx(select.kernels / 4 + hwm.FLASH_REUSE_LAYER_OPS.kernels * 3 / 4)
+    assert ops.views == pytest.approx(select.views / 4 + hwm.FLASH_REUSE_LAYER_OPS.views * 3 / 4)
+    assert ops.waits == select.waits and hwm.flash_layer_ops(one) == select
+    # fewer operators: a faster step at batch 1 whenever the host's launches bound it
+    hw, cost, _ = h200
+    a = hwm.Assumptions(dispatch="serial")
+    r1 = hwm.flashmem_row(hw, cost, TOKENS, 1, a, one, KV_SEQ, None)
+    r4 = hwm.flashmem_row(hw, cost, TOKENS, 1, a, four, KV_SEQ, None)
+    assert r4.step_s < r1.step_s
+
+
+def test_the_operator_counts_are_the_committed_runs():
+    """The model's operator counts are those results/ops_per_step.json holds (per layer)."""
+    from pathlib import Path
+
+    per = json.loads((Path(__file__).parents[1] / "results" / "ops_per_step.json").read_text())["per_layer"]
+    for const, key in (
+        (hwm.FULL_LAYER_OPS, "full_cache"),
+        (hwm.FLASH_LAYER_OPS, "flashmem_1_16"),
+        (hwm.FLASH_DEVICE_CODES_OPS, "flashmem_device_codes_1_4"),
+        (hwm.FLASH_REUSE_LAYER_OPS, "flashmem_reusing_step_1_16"),
+    ):
+        assert (const.kernels, const.views, const.waits) == (per[key]["kernels"], per[key]["views"], per[key]["waits"])

@@ -12,6 +12,9 @@ accelerator gets for the budget and length (`budget_config(..., device_codes=Tru
 
     python benchmarks/diagnostics/ops_per_step.py --tokens 16384 --budget 0.0625 --out results/ops_per_step.json
 
+With `--select-every N` past `--steps`, the counted steps reuse the warm-up step's selection
+(`lsa_select_every`): what a step between two selections dispatches.
+
 The counts come from this CPU; on CUDA the same Python code dispatches the same operators,
 except where a path is CUDA-only (the prefetcher's staged copies). The hardware model's
 dispatch term (`flashmem.sizing.hardware`, `Assumptions.op_overhead_s`) takes them.
@@ -109,6 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device-codes", action="store_true", help="the re-rank's int4 codes held on the device")
+    ap.add_argument(
+        "--select-every", type=int, default=1,
+        help="lsa_select_every; with a value past --steps every counted step reuses the warm-up step's selection",
+    )  # fmt: skip
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -128,13 +135,20 @@ def main(argv: list[str] | None = None) -> None:
         extra = {"lsa_rerank_codec": "int4", "lsa_rerank_on_device": True} if a.device_codes else {}
         cfg = budget_config(
             a.budget, a.tokens + a.steps + 2, **model_geometry(model), device_codes=True,
-            lsa_layer_shares=None, prefill_chunk=4096, **extra,
+            lsa_layer_shares=None, prefill_chunk=4096, lsa_select_every=a.select_every, **extra,
         )  # fmt: skip
         cache = flashmem.attach(model, cfg)
         rows["flashmem"] = step_counts(model, cache, ids, a.steps)
         rows["config"] = {
             k: getattr(cfg, k)
-            for k in ("lsa_top_k", "lsa_rerank_codec", "lsa_rerank_on_device", "lsa_rerank_mirror", "lsa_cache_pages")
+            for k in (
+                "lsa_top_k",
+                "lsa_rerank_codec",
+                "lsa_rerank_on_device",
+                "lsa_rerank_mirror",
+                "lsa_cache_pages",
+                "lsa_select_every",
+            )
         }
         cache.close()
     finally:

@@ -77,6 +77,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fb4s1": {**RECIPE, "lsa_feedback_share": 0.25, "lsa_feedback_seeds": 1},
     # halfway between the even split and the profile's
     "half": {**RECIPE, "lsa_layer_profile_weight": 0.5},
+    # a selection serves 2 or 4 decode steps (`lsa_select_every`; docs/accelerator.md, "A
+    # selection that serves several steps")
+    "every2": {**RECIPE, "lsa_select_every": 2},
+    "every4": {**RECIPE, "lsa_select_every": 4},
 }
 # Variants that change the split of the resident budget (window, selected pages, CSA band)
 # rather than config keys; the recipe's is flashmem.recipe.SHAPE.

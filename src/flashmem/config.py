@@ -196,6 +196,15 @@ class FlashMemoryConfig(BaseModel):
         "tokens, a step selects as many more pages as (B - 1 - n) tokens' bytes buy, so the device holds "
         "the budget on every step (the solver sizes for the open block full) and uses it on every step",
     )
+    lsa_select_every: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="decode steps a selection serves: the index ranks and the working set gathers on "
+        "one step in N; the N - 1 after it attend the same pages (and the tokens since, exactly, in "
+        "the window). A block sealed since, or a forward of several tokens, selects again. On an "
+        "accelerator the ranking is most of a step's operators (docs/accelerator.md); 1: every step",
+    )
     lsa_feedback_share: float = Field(
         0.0,
         ge=0.0,

@@ -71,9 +71,11 @@ class Assembly:
         entry (value [b, h, 1, d], logit [b, Hq, m]) -> [b, Hq, m, d]."""
         b, hkv, m = self.b, self.hkv, q.shape[2]
         dev = k_new.device
-        causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-        allowed = (causal[None] & valid_new[:, None, :]) | torch.eye(m, dtype=torch.bool, device=dev)[None]
-        new_bias = torch.zeros(b, 1, m, m, dtype=q.dtype, device=dev).masked_fill(~allowed[:, None], NEG)
+        new_bias = None  # a decode step's one token sees itself, padded or not: bias 0, no mask built
+        if m > 1:
+            causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+            allowed = (causal[None] & valid_new[:, None, :]) | torch.eye(m, dtype=torch.bool, device=dev)[None]
+            new_bias = torch.full((b, 1, m, m), NEG, dtype=q.dtype, device=dev).masked_fill_(allowed[:, None], 0.0)
         keys, values = [*self.keys, k_new], [*self.values, v_new]
         group = q.shape[1] // hkv
         L = sum(bias.shape[-1] for bias in self.biases) + m + (rest is not None)
@@ -92,16 +94,27 @@ class Assembly:
         elem = torch.finfo(q.dtype).bits // 8
         rows = max(1, min(m, MASK_BYTES // max(1, b * hkv * group * L * elem)))
         mask = scratch.take("mask", (b, hkv, group, rows, L), q.dtype, dev)
-        at = 0
-        for bias in self.biases:  # [b, h, n]: one row for every query
-            n = bias.shape[-1]
-            mask[..., at : at + n] = bias[:, :, None, None, :]
-            at += n
+        at = sum(bias.shape[-1] for bias in self.biases)
+        if m == 1 and rest is None and group > 1:
+            # a decode step: the parts' biases and the token's own 0 in one op, then copied to
+            # the group's other query heads (a write per part costs a launch each on a GPU)
+            torch.cat([*self.biases, mask.new_zeros(b, hkv, 1)], -1, out=mask[:, :, 0, 0])
+            mask[:, :, 1:] = mask[:, :, :1]
+            new_bias = None
+        else:
+            i = 0
+            for bias in self.biases:  # [b, h, n]: one row for every query
+                n = bias.shape[-1]
+                mask[..., i : i + n] = bias[:, :, None, None, :]
+                i += n
         outs = []
         for i0 in range(0, m, rows):
             i1 = min(m, i0 + rows)
             part = mask[..., : i1 - i0, :]
-            part[..., at : at + m] = new_bias[:, :, None, i0:i1]  # [b, 1, 1, rows, m]
+            if new_bias is not None:
+                part[..., at : at + m] = new_bias[:, :, None, i0:i1]  # [b, 1, 1, rows, m]
+            elif m == 1 and (rest is not None or group == 1):
+                part[..., at] = 0.0  # the token sees itself
             if rest is not None:
                 part[..., -1] = logit.view(b, hkv, group, m)[..., i0:i1]
             outs.append(
@@ -123,7 +136,7 @@ def part_len(p: Part) -> int:
 
 def bias_from_valid(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[b, L] validity -> [b, 1, L] additive bias (0 or -inf)."""
-    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, NEG)[:, None]
+    return torch.full(valid.shape, NEG, dtype=dtype, device=valid.device).masked_fill_(valid, 0.0)[:, None]
 
 
 def copy_bytes(parts: list[Part], out: torch.Tensor) -> int:

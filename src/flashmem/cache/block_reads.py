@@ -214,7 +214,8 @@ class BlockReader:
         where = "cpu" if on_host else self.device
         # the page ids go to the host once (the stores cut pages by them there); the blocks touched
         # are counted there too, not by a `unique` the host would wait on the device for
-        blk, sub = (idx // ppb).cpu(), (idx % ppb).cpu()
+        idx_h = idx.cpu()
+        blk, sub = idx_h // ppb, idx_h % ppb
         only_h = None if only is None else only.cpu()
         got = self.store.gather_pages(self.layer_idx, blk, sub, ppb, where, *slots, only=only_h)
         if got is not None:

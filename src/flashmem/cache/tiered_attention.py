@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashmem.cache import ranking
-from flashmem.cache.assembly import NEG, Assembly, rest_entry
+from flashmem.cache.assembly import NEG, Assembly, bias_from_valid, rest_entry
 from flashmem.rope import RopeRotator
 
 if TYPE_CHECKING:
@@ -65,15 +65,19 @@ def _add_history(
     if cfg.lsa_open_room and k_sel > 0:
         k_sel = min(n * ppb, k_sel + open_room_pages(layer, m))
     selected = torch.zeros(b, hkv, n * ppb, dtype=torch.bool, device=qg.device)  # per page
+    # lsa_select_every: a decode step between selections attends the last one's pages as held
+    reuse = k_sel > 0 and m == 1 and layer.working_set.reusable(n, (b, hkv), cfg.lsa_select_every)
     # The rest entry needs every query's scores; a selection pools them, so a sample will do.
     q_index = qg if cfg.keeps_rest_entry else sample_queries(qg, m, cfg.lsa_prefill_queries)
     scores = None
-    if k_sel > 0 or cfg.keeps_rest_entry:
+    if (k_sel > 0 and not reuse) or cfg.keeps_rest_entry:
         scores = layer.ranker.scores(q_index, scaling, layer.summaries.hca_k)
-    if k_sel > 0:
+    if reuse:
+        selected.scatter_(-1, layer.working_set.reuse(layer.reader), True)
+    elif k_sel > 0:
         assert scores is not None
         positions = q_index.shape[2] * m // qg.shape[2]  # query positions scoring the index
-        idx = _select_and_gather(layer, scores, page_tokens_valid, k_sel, scaling, q_index, positions)
+        idx = _select_and_gather(layer, scores, page_tokens_valid, k_sel, scaling, q_index, positions, m == 1)
         selected.scatter_(-1, idx, True)
     else:
         layer.working_set.clear()
@@ -113,10 +117,12 @@ def _select_and_gather(
     scaling: float,
     q_index: torch.Tensor,
     positions: int,
+    decode: bool,
 ) -> torch.Tensor:
     """Rank the pages, gather the chosen ones into the working set, queue look-ahead ->
     page ids [b, h, k]. q_index: [b, h, nq, d] the queries that scored, from `positions`
-    query positions (a long chunk's are re-ranked only when few enough)."""
+    query positions (a long chunk's are re-ranked only when few enough); decode: a one-token
+    step's selection, which the next lsa_select_every - 1 decode steps reuse."""
     cfg = layer.cfg
     rerank = cfg.lsa_rerank > 1 and positions <= ranking.RERANK_MAX_QUERIES
     ctx = (q_index, page_tokens_valid) if rerank else (None, None)
@@ -125,6 +131,7 @@ def _select_and_gather(
     if layer.selection_hook is not None:
         sel = ranking.Selection(layer.selection_hook(layer.layer_idx, sel.idx, scores), sel.candidates)
     layer.working_set.gather(sel.idx, page_tokens_valid, layer.reader, sel.candidates)
+    layer.working_set.selected(layer.num_sealed, decode)
     # prefetch for the next step (re-ranked: the candidates, which it reads again)
     ahead = sel.idx if sel.candidates is None else sel.candidates.ids
     layer.reader.look_ahead(ahead // cfg.pages_per_block, layer.num_sealed)
@@ -145,7 +152,7 @@ def _add_working_set(layer: FlashLayer, asm: Assembly) -> int:
         moved = S + torch.arange(true[0, 0].numel(), device=ws.idx.device)
         ws_k = _rope(layer).rotate(ws.k, moved - true.flatten(-2))
         shown = ws.idx.shape[-1] * P
-    asm.add(ws_k, ws_v, torch.zeros_like(ws.valid, dtype=asm.dtype).masked_fill(~ws.valid, NEG))
+    asm.add(ws_k, ws_v, torch.full_like(ws.valid, NEG, dtype=asm.dtype).masked_fill_(ws.valid, 0.0))
     return shown
 
 
@@ -166,8 +173,9 @@ def _add_recent(
         delta = torch.tensor(float(shift), device=q.device)
         open_k, win_k = rope.rotate(open_k, delta), rope.rotate(win_k, delta)
         q, k_new = rope.rotate(q, delta), rope.rotate(k_new, delta)
-    asm.add_valid(open_k, layer.open_v, layer.valid[:, o0:o1])
-    asm.add_valid(win_k, layer.win_v, layer.valid[:, o1:w1])
+    bias = bias_from_valid(layer.valid[:, o0:w1], asm.dtype)  # [b, 1, n]: both parts' in one op
+    asm.add(open_k, layer.open_v, bias[..., : o1 - o0])
+    asm.add(win_k, layer.win_v, bias[..., o1 - o0 :])
     return q, k_new
 
 

@@ -64,9 +64,13 @@ class StepTraffic:
     lazy: list[tuple[str, Any, Any, int]] = field(default_factory=list)
 
     def resolve(self) -> None:
-        """Read the counts handed over as tensors into the fields."""
-        for kind, hits, misses, page_bytes in self.lazy:
-            h, m = int(hits), int(misses)
+        """Read the counts handed over as tensors into the fields: one read per device for
+        the whole step (two a layer would each wait for the device's queue)."""
+        if not self.lazy:
+            return
+        values = _read_all([x for _, hits, misses, _ in self.lazy for x in (hits, misses)])
+        for i, (kind, _, _, page_bytes) in enumerate(self.lazy):
+            h, m = values[2 * i], values[2 * i + 1]
             if kind == "pages":
                 self.page_hits += h
                 self.page_misses += m
@@ -183,3 +187,17 @@ class Traffic:
             self.steps[-1].counts["disk_read_bytes"] += now - self._disk_mark
             self.steps[-1].resolve()
         self._disk_mark = now
+
+
+def _read_all(values: list[Any]) -> list[int]:
+    """Ints and 0-dim count tensors -> ints, the tensors of each device read in one copy."""
+    out = [0 if isinstance(v, torch.Tensor) else int(v) for v in values]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for where in by_device.values():
+        stacked = torch.stack([values[i].reshape(()).to(torch.int64) for i in where])
+        for i, x in zip(where, stacked.tolist(), strict=True):
+            out[i] = int(x)
+    return out

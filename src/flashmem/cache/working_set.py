@@ -62,6 +62,10 @@ class WorkingSet:
         self.plain: list[torch.Tensor | None] = [None, None]
         self.idx: torch.Tensor | None = None  # page ids [b, h, k], in slot order
         self.valid: torch.Tensor | None = None  # [b, h, k*P]
+        # `lsa_select_every`: decode steps served by the last selection since it was made, and
+        # the sealed blocks it saw (a prompt chunk's selection serves no decode step: served None)
+        self.served: int | None = None
+        self.sealed_at = -1
 
     # ------------------------------------------------------------------ reads
     @property
@@ -98,10 +102,38 @@ class WorkingSet:
     def end_step(self) -> None:
         self.plain = [None, None]
 
+    # ------------------------------------------------------------------ selection reuse
+    def selected(self, num_sealed: int, decode: bool) -> None:
+        """A selection was just gathered over num_sealed blocks, by a decode step (decode) or a
+        chunk of several queries, whose pooled selection no decode step reuses."""
+        self.served, self.sealed_at = (0 if decode else None), num_sealed
+
+    def reusable(self, num_sealed: int, rows: tuple[int, int], every: int) -> bool:
+        """Whether this decode step attends the last selection again (`lsa_select_every`):
+        made by a decode step over the same sealed blocks and rows, fewer than every - 1
+        steps ago. Decided on the host, from counts: nothing is read from the device."""
+        return (
+            every > 1
+            and self.idx is not None
+            and self.served is not None
+            and self.served < every - 1
+            and self.sealed_at == num_sealed
+            and tuple(self.idx.shape[:2]) == rows
+        )
+
+    def reuse(self, reader: BlockReader) -> torch.Tensor:
+        """This step attends the last selection's pages as held -> their ids [b, h, k]: nothing
+        is ranked or read (every page counted as held)."""
+        assert self.idx is not None and self.served is not None
+        self.served += 1
+        reader.traffic.pages(self.idx.numel(), 0, reader.page_bytes())
+        return self.idx
+
     def clear(self) -> None:
         self.code = [None, None]
         self.plain = [None, None]
         self.idx = self.valid = None
+        self.served, self.sealed_at = None, -1
         self._owned = False
         if self.spare is not None:
             self.spare.clear()

@@ -110,6 +110,12 @@ def estimate_command(
         help="replace the config's lsa_rerank_on_device: the candidates' codes held on the device (counted in "
         "its bytes) and scored there, or on the host (needs a code: --rerank-codec int4, int2 or sign)",
     ),
+    select_every: int | None = typer.Option(
+        None,
+        "--select-every",
+        help="replace the config's lsa_select_every: decode steps one selection serves (1-64; the ranking's "
+        "bytes, FLOPs and operators come once in N steps)",
+    ),
     new_candidate_fraction: float | None = typer.Option(
         None,
         "--new-candidate-fraction",
@@ -141,7 +147,7 @@ def estimate_command(
         _refuse_hardware_only(
             {**overrides, "traffic": traffic, "params": params, "host_gib": host_gib, "budget": budget,
              "rerank_codec": rerank_codec, "rerank_on_device": rerank_on_device,
-             "new_candidate_fraction": new_candidate_fraction,
+             "select_every": select_every, "new_candidate_fraction": new_candidate_fraction,
              "dispatch": dispatch, "op_us": op_us}
         )  # fmt: skip
     dtype_given = dtype
@@ -156,7 +162,8 @@ def estimate_command(
         )  # fmt: skip
         hw_model = hardware_model(model, est, hw, a, config=config, budget=budget, params=params, traffic=traffic,
                                   host_gib=host_gib, dims=(layers, kv_heads, head_dim),
-                                  rerank_codec=rerank_codec, rerank_on_device=rerank_on_device)  # fmt: skip
+                                  rerank_codec=rerank_codec, rerank_on_device=rerank_on_device,
+                                  select_every=select_every)  # fmt: skip
     _emit(est, hw_model, as_json=as_json, dtype_note=dtype_given is None and dtype is not None)
 
 
@@ -247,6 +254,7 @@ def hardware_model(
     dims: tuple[int | None, int | None, int | None] = (None, None, None),
     rerank_codec: str | None = None,
     rerank_on_device: bool | None = None,
+    select_every: int | None = None,
 ) -> dict[str, Any]:
     """The three rows (full, offloaded, flashmem) and issue 27's targets, as a dict; with
     predicted traffic, also the targets at the measured new-page fractions."""
@@ -269,6 +277,7 @@ def hardware_model(
     )
     cfg, cfg_source = _flashmem_config(config, budget, est.tokens, arch, head_dim, eb)
     cfg, cfg_source = _with_rerank_codec(cfg, cfg_source, rerank_codec, traffic, rerank_on_device)
+    cfg, cfg_source = _with_select_every(cfg, cfg_source, select_every, traffic)
     group = arch.heads // arch.kv_heads if arch is not None else 1  # unknown: a lower bound (flops_note)
     flash, tr = _flashmem_traffic(model, est, cfg, dims, traffic, a, group)
     rows_b = [
@@ -282,6 +291,7 @@ def hardware_model(
     out["flashmem_config"] = cfg_source
     out["rerank_codec"] = str(cfg.lsa_rerank_codec)
     out["rerank_on_device"] = bool(cfg.lsa_rerank_on_device)
+    out["select_every"] = int(cfg.lsa_select_every)
     out["flashmem_traffic"] = {
         "source": tr.source,
         "link_bytes_per_step": tr.link_bytes,
@@ -446,6 +456,20 @@ def _with_rerank_codec(
         why = "--rerank-codec exact" if on_device is None else "--rerank-on-device" if on_device else "--rerank-on-host"
         notes.append(f"lsa_rerank_on_device {str(held).lower()} ({why})")
     return cfg.model_copy(update=update), ", ".join([source, *notes])
+
+
+def _with_select_every(cfg: Any, source: str, every: int | None, traffic: Path | None) -> tuple[Any, str]:
+    """`cfg` with --select-every as its lsa_select_every (checked: one line naming what is allowed)."""
+    if every is None:
+        return cfg, source
+    if not 1 <= every <= 64:
+        raise ConfigError(f"--select-every: {every} is not allowed; allowed: 1 to 64 decode steps a selection serves")
+    if traffic is not None:
+        raise ConfigError(
+            "--select-every: not allowed together with --traffic (a run's counted bytes are its own "
+            "selections'); allowed: one of them"
+        )
+    return cfg.model_copy(update={"lsa_select_every": every}), f"{source}, lsa_select_every {every} (--select-every)"
 
 
 def _print(est: Any) -> None:

@@ -342,6 +342,19 @@ class LayerOps:
             return 0.0
         return layers * (self.kernels * a.op_launch_s + self.views * a.view_op_s)
 
+    def amortized(self, reuse: LayerOps, every: int) -> LayerOps:
+        """A step's mean over `every` steps of which this one selects and the others reuse its
+        selection (`lsa_select_every`). Its waits stay the selecting step's: a step with any
+        wait is modelled serial, an upper bound where the reusing steps wait on nothing."""
+        if every <= 1:
+            return self
+        w = (every - 1) / every
+        return LayerOps(
+            kernels=self.kernels / every + reuse.kernels * w,
+            views=self.views / every + reuse.views * w,
+            waits=self.waits,
+        )
+
 
 # Counted with `python benchmarks/diagnostics/ops_per_step.py --tokens 8192 --layers 2|4` (ATen
 # operators of one decode step, this CPU, 2026-12-03; per layer: the 4-layer count less the
@@ -349,13 +362,17 @@ class LayerOps:
 # and flashmem with the config an accelerator gets on its path (ranked on the host): at 1/16
 # (exact re-rank), and with the candidates' int4 codes held on the device (at 1/4).
 FULL_LAYER_OPS = LayerOps(kernels=40, views=36, waits=0)
-FLASH_LAYER_OPS = LayerOps(kernels=244, views=177, waits=15)
-FLASH_DEVICE_CODES_OPS = LayerOps(kernels=310, views=213, waits=18)
+FLASH_LAYER_OPS = LayerOps(kernels=214, views=158, waits=13)
+FLASH_DEVICE_CODES_OPS = LayerOps(kernels=282, views=192, waits=18)
+# a step that reuses the last selection (`lsa_select_every`; `--select-every 64`)
+FLASH_REUSE_LAYER_OPS = LayerOps(kernels=67, views=91, waits=0)
 
 
 def flash_layer_ops(traffic: FlashTraffic) -> LayerOps:
-    """flashmem's operators a layer for its config: with the candidates' codes on the device or not."""
-    return FLASH_DEVICE_CODES_OPS if traffic.held_code_bytes else FLASH_LAYER_OPS
+    """flashmem's operators a layer for its config: with the candidates' codes on the device or
+    not; with `lsa_select_every` N, the mean of one selecting step and N - 1 reusing ones."""
+    select = FLASH_DEVICE_CODES_OPS if traffic.held_code_bytes else FLASH_LAYER_OPS
+    return select.amortized(FLASH_REUSE_LAYER_OPS, traffic.select_every)
 
 
 # ----------------------------------------------------------------------------- flashmem's traffic
@@ -443,6 +460,9 @@ class FlashTraffic:
     # HBM bytes a step writes and reads back besides what it holds (`assembly_bytes`), inside
     # device_read_bytes: attention's K/V buffer, an int8 working set decoded, the index converted
     assembly_bytes: float = 0.0
+    # decode steps one selection serves (`lsa_select_every`): the ranking's and the gather's
+    # bytes, FLOPs and operators above are already the mean over them
+    select_every: int = 1
 
 
 def rebuild_fraction(cfg: Any, head_dim: int | None, dtype_bytes: float | None) -> float:
@@ -550,6 +570,12 @@ def predicted_traffic(
             # scored on the device, the codes are decoded a chunk at a time into the model's dtype
             # (index/rerank.py coded_page_mass): those keys are written to HBM and read back
             decoded = 2 * scored * key_elems * dtype_bytes
+    # lsa_select_every r: one step in r ranks and gathers; the others attend its pages as held.
+    # The ranking's reads and FLOPs, the working set's writes and the index's read come once in
+    # r steps. The new pages do not shrink: the pages that changed over r steps, gathered at
+    # once, are at most r steps' worth (the per-step fraction stays an upper bound).
+    every = max(1, int(getattr(cfg, "lsa_select_every", 1)))
+    rerank, host, disk_keys, flops, decoded = (x / every for x in (rerank, host, disk_keys, flops, decoded))
     link = new_pages + rerank
     # pages kept past the selection (lsa_cache_pages) sit in the working set's tier but are not
     # attended: not read by a step, except where pages leave the selection into their slots (a
@@ -563,6 +589,9 @@ def predicted_traffic(
     # the working set (a cat of held and new rows, then an index_select: two reads and two writes)
     rebuilds = rebuild_fraction(cfg, head_dim, dtype_bytes)
     merge = rebuilds * 4 * selection + (1 - rebuilds) * 2 * a.new_page_fraction * selection
+    merge, spill = merge / every, spill / every
+    # held codes are in the index's tier: neither is read by a step that reuses the selection
+    index_skipped = (1 - 1 / every) * float(flash.tiers.get("index", 0.0))
     # worst case: no host RAM cache hits
     disk = new_exact + disk_keys if cfg.cold_store in ("disk", "lmdb") else 0.0
     # the streamed exact prompt (issue 27 item 3): chunk j of C tokens reads every earlier token
@@ -584,7 +613,9 @@ def predicted_traffic(
     return FlashTraffic(
         resident_bytes=int(flash.device_resident_bytes),
         prompt_bytes=int(flash.prompt_kv_bytes),
-        device_read_bytes=float(flash.device_resident_bytes) - cache_bytes + spill + merge + link + decoded + assembly,
+        device_read_bytes=(
+            float(flash.device_resident_bytes) - cache_bytes - index_skipped + spill + merge + link + decoded + assembly
+        ),
         link_bytes=link,
         disk_bytes=disk,
         host_read_bytes=host,
@@ -607,6 +638,7 @@ def predicted_traffic(
         host_flops=flops if host else 0.0,
         rerank_device_flops=flops if rerank or held else 0.0,
         held_code_bytes=held,
+        select_every=every,
     )
 
 
