@@ -639,8 +639,16 @@ def main(argv: list[str] | None = None) -> int:
         help="also run flashmem with int4 re-rank codes held on the device, at the shortest length "
         "(default: on CUDA only)",
     )
+    ap.add_argument(
+        "--no-cudnn-sdpa",
+        action="store_true",
+        help="turn off PyTorch's cuDNN attention backend for every cache: on an H200 with torch 2.11 it "
+        "plans each new context length anew, 9-60 ms a call (benchmarks/diagnostics/gpu_step_anatomy.py)",
+    )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device here; allowed: --device cpu (with --smoke)", file=sys.stderr)
         return 2
@@ -663,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": smoke,
         "args": {k: v for k, v in vars(args).items()},
         "hardware_model": hw.key,
+        "cudnn_sdpa_enabled": torch.backends.cuda.cudnn_sdp_enabled(),
     }
     try:
         import transformers

@@ -269,17 +269,35 @@ def test_budget_peak_host_ranking_on_disk(tmp_path: Path):
 def test_ops_per_step_counts_each_caches_operators(tmp_path: Path):
     """The operator count behind the hardware model's dispatch term: a decode step of each cache,
     per layer; flashmem's step (ranked on the host) launches more and waits on the device, the
-    full cache's does not wait; the class-wide host-ranking switch is put back."""
+    full cache's does not wait; --by-caller attributes flashmem's kernels to its own functions
+    (none of the full cache's); the class-wide host-ranking switch is put back."""
     from flashmem.cache.block_reads import BlockReader
 
     out = tmp_path / "ops.json"
     was = BlockReader.rank_on_host
     run_script(
         BENCH / "diagnostics" / "ops_per_step.py",
-        *("--tokens", "512", "--steps", "1", "--layers", "2", "--budget", "0.5", "--out", str(out)),
+        *(
+            "--tokens",
+            "512",
+            "--steps",
+            "1",
+            "--layers",
+            "2",
+            "--budget",
+            "0.5",
+            "--by-caller",
+            "50",
+            "--out",
+            str(out),
+        ),
     )
     d = json.loads(out.read_text())
     full, flash = d["full_cache"], d["flashmem"]
     assert full["kernels"] > 0 and full["waits"] == 0
     assert flash["kernels"] > full["kernels"] and flash["waits"] > 0
+    assert full["kernels_by_caller"] == {"model": full["kernels"]}  # one step counted: mean = median
+    by = flash["kernels_by_caller"]
+    assert sum(by.values()) <= flash["kernels"] and by["model"] < flash["kernels"] / 2
+    assert any(k.startswith("cache.assembly.") for k in by) and any(k.startswith("cache.ranking.") for k in by)
     assert BlockReader.rank_on_host is was

@@ -158,3 +158,29 @@ def test_int8_mean_keys_score_without_a_decoded_copy_as_decoded_ones_do(monkeypa
     assert quest.score_coded(q.float(), iv2.codes, iv2.scales) is None
     iv2.score(quest, q.float())
     assert reads == [torch.float32]
+
+
+@pytest.mark.parametrize("pool", ["mean", "max"])
+@pytest.mark.parametrize("share_heads", [False, True])
+def test_blocked_index_mass_equals_the_whole_chunks(pool, share_heads):
+    """A long chunk's queries scored a block at a time pool to the mass of all of them at once."""
+    from flashmem.index.selection import blocked_index_mass, index_mass
+
+    g = torch.Generator().manual_seed(3)
+    b, h, nq, n, d = 2, 3, 37, 11, 8
+    q = torch.randn(b, h, nq, d, generator=g)
+    keys = torch.randn(b, h, n, d, generator=g)
+    valid = torch.rand(b, n, generator=g) > 0.3
+    calls = []
+
+    def score(qs):
+        calls.append(qs.shape[2])
+        return qs @ keys.transpose(-1, -2)
+
+    whole = index_mass(score(q), valid, 0.5, pool, share_heads)
+    calls.clear()
+    row_bytes = b * h * n * 4
+    got = blocked_index_mass(score, q, valid, 0.5, pool, share_heads, max_bytes=5 * row_bytes)
+    assert calls == [5] * 7 + [2]  # at most 5 queries' scores held at once
+    assert torch.allclose(got, whole, atol=1e-6)
+    assert not torch.equal(whole, index_mass(score(q[:, :, :5]), valid, 0.5, pool, share_heads))

@@ -13,7 +13,9 @@ accelerator gets for the budget and length (`budget_config(..., device_codes=Tru
     python benchmarks/diagnostics/ops_per_step.py --tokens 16384 --budget 0.0625 --out results/ops_per_step.json
 
 With `--select-every N` past `--steps`, the counted steps reuse the warm-up step's selection
-(`lsa_select_every`): what a step between two selections dispatches.
+(`lsa_select_every`): what a step between two selections dispatches. `--by-caller N` also prints
+flashmem's N busiest functions: the kernels each dispatches itself (the innermost flashmem frame
+on the stack), per layer, which is where fusing or capturing a step would start.
 
 The counts come from this CPU; on CUDA the same Python code dispatches the same operators,
 except where a path is CUDA-only (the prefetcher's staged copies). The hardware model's
@@ -34,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flashmem
 from flashmem.cache.block_reads import BlockReader
 from flashmem.sizing.budget import budget_config, model_geometry
+from flashmem_eval.live_bytes import caller
 from flashmem_eval.tiny import build_llama
 
 GEOMETRY = dict(
@@ -51,10 +54,11 @@ WAITS = ("_local_scalar_dense", "nonzero", "unique", "_unique", "is_nonzero", "e
 
 
 class Count(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, by_caller: bool = False) -> None:
         super().__init__()
         self.kinds: Counter[str] = Counter()
         self.names: Counter[str] = Counter()
+        self.callers: Counter[str] | None = Counter() if by_caller else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = func.overloadpacket.__name__
@@ -65,6 +69,8 @@ class Count(TorchDispatchMode):
             self.kinds["views"] += 1
         else:
             self.kinds["kernels"] += 1
+            if self.callers is not None:
+                self.callers[caller()] += 1
         if name in ("_to_copy", "copy_") and _crosses(args, kwargs):
             self.kinds["device_copies"] += 1
         return func(*args, **(kwargs or {}))
@@ -85,8 +91,9 @@ def _crosses(args: Any, kwargs: Any) -> bool:
     return len(devs) > 1 or (dev is not None and torch.device(dev).type not in devs)
 
 
-def step_counts(model: Any, cache: Any, ids: torch.Tensor, steps: int) -> dict[str, float]:
-    """Prefill ids into cache, then `steps` decode steps counted -> medians per step and layer."""
+def step_counts(model: Any, cache: Any, ids: torch.Tensor, steps: int, by_caller: int = 0) -> dict[str, Any]:
+    """Prefill ids into cache, then `steps` decode steps counted -> medians per step and layer
+    (with by_caller, the `by_caller` functions that dispatch most kernels, mean per step and layer)."""
     layers = model.config.num_hidden_layers
     with torch.no_grad():
         if isinstance(cache, flashmem.FlashMemoryCache):
@@ -96,13 +103,18 @@ def step_counts(model: Any, cache: Any, ids: torch.Tensor, steps: int) -> dict[s
         nxt = logits[:, -1:].argmax(-1)
         model(nxt, past_key_values=cache, use_cache=True)  # one step uncounted (first selection)
         per: list[Counter[str]] = []
+        callers: Counter[str] = Counter()
         for _ in range(steps):
-            with Count() as c:
+            with Count(by_caller > 0) as c:
                 out = model(nxt, past_key_values=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
             per.append(c.kinds)
+            callers.update(c.callers or {})
     keys = ("kernels", "views", "waits", "device_copies")
-    return {k: statistics.median(p[k] for p in per) / layers for k in keys}
+    out_: dict[str, Any] = {k: statistics.median(p[k] for p in per) / layers for k in keys}
+    if by_caller:
+        out_["kernels_by_caller"] = {k: n / steps / layers for k, n in callers.most_common(by_caller)}
+    return out_
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         "--select-every", type=int, default=1,
         help="lsa_select_every; with a value past --steps every counted step reuses the warm-up step's selection",
     )  # fmt: skip
+    ap.add_argument("--by-caller", type=int, default=0, metavar="N", help="list the N busiest functions")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -126,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import DynamicCache
 
     rows: dict[str, Any] = {"tokens": a.tokens, "budget": a.budget, "layers": a.layers, "steps": a.steps}
-    rows["full_cache"] = step_counts(model, DynamicCache(), ids, a.steps)
+    rows["full_cache"] = step_counts(model, DynamicCache(), ids, a.steps, a.by_caller)
     was = BlockReader.rank_on_host
     BlockReader.rank_on_host = True  # the accelerator's path
     try:
@@ -138,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             lsa_layer_shares=None, prefill_chunk=4096, lsa_select_every=a.select_every, **extra,
         )  # fmt: skip
         cache = flashmem.attach(model, cfg)
-        rows["flashmem"] = step_counts(model, cache, ids, a.steps)
+        rows["flashmem"] = step_counts(model, cache, ids, a.steps, a.by_caller)
         rows["config"] = {
             k: getattr(cfg, k)
             for k in (

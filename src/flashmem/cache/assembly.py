@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
+from flashmem.cache import sdpa
 from flashmem.cache.scratch import Scratch, thread_scratch
 from flashmem.cache.working_set import Part
 from flashmem.compress import page_code
@@ -118,14 +118,7 @@ class Assembly:
             if rest is not None:
                 part[..., -1] = logit.view(b, hkv, group, m)[..., i0:i1]
             outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, i0:i1],
-                    K,
-                    V,
-                    attn_mask=part.reshape(b, hkv * group, i1 - i0, L),
-                    scale=scaling,
-                    enable_gqa=group > 1,
-                )
+                sdpa.attention(q[:, :, i0:i1], K, V, part.reshape(b, hkv * group, i1 - i0, L), scaling, group > 1)
             )
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 

@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from flashmem.cache import sdpa
 from flashmem.cache.assembly import copy_bytes
 from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.cache.flash_layer import FlashLayer
@@ -237,7 +237,7 @@ def _attend_short(
         mask[i, 0, 0, : n - 1] = layer.valid[0]
         mask[i, 0, 0, n - 1] = True  # the new token sees itself
     q = torch.stack([query[0, :, ans.at : ans.at + 1] for ans in rows])
-    o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=hq > hkv)
+    o = sdpa.attention(q, K, V, mask, scaling, hq > hkv)
     valid = torch.ones(1, 1, dtype=torch.bool, device=dev)
     for i, (ans, layer, (k_new, v_new)) in enumerate(zip(rows, layers, pending)):
         try:  # FlashLayer.step's bookkeeping after its attention

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from flashmem.cache import sdpa
 from flashmem.cache.assembly import step_scratch
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class ExactPrompt:
         mask = step_scratch().take("mask", (b, 1, m, need), q.dtype, q.device)  # [b, 1, m, T + m]
         mask.zero_().masked_fill_(~allowed[:, None], -math.inf)
         K, V = self.k[:, :, :need], self.v[:, :, :need]
-        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] > hkv)
+        return sdpa.attention(q, K, V, mask, scaling, q.shape[1] > hkv)
 
 
 class OnlineSoftmax:

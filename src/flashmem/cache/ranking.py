@@ -24,7 +24,7 @@ from flashmem.cache.rerank_codes import HOST, DeviceCandidates, KeyMirror, Reran
 from flashmem.config import FlashMemoryConfig
 from flashmem.index.base import BlockScorer
 from flashmem.index.rerank import coded_page_mass, exact_block_mass, exact_page_mass, token_page_mass
-from flashmem.index.selection import feedback_pages, index_mass, select_blocks, top_pages
+from flashmem.index.selection import blocked_index_mass, feedback_pages, index_mass, top_pages
 from flashmem.index.vectors import IndexVectors
 
 # (layer_idx, selected page ids [b, h, k] sorted, index scores [b, h, nq, n]) -> page ids
@@ -106,9 +106,28 @@ class CandidateRanker:
         self.reader.traffic.add("device_copy_bytes", 2 * self.index.converted_bytes(qg.dtype))
         return self.index.score(self.scorer, qg, scaling)
 
+    def index_mass(
+        self,
+        qg: torch.Tensor,
+        page_valid: torch.Tensor,
+        scaling: float,
+        hca_k: torch.Tensor,
+        scores: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The index's pooled mass per page [b, h, n_pages] for queries qg [b, h, nq, d]
+        (page_valid [b, n_pages]): from `scores` when the caller holds them whole, else scored
+        a block of queries at a time (index/selection.py `blocked_index_mass`), so that a long
+        prompt chunk's transient stays bounded whatever the context."""
+        cfg = self.cfg
+        if scores is not None:
+            return index_mass(scores, page_valid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)
+        return blocked_index_mass(
+            lambda q: self.scores(q, scaling, hca_k), qg, page_valid, scaling, cfg.lsa_pool, cfg.lsa_share_heads
+        )
+
     def rank(
         self,
-        scores: torch.Tensor,
+        mass: torch.Tensor,
         page_valid: torch.Tensor,
         k_sel: int,
         scaling: float,
@@ -116,35 +135,35 @@ class CandidateRanker:
         page_tokens_valid: torch.Tensor | None = None,
         num_sealed: int = 0,
     ) -> Selection:
-        """Top `k_sel` pages per KV head from index scores [b, h, nq, n_pages]; page_valid:
-        [b, n_pages]. With `lsa_rerank` r > 1 (qg [b, h, nq, d] and page_tokens_valid
-        [b, n_pages, P] given) the index picks r * k_sel candidates (at least
-        `lsa_rerank_min_pages`) and their exact keys pick the k_sel. With
+        """Top `k_sel` pages per KV head from the index's pooled mass [b, h, n_pages]
+        (`index_mass`); page_valid: [b, n_pages]. With `lsa_rerank` r > 1 (qg [b, h, nq, d]
+        and page_tokens_valid [b, n_pages, P] given) the index picks r * k_sel candidates (at
+        least `lsa_rerank_min_pages`) and their exact keys pick the k_sel. With
         `lsa_feedback_share` a share of the k_sel goes to the second hop (`feedback`)."""
         cfg = self.cfg
         cap = cfg.lsa_rerank_max_tokens
         rerank = qg is not None and page_tokens_valid is not None
         rerank = rerank and (cap is None or num_sealed * cfg.hca_chunk_size <= cap)
-        n_pages = scores.shape[-1]
+        n_pages = mass.shape[-1]
         n_cand = min(max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages) if rerank else k_sel, n_pages)
         every = n_cand > k_sel and n_cand == n_pages  # every page a candidate: no index stage
         sel: Selection | None = None
         if n_cand > k_sel and isinstance(self.codes, RerankCodes):
             assert qg is not None and page_tokens_valid is not None
-            b, h = scores.shape[:2]
+            b, h = mass.shape[:2]
             cand = (
-                torch.arange(n_pages, device=scores.device).expand(b, h, n_pages)
+                torch.arange(n_pages, device=mass.device).expand(b, h, n_pages)
                 if every
-                else self._index_top(scores, page_valid, n_cand, scaling)
+                else self._index_top(mass, page_valid, n_cand)
             )
             sel = self.rerank_coded(cand, qg, page_tokens_valid, k_sel, scaling, num_sealed)
         elif every:
             assert qg is not None and page_tokens_valid is not None
-            b, h = scores.shape[:2]
-            self._count_candidates(torch.arange(n_pages, device=scores.device).expand(b, h, n_pages))
+            b, h = mass.shape[:2]
+            self._count_candidates(torch.arange(n_pages, device=mass.device).expand(b, h, n_pages))
             sel = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed)
         if sel is None:
-            idx = self._index_top(scores, page_valid, n_cand, scaling)
+            idx = self._index_top(mass, page_valid, n_cand)
             sel = Selection(idx)
             if n_cand > k_sel:
                 assert qg is not None and page_tokens_valid is not None
@@ -154,38 +173,27 @@ class CandidateRanker:
                     ranked = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed, idx)
                 sel = ranked if ranked is not None else self.rerank(idx, qg, page_tokens_valid, k_sel, scaling)
         if self.page_values is not None:
-            sel = self.feedback(sel, scores, page_valid, scaling, num_sealed)
+            sel = self.feedback(sel, mass, page_valid, num_sealed)
         return sel
 
-    def _index_top(self, scores: torch.Tensor, page_valid: torch.Tensor, n: int, scaling: float) -> torch.Tensor:
-        """The index's n pages of most pooled mass per KV head -> sorted ids [b, h, n]."""
-        cfg = self.cfg
-        return select_blocks(
-            scores,
-            page_valid,
-            n,
-            scaling,
-            follow=cfg.lsa_follow_pages,
-            pool=cfg.lsa_pool,
-            share_heads=cfg.lsa_share_heads,
-        )
+    def _index_top(self, mass: torch.Tensor, page_valid: torch.Tensor, n: int) -> torch.Tensor:
+        """The index's n pages of most pooled mass [b, h, n_pages] per KV head -> sorted ids
+        [b, h, n] (index/selection.py `select_blocks`, from the mass)."""
+        return top_pages(mass, page_valid[:, None, :], n, self.cfg.lsa_follow_pages)
 
-    def feedback(
-        self, sel: Selection, scores: torch.Tensor, page_valid: torch.Tensor, scaling: float, num_sealed: int
-    ) -> Selection:
+    def feedback(self, sel: Selection, mass: torch.Tensor, page_valid: torch.Tensor, num_sealed: int) -> Selection:
         """`lsa_feedback_share` of the selected pages sel.idx [b, h, k] to the pages whose mean
-        values look most like the `lsa_feedback_seeds` picks of most index mass (scores
-        [b, h, nq, n]): index/selection.py `feedback_pages`. The mean values are read once per
+        values look most like the `lsa_feedback_seeds` picks of most index mass (mass
+        [b, h, n]): index/selection.py `feedback_pages`. The mean values are read once per
         sealed block, on the host."""
         cfg, pv = self.cfg, self.page_values
         assert pv is not None
         k = sel.idx.shape[-1]
         share = int(round(cfg.lsa_feedback_share * k))
-        n = scores.shape[-1]
+        n = mass.shape[-1]
         if share <= 0 or k >= n:
             return sel
         pv.fill(num_sealed, lambda j: self.reader.fetch_block(j, on_host=True)[1])
-        mass = index_mass(scores, page_valid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)
         vecs = pv.means[:, :, :n].to(mass.device)
         idx = feedback_pages(sel.idx, mass, vecs, page_valid[:, None, :], share, cfg.lsa_feedback_seeds)
         return Selection(idx, sel.candidates)

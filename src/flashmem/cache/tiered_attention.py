@@ -70,14 +70,18 @@ def _add_history(
     # The rest entry needs every query's scores; a selection pools them, so a sample will do.
     q_index = qg if cfg.keeps_rest_entry else sample_queries(qg, m, cfg.lsa_prefill_queries)
     scores = None
-    if (k_sel > 0 and not reuse) or cfg.keeps_rest_entry:
+    if cfg.keeps_rest_entry or (k_sel > 0 and not reuse and layer.selection_hook is not None):
+        # held whole only for those that read them (a selection pools them in blocks)
         scores = layer.ranker.scores(q_index, scaling, layer.summaries.hca_k)
     if reuse:
         selected.scatter_(-1, layer.working_set.reuse(layer.reader), True)
     elif k_sel > 0:
-        assert scores is not None
+        page_valid = page_tokens_valid.any(-1)  # [b, pages]
+        mass = layer.ranker.index_mass(q_index, page_valid, scaling, layer.summaries.hca_k, scores)
         positions = q_index.shape[2] * m // qg.shape[2]  # query positions scoring the index
-        idx = _select_and_gather(layer, scores, page_tokens_valid, k_sel, scaling, q_index, positions, m == 1)
+        idx = _select_and_gather(
+            layer, mass, scores, page_tokens_valid, page_valid, k_sel, scaling, q_index, positions, m == 1
+        )
         selected.scatter_(-1, idx, True)
     else:
         layer.working_set.clear()
@@ -111,24 +115,27 @@ def open_room_pages(layer: FlashLayer, m: int) -> int:
 
 def _select_and_gather(
     layer: FlashLayer,
-    scores: torch.Tensor,
+    mass: torch.Tensor,
+    scores: torch.Tensor | None,
     page_tokens_valid: torch.Tensor,
+    page_valid: torch.Tensor,
     k_sel: int,
     scaling: float,
     q_index: torch.Tensor,
     positions: int,
     decode: bool,
 ) -> torch.Tensor:
-    """Rank the pages, gather the chosen ones into the working set, queue look-ahead ->
-    page ids [b, h, k]. q_index: [b, h, nq, d] the queries that scored, from `positions`
+    """Rank the pages by the index's pooled mass [b, h, pages], gather the chosen ones into the
+    working set, queue look-ahead -> page ids [b, h, k]; scores [b, h, nq, pages] whole only
+    for a selection hook. q_index: [b, h, nq, d] the queries that scored, from `positions`
     query positions (a long chunk's are re-ranked only when few enough); decode: a one-token
     step's selection, which the next lsa_select_every - 1 decode steps reuse."""
     cfg = layer.cfg
     rerank = cfg.lsa_rerank > 1 and positions <= ranking.RERANK_MAX_QUERIES
     ctx = (q_index, page_tokens_valid) if rerank else (None, None)
-    page_valid = page_tokens_valid.any(-1)  # [b, pages]
-    sel = layer.ranker.rank(scores, page_valid, k_sel, scaling, ctx[0], ctx[1], layer.num_sealed)
+    sel = layer.ranker.rank(mass, page_valid, k_sel, scaling, ctx[0], ctx[1], layer.num_sealed)
     if layer.selection_hook is not None:
+        assert scores is not None
         sel = ranking.Selection(layer.selection_hook(layer.layer_idx, sel.idx, scores), sel.candidates)
     layer.working_set.gather(sel.idx, page_tokens_valid, layer.reader, sel.candidates)
     layer.working_set.selected(layer.num_sealed, decode)

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# A chunk of queries is scored against every page at most this many bytes of fp32 scores
+# at a time (`blocked_index_mass`). Whole, a prompt chunk's scores grow with the chunk times
+# the context: Llama-3.1-8B's geometry at 128K in 4,096-token chunks held 4.3 GB of scores
+# per temporary, about 15 GB of transients on an H200 (results/gpu_check_h200.json).
+SCORE_BLOCK_BYTES = 64 << 20
 
 
 def select_blocks(
@@ -39,6 +47,39 @@ def index_mass(
     query's softmax over the valid units (block_valid [b, n]), pooled (see pool_mass)."""
     logits = (scores.float() * scaling).masked_fill(~block_valid[:, None, None, :], float("-inf"))
     return pool_mass(torch.softmax(logits, dim=-1).nan_to_num(0.0), pool, share_heads)
+
+
+def blocked_index_mass(
+    score: Callable[[torch.Tensor], torch.Tensor],
+    queries: torch.Tensor,
+    block_valid: torch.Tensor,
+    scaling: float,
+    pool: str = "mean",
+    share_heads: bool = False,
+    max_bytes: int | None = None,
+) -> torch.Tensor:
+    """index_mass(score(queries), ...) with the queries [b, h, nq, d] scored a block at a time,
+    so that at most `max_bytes` (None: SCORE_BLOCK_BYTES) of scores [b, h, rows, n] are held
+    (block_valid [b, n]). Each block's pooled mass is weighed by its share of the queries (mean)
+    or maxed (max), and the heads are shared at the end. A decode step's queries are one block:
+    index_mass as before."""
+    b, h, nq, _ = queries.shape
+    n = block_valid.shape[-1]
+    rows = max(1, (SCORE_BLOCK_BYTES if max_bytes is None else max_bytes) // max(1, b * h * n * 4))
+    if rows >= nq:
+        return index_mass(score(queries), block_valid, scaling, pool, share_heads)
+    mass: torch.Tensor | None = None
+    for i0 in range(0, nq, rows):
+        part = index_mass(score(queries[:, :, i0 : i0 + rows]), block_valid, scaling, pool)  # [b, h, n]
+        if pool == "max":
+            mass = part if mass is None else torch.maximum(mass, part)
+        else:
+            part.mul_(min(rows, nq - i0) / nq)
+            mass = part if mass is None else mass.add_(part)
+    assert mass is not None
+    if share_heads:
+        mass = mass.mean(dim=1, keepdim=True).expand_as(mass)
+    return mass
 
 
 def pool_mass(probs: torch.Tensor, pool: str = "mean", share_heads: bool = False) -> torch.Tensor:

@@ -52,8 +52,9 @@ def cut_pages(
 class _LayerArena:
     """One layer's exact blocks: k, v [slots, b, h, B, d], slot = block id.
 
-    Grows by a quarter (at least 64 slots) when a block id lies past the end; a
-    reader keeps the tensors it took, so growing never invalidates a read in flight.
+    Grows by a quarter (at least 64 slots) when a block id lies past the end, and the
+    store points its blocks into the grown arena; a reader keeps the tensors it took, so
+    growing never invalidates a read in flight.
     """
 
     def __init__(self, k: torch.Tensor) -> None:
@@ -64,9 +65,11 @@ class _LayerArena:
     def fits(self, k: torch.Tensor) -> bool:
         return tuple(k.shape) == self.shape and k.dtype == self.dtype
 
-    def write(self, j: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, j: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Copy block j in -> whether the arena grew (its earlier blocks moved)."""
         n = self.k.shape[0]
-        if j >= n:
+        grew = j >= n
+        if grew:
             cap = max(j + 1, n + max(64, n // 4))
             grown = [torch.empty((cap, *self.shape), dtype=self.dtype, pin_memory=pinning()) for _ in range(2)]
             grown[0][:n], grown[1][:n] = self.k, self.v
@@ -76,6 +79,7 @@ class _LayerArena:
         self.k[j].copy_(k.detach())
         self.v[j].copy_(v.detach())
         self.present[j] = True
+        return grew
 
 
 class MemoryStore(ColdStore):
@@ -134,7 +138,14 @@ class MemoryStore(ColdStore):
             if old is not None and arena.fits(old[0]) and j >= 0:
                 arena.present[j] = False  # the arena's copy is stale now
             return to_host(k), to_host(v)
-        arena.write(j, k, v)
+        if arena.write(j, k, v):
+            # the layer's blocks point into the grown arena: a view of the old one would keep
+            # every earlier arena alive (a quarter more each time: about 5x the blocks' bytes)
+            present = arena.present.tolist()
+            for other in self._blocks:
+                i = int(other[1])
+                if int(other[0]) == layer and 0 <= i < len(present) and present[i] and i != j:
+                    self._blocks[other] = (arena.k[i], arena.v[i])
         return arena.k[j], arena.v[j]
 
     @property

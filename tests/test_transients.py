@@ -1,0 +1,60 @@
+"""What a step holds for a moment does not grow with the context: the bytes of tensors alive at
+once, counted on the CPU as `torch.cuda.max_memory_allocated` would count them on a GPU
+(flashmem_eval/live_bytes.py). The first H200 run found two that did (docs/accelerator.md,
+"The first run on an H200")."""
+
+from __future__ import annotations
+
+import torch
+
+import flashmem
+from flashmem.cache import assembly
+from flashmem.cache.scratch import thread_scratch
+from flashmem.index import selection
+from flashmem.store.memory import MemoryStore
+from flashmem_eval.live_bytes import LiveBytes
+from test_cache import SMALL
+from tiny_models import tiny_llama
+
+# every prompt chunk selects (no exact prompt): its queries score every page
+SELECTING = dict(SMALL, prefill_chunk=256, prefill_exact_tokens=0, lsa_top_k=4, lsa_page_tokens=4)
+
+
+def _prompt_transient(tokens: int) -> int:
+    """Peak live bytes over what is live when the prompt is in (the cache's state), for a
+    prompt of `tokens` fed in 256-token chunks; the cold tier (host memory on a GPU) left out.
+    The thread's attention buffers start empty, so each prompt counts its own."""
+    thread_scratch().clear()
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(0))
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SELECTING))
+    with torch.no_grad(), LiveBytes(exclude=("store.",)) as live:
+        flashmem.prefill(model, cache, ids, chunk=256)
+    cache.close()
+    return live.peak - live.live
+
+
+def test_a_prompt_chunks_index_scores_do_not_grow_with_the_context(monkeypatch):
+    # blocks of 256 KiB of scores; a 4,096-token prompt's last chunk scores 1,016 pages with
+    # 512 grouped queries: 4 MiB whole, per temporary. The mask of the chunk's attention, over
+    # an HCA entry per sealed block, is capped as at real sizes (64 MiB there)
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES", 256 << 10)
+    monkeypatch.setattr(assembly, "MASK_BYTES", 256 << 10)
+    short, long = _prompt_transient(1024), _prompt_transient(4096)
+    assert long <= 1.5 * short, (short, long)
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES", 1 << 40)  # scored whole, as before
+    assert _prompt_transient(4096) > 2 * long  # what the blocks keep out
+
+
+def test_the_memory_tier_keeps_one_arena_per_layer_as_it_grows():
+    """Blocks point into the grown arena, so the earlier ones are freed: 5.5x the blocks'
+    bytes were held before (each growth a quarter more, every generation kept by views)."""
+    k = torch.randn(1, 2, 16, 8)
+    with LiveBytes() as live:
+        store = MemoryStore()
+        for j in range(1000):
+            store.put((0, j), k, k + 1)
+    data = 1000 * 2 * k.nbytes
+    assert data <= live.live <= 1.3 * data
+    assert torch.equal(store.get((0, 3))[1], k + 1) and torch.equal(store.get((0, 999))[0], k)
+    store.close()
