@@ -640,14 +640,16 @@ def main(argv: list[str] | None = None) -> int:
         "(default: on CUDA only)",
     )
     ap.add_argument(
-        "--no-cudnn-sdpa",
-        action="store_true",
-        help="turn off PyTorch's cuDNN attention backend for every cache: on an H200 with torch 2.11 it "
+        "--cudnn-sdpa",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="PyTorch's cuDNN attention backend for the model's own attention (DynamicCache's): off by "
+        "default, as flashmem's attention leaves it out (cache/sdpa.py): on an H200 with torch 2.11 it "
         "plans each new context length anew, 9-60 ms a call (benchmarks/diagnostics/gpu_step_anatomy.py)",
     )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    if args.no_cudnn_sdpa:
+    if not args.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device here; allowed: --device cpu (with --smoke)", file=sys.stderr)
