@@ -30,11 +30,17 @@ the device; the row then gives their hit rate (`candidate_hit_rate`). `--as-devi
 config the solver gives an accelerator (`budget_config(..., device_codes=True)`: the codes and
 `lsa_cache_pages` where the selected-token cap leaves room); `--cache-pages N` sets the page
 cache alone (`page_hit_rate` counts a page the cache held as a hit).
+
+`--live-bytes` also counts every tensor alive at once through the request, the cold tier left
+out (flashmem_eval/live_bytes.py: what `torch.cuda.max_memory_allocated` would read, the model's
+activations included, which `memory_report()` does not see): `live_peak_over_budget`, beside
+`live_forward_peak_over_budget`, the same count for one prompt chunk's forward with no cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -47,6 +53,7 @@ import torch
 import flashmem
 from flashmem.cache.block_reads import BlockReader
 from flashmem.sizing.budget import full_kv_bytes
+from flashmem_eval.live_bytes import LiveBytes
 
 QUESTION = "What is the passage above about? Name the people in it."
 
@@ -93,6 +100,7 @@ def measure(
     extra: dict[str, Any] | None = None,
     as_device: bool = False,
     question: str = QUESTION,
+    live_bytes: bool = False,
 ) -> dict[str, Any]:
     model, tok = _model(name, tokens)
     vocab = model.config.vocab_size
@@ -122,20 +130,23 @@ def measure(
     # keeps about 0.5 GB (SmolLM2, 512 tokens: its activations and logits, held by the allocator),
     # which is not the cache's part
     rss_w = _rss_kib("VmRSS") if _reset_peak_rss() else None
-    with torch.no_grad():
+    forward_live = LiveBytes() if live_bytes else contextlib.nullcontext()
+    with torch.no_grad(), forward_live:
         model(ids[:, : cache.cfg.prefill_chunk], use_cache=False)
     # what that forward alone raised the peak by: the model's part of a chunk's peak, for comparison
     hwm_w = _rss_kib("VmHWM")
     forward_peak = None if rss_w is None or hwm_w is None else (hwm_w - rss_w) * 1024
     rss0 = _rss_kib("VmRSS")
     rss_ok = _reset_peak_rss() and rss0 is not None
-    t0 = time.perf_counter()
-    logits = flashmem.prefill(model, cache, ids)
-    prefill_s = time.perf_counter() - t0
-    nxt = logits[:, -1:].argmax(-1)
-    with torch.no_grad():
-        for _ in range(steps):
-            nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    live = LiveBytes(exclude=("store.",)) if live_bytes else contextlib.nullcontext()
+    with live:
+        t0 = time.perf_counter()
+        logits = flashmem.prefill(model, cache, ids)
+        prefill_s = time.perf_counter() - t0
+        nxt = logits[:, -1:].argmax(-1)
+        with torch.no_grad():
+            for _ in range(steps):
+                nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     rss_peak = _rss_kib("VmHWM")
     mem, traffic = cache.memory_report(), cache.traffic_report()
     full = mem["full_cache_bytes"]
@@ -191,6 +202,10 @@ def measure(
         "prefill_chunk": cache.cfg.prefill_chunk,
         "prefill_s": round(prefill_s, 1),
     }
+    if isinstance(live, LiveBytes) and isinstance(forward_live, LiveBytes):
+        row["live_peak_over_budget"] = live.peak / (budget * managed_full)
+        row["live_forward_peak_over_budget"] = forward_live.peak / (budget * managed_full)
+        row["live_at_peak"] = live.summary(6)["at_peak"]  # bytes by the flashmem function that made them
     if rss_ok and rss_peak is not None and rss0 is not None:
         # the process's peak RSS over the request less its RSS before the prompt: the cache's
         # part, transients (activations, attention's buffers) included, in RAM
@@ -228,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
         "not the CPU's",
     )
     p.add_argument("--cache-pages", type=int, default=None, help="lsa_cache_pages (default: the recipe's)")
+    p.add_argument(
+        "--live-bytes", action="store_true", help="count every tensor alive at once (slower): live_peak_over_budget"
+    )
     p.add_argument("--out", default=None, help="JSON lines of the rows")
     a = p.parse_args(argv)
     extra: dict[str, Any] = {}
@@ -247,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             for codec in a.codecs.split(","):
                 row = measure(
                     a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb,
-                    a.text, a.text_seed, extra, a.as_device, a.question,
+                    a.text, a.text_seed, extra, a.as_device, a.question, a.live_bytes,
                 )  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row))

@@ -244,9 +244,16 @@ def test_quoted_command_parses(cmd: str, monkeypatch):
 def test_budget_peak_tiny(tmp_path: Path):
     """The streamed prompt keeps the peak at the budget; the held one (a lossy cold tier) does not."""
     out = tmp_path / "peak.jsonl"
-    run_script(BENCH / "budget_peak.py", "--lengths", "2048", "--budget", "0.25", "--steps", "2", "--out", str(out))
+    run_script(
+        BENCH / "budget_peak.py", "--lengths", "2048", "--budget", "0.25", "--steps", "2", "--live-bytes",
+        "--out", str(out),
+    )  # fmt: skip
     rows = {r["cold_codec"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert rows["exact"]["peak_over_budget"] < 1.2 < rows["int8"]["peak_over_budget"]
+    # every tensor counted: the held prompt shows there too, and the request holds more than one
+    # forward's activations
+    live = {c: r["live_peak_over_budget"] for c, r in rows.items()}
+    assert live["exact"] < live["int8"] and live["exact"] > rows["exact"]["live_forward_peak_over_budget"] > 0
     assert rows["exact"]["prompt_h2d_bytes"] > 0 and rows["exact"]["decode_full_cache_read"] > 0
 
 
