@@ -8,6 +8,9 @@ than the last, so each is a new shape: 34-37 ms of a 4-layer step went to planni
 (results/gpu_step_anatomy_h200.json). On CUDA flashmem's calls leave cuDNN out; with a float
 mask and GQA that is the math kernel, 0.48 ms a call at 8,192 keys in the same run.
 
+`sdpa_kernel` sets PyTorch's process-wide backend flags for the call's duration: another
+thread's SDPA call meanwhile sees them too (the same attention, by another kernel).
+
 Shapes as F.scaled_dot_product_attention: q [b, Hq, m, d]; k, v [b, Hkv, L, d]; mask
 broadcastable to [b, Hq, m, L].
 """
