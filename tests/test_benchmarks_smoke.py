@@ -308,3 +308,27 @@ def test_ops_per_step_counts_each_caches_operators(tmp_path: Path):
     assert sum(by.values()) <= flash["kernels"] and by["model"] < flash["kernels"] / 2
     assert any(k.startswith("cache.assembly.") for k in by) and any(k.startswith("cache.ranking.") for k in by)
     assert BlockReader.rank_on_host is was
+
+
+def test_uva_gather_copy_path_on_cpu(tmp_path: Path):
+    """The mapped-memory gather needs CUDA; on a CPU the copy path runs and gives the pages."""
+    out = tmp_path / "uva.json"
+    run_script(
+        BENCH / "diagnostics" / "uva_gather.py", "--device", "cpu", "--pages", "16,64", "--pool-mb", "2",
+        "--reps", "2", "--out", str(out),
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["pages"] for r in rows] == [16, 64]
+    assert all(r["copy"]["equal"] and r["copy"]["gb_per_s"] > 0 and "mapped" not in r for r in rows)
+
+
+def test_gpu_step_anatomy_smoke_on_cpu(tmp_path: Path):
+    """Every section runs on a CPU (the graph ones skipped) and records the steps it timed."""
+    out = tmp_path / "anatomy.json"
+    run_script(BENCH / "diagnostics" / "gpu_step_anatomy.py", "--device", "cpu", "--smoke", "--steps", "3",
+               "--out", str(out))  # fmt: skip
+    d = json.loads(out.read_text())
+    for section in ("machine", "launch_floor", "dynamic", "static_graph", "flashmem", "dynamic_after"):
+        assert "error" not in d[section], (section, d[section])
+    assert len(d["flashmem"]["decode_ms"]) == 3 and d["flashmem"]["profile"]["wall_ms_per_step"] > 0
+    assert "graph_ms_median" not in d["static_graph"] and d["launch_floor"]["eager_us_per_launch"] > 0
