@@ -10,8 +10,9 @@ page ids that stay on the device. This measures that against today's way, at dec
 
 - `copy`: ids to the host (a wait), the pages cut there into a pinned buffer, one copy to the
   device (what `BlockReader` does on CUDA);
-- `mapped`: the pinned pool seen as a CUDA tensor (through CuPy's `hostGetDevicePointer` and
-  DLPack: PyTorch has no public call for it), `index_select` with the ids on the device;
+- `mapped`: the pinned pool seen as a CUDA tensor at the same address (unified addressing;
+  through CuPy's `UnownedMemory` and DLPack: PyTorch has no public call for it), `index_select`
+  with the ids on the device;
 - `mapped_graph`: the same captured in a CUDA graph and replayed with new ids written into
   its static id tensor: what a captured decode step would run.
 
@@ -19,7 +20,9 @@ Per row: pages of `--page-kb` (4 KB: 16 tokens of one KV head x 128, bf16) out o
 `--pool-mb`, GB/s of page bytes and us per gather (median of `--reps`), and that the three
 agree. On a CPU only `copy` runs (a smoke test of the script).
 
-    python benchmarks/diagnostics/uva_gather.py --out results/uva_gather_h200.json
+    python benchmarks/diagnostics/uva_gather.py --pool-mb 256 --out results/uva_gather_h200.json
+
+On the H200 (2026-12-04): 1,024 pages in 262 us by copy, 109 us mapped, 108 us from a graph.
     python benchmarks/diagnostics/uva_gather.py --device cpu --pages 64 --pool-mb 8 --out /tmp/uva.json
 """
 
@@ -44,9 +47,11 @@ def mapped_view(host: torch.Tensor) -> torch.Tensor:
 
     if not host.is_pinned() or not host.is_contiguous():
         raise ValueError("the pool must be pinned and contiguous")
-    dptr = cp.cuda.runtime.hostGetDevicePointer(host.data_ptr(), 0)
-    mem = cp.cuda.UnownedMemory(dptr, host.numel() * host.element_size(), owner=host)
-    arr = cp.ndarray((host.numel(),), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+    # unified addressing: pinned host memory has the same address on the device (CuPy 14's
+    # runtime module has no hostGetDevicePointer)
+    dptr = host.data_ptr()
+    mem = cp.cuda.UnownedMemory(dptr, host.numel() * host.element_size(), owner=host, device_id=0)
+    arr = cp.ndarray((host.numel() * host.element_size(),), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
     view = torch.from_dlpack(arr)
     return view.view(host.dtype).view(host.shape)
 
