@@ -16,6 +16,8 @@ layers, bf16):
   cost per operator, as vLLM and SGLang run decode;
 - flashmem's recipe at `--budget` (gpu_check's config): ms a step eager, kernels a step,
   the device's busy time and the host-device copies and synchronisations a step;
+- flashmem's synchronisations in one step, by the Python line that makes them
+  (`torch.cuda.set_sync_debug_mode`): where a step that a CUDA graph could capture must not wait;
 - DynamicCache again after flashmem's caches have run and closed, and the threads still
   alive then (a background thread holding the GIL would slow every later step).
 
@@ -229,6 +231,7 @@ def flashmem_section(model: Any, tokens: int, budget: float, steps: int, device:
         kw = gc.cache_kw(model)
         with torch.no_grad():
             prof = profile_steps(lambda: model(nxt(), use_cache=True, **{kw: cache}), 3, device)
+            syncs = sync_points(lambda: model(nxt(), use_cache=True, **{kw: cache}), device)
     finally:
         cache.close()
     return {
@@ -236,7 +239,34 @@ def flashmem_section(model: Any, tokens: int, budget: float, steps: int, device:
         "decode_ms_median": statistics.median(ms),
         "decode_ms": ms,
         "profile": prof,
+        "sync_points": syncs,
     }
+
+
+def sync_points(step: Callable[[], Any], device: torch.device) -> dict[str, Any] | str:
+    """Where one step makes the host wait for the device: PyTorch's sync debug mode warns at
+    every synchronising call (a value read, a copy to pageable memory, a nonzero), and the
+    warning's location is the Python line that made it. -> {"file:line": count} and the total;
+    "n/a" off CUDA. The lines are where a captured step must not wait."""
+    if device.type != "cuda":
+        return "n/a (CUDA only)"
+    import warnings
+
+    gc.sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" not in str(w.message).lower():
+            continue
+        key = f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(ROOT) else w.filename}:{w.lineno}"
+        where[key] = where.get(key, 0) + 1
+    return {"total": sum(where.values()), "by_line": dict(sorted(where.items(), key=lambda kv: -kv[1]))}
 
 
 def sdpa_backends(device: torch.device, calls: int = 20) -> dict[str, Any]:
