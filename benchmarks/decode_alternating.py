@@ -133,7 +133,15 @@ def main() -> None:
                 row["traffic_per_decode_step"] = {k: step[k] for k in step}
                 row["config"] = {
                     k: getattr(configs[name], k)
-                    for k in ("gpu_cache_limit", "lsa_top_k", "lsa_page_tokens", "lsa_rerank", "working_set_codec")
+                    for k in (
+                        "gpu_cache_limit",
+                        "lsa_top_k",
+                        "lsa_page_tokens",
+                        "lsa_rerank",
+                        "working_set_codec",
+                        "decode_step",
+                        "lsa_fetch_share",
+                    )  # fmt: skip
                 }
                 caches[name].close()
             rows.append(row)

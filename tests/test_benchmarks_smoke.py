@@ -333,3 +333,23 @@ def test_gpu_step_anatomy_smoke_on_cpu(tmp_path: Path):
     assert len(d["flashmem"]["decode_ms"]) == 3 and d["flashmem"]["profile"]["wall_ms_per_step"] > 0
     assert "graph_ms_median" not in d["static_graph"] and d["launch_floor"]["eager_us_per_launch"] > 0
     assert d["flashmem"]["sync_points"].startswith("n/a")  # PyTorch's sync debug mode is CUDA's
+
+
+def test_static_step_gpu_smoke_on_cpu(tmp_path: Path):
+    """The next lease's static-step script runs on a CPU: eager, static and the graph mode's
+    bookkeeping with each capture and replay emulated by a plain call (`--emulate-graphs`);
+    the three give the same logits, and the graph mode captured once per layer and segment."""
+    out = tmp_path / "static.json"
+    run_script(BENCH / "diagnostics" / "static_step_gpu.py", "--device", "cpu", "--smoke", "--steps", "30",
+               "--emulate-graphs", "--out", str(out))  # fmt: skip
+    d = json.loads(out.read_text())
+    ex = d["exactness"]
+    assert ex["static_vs_eager_max_abs_diff"] < 1e-4 and ex["graph_vs_eager_max_abs_diff"] < 1e-4
+    assert ex["graph_replays"] > 20
+    row = d["tokens_512"]
+    assert "error" not in row, row
+    for mode in ("eager", "static", "graph"):
+        assert len(row[mode]["decode_ms"]) == 30 and row[mode]["profile"]["wall_ms_per_step"] > 0, mode
+    assert row["static"]["static"]["arena_on"] == "cpu" and "static" not in row["eager"]
+    g = row["graph"]["graphs"]
+    assert g["captures"] >= 2 and g["replays"] > 3 * g["captures"]

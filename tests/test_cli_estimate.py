@@ -314,6 +314,10 @@ def test_hardware_model_when_the_full_cache_does_not_fit(capsys):
             ["--hardware", "h200", "--select-every", "4", "--traffic", "/nonexistent.json"],
             "--select-every: not allowed together with --traffic",
         ),
+        (["--hardware", "h200", "--fetch-share", "0.3"], "--fetch-share: needs --static"),
+        (["--hardware", "h200", "--static", "--fetch-share", "1.5"], "--fetch-share: 1.5 is not allowed"),
+        (["--static"], "--static: only with --hardware"),
+        (["--hardware", "h200", "--static", "--select-every", "4"], "--static: one selection a step"),
     ],
 )
 def test_hardware_mistakes_are_one_line(capsys, args, needle):
@@ -476,3 +480,22 @@ def test_select_every_replaces_the_configs(capsys):
     assert parts4["rerank_keys"] == pytest.approx(parts1["rerank_keys"] / 4)
     assert parts4["new_pages"] == pytest.approx(parts1["new_pages"])
     assert four_hm["rows"]["flashmem"]["step_s"] < one_hm["rows"]["flashmem"]["step_s"]
+
+
+def test_static_reads_a_fixed_share_and_launches_the_static_steps_operators(capsys):
+    """--static: the config gets decode_step static (named in the source line); the step reads
+    every selected page over the link, coded (int8), whatever is new, and --fetch-share s reads
+    s of them; its operators are the static step's (fewer, no waits), so at the same host cost
+    per operator a batch-1 step is shorter than the recipe's."""
+    base = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "--json", "--op-us", "63")
+    code, recipe, _ = run(capsys, *base)
+    code2, every, _ = run(capsys, *base, "--static")
+    code3, quarter, _ = run(capsys, *base, "--static", "--fetch-share", "0.25")
+    assert code == code2 == code3 == 0
+    r, e, q = (json.loads(x)["hardware_model"] for x in (recipe, every, quarter))
+    assert "decode_step static" in e["flashmem_config"] and "lsa_fetch_share 0.25" in q["flashmem_config"]
+    assert q["flashmem_traffic"]["link_bytes_per_step"] == pytest.approx(
+        e["flashmem_traffic"]["link_bytes_per_step"] / 4, rel=0.02
+    )
+    assert e["flashmem_traffic"]["parts"]["rerank_keys"] == 0
+    assert e["rows"]["flashmem"]["step_s"] < r["rows"]["flashmem"]["step_s"]

@@ -129,6 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         help="lsa_select_every; with a value past --steps every counted step reuses the warm-up step's selection",
     )  # fmt: skip
     ap.add_argument("--by-caller", type=int, default=0, metavar="N", help="list the N busiest functions")
+    ap.add_argument(
+        "--static", action="store_true",
+        help="decode_step: static (cache/static_step.py), with lsa_rerank 1 as it needs; also counts the eager "
+        "step with lsa_rerank 1 in the same run",
+    )  # fmt: skip
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -146,12 +151,18 @@ def main(argv: list[str] | None = None) -> None:
         # the config an accelerator gets (budget_config(device_codes=True): no host key copy, the
         # candidates' codes on the device where the page cap leaves room), its 4,096-token chunks
         extra = {"lsa_rerank_codec": "int4", "lsa_rerank_on_device": True} if a.device_codes else {}
+        if a.static:
+            extra = {"lsa_rerank": 1}
         cfg = budget_config(
             a.budget, a.tokens + a.steps + 2, **model_geometry(model), device_codes=True,
             lsa_layer_shares=None, prefill_chunk=4096, lsa_select_every=a.select_every, **extra,
         )  # fmt: skip
         cache = flashmem.attach(model, cfg)
         rows["flashmem"] = step_counts(model, cache, ids, a.steps, a.by_caller)
+        if a.static:
+            cache.close()
+            cache = flashmem.attach(model, cfg.model_copy(update={"decode_step": "static"}))
+            rows["flashmem_static"] = step_counts(model, cache, ids, a.steps, a.by_caller)
         rows["config"] = {
             k: getattr(cfg, k)
             for k in (
@@ -161,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                 "lsa_rerank_mirror",
                 "lsa_cache_pages",
                 "lsa_select_every",
+                "decode_step",
             )
         }
         cache.close()

@@ -39,21 +39,7 @@ from typing import Any
 
 import torch
 
-
-def mapped_view(host: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over the same bytes as `host` (pinned, contiguous): the device reads them
-    across the link. Needs CuPy; `host` must outlive the view."""
-    import cupy as cp
-
-    if not host.is_pinned() or not host.is_contiguous():
-        raise ValueError("the pool must be pinned and contiguous")
-    # unified addressing: pinned host memory has the same address on the device (CuPy 14's
-    # runtime module has no hostGetDevicePointer)
-    dptr = host.data_ptr()
-    mem = cp.cuda.UnownedMemory(dptr, host.numel() * host.element_size(), owner=host, device_id=0)
-    arr = cp.ndarray((host.numel() * host.element_size(),), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
-    view = torch.from_dlpack(arr)
-    return view.view(host.dtype).view(host.shape)
+from flashmem.store.mapped import mapped_view
 
 
 def timed(fn: Callable[[], Any], reps: int, device: torch.device) -> list[float]:

@@ -81,6 +81,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # selection that serves several steps")
     "every2": {**RECIPE, "lsa_select_every": 2},
     "every4": {**RECIPE, "lsa_select_every": 4},
+    # the decode step with fixed shapes and no host reads (`decode_step: static`,
+    # cache/static_step.py): ranked by the index alone, no page cache; with `lsa_fetch_share` s
+    # at most s of a step's pages enter the working set per step (the rest wait a step)
+    "static": {**RECIPE, "lsa_rerank": 1, "lsa_cache_pages": 0, "decode_step": "static"},
+    "static-f50": {**RECIPE, "lsa_rerank": 1, "lsa_cache_pages": 0, "decode_step": "static", "lsa_fetch_share": 0.5},
+    "static-f25": {**RECIPE, "lsa_rerank": 1, "lsa_cache_pages": 0, "decode_step": "static", "lsa_fetch_share": 0.25},
 }
 # Variants that change the split of the resident budget (window, selected pages, CSA band)
 # rather than config keys; the recipe's is flashmem.recipe.SHAPE.

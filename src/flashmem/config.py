@@ -38,6 +38,7 @@ SelectionPool = Literal["mean", "max"]
 ColdLowRank = Literal["none", "keys", "values", "kv"]
 RerankCodec = Literal["exact", "int4", "int2", "sign"]
 RerankMirror = Literal["none", "bf16", "int8"]
+DecodeStep = Literal["eager", "static"]
 # Bits per key element of each re-rank code (compress/key_code.py); each channel of a block
 # also keeps an fp16 scale and zero (RERANK_CODE_BLOCK_BYTES per channel and block).
 RERANK_CODE_BITS = {"int4": 4, "int2": 2, "sign": 1}
@@ -205,6 +206,22 @@ class FlashMemoryConfig(BaseModel):
         "the window). A block sealed since, or a forward of several tokens, selects again. On an "
         "accelerator the ranking is most of a step's operators (docs/accelerator.md); 1: every step",
     )
+    decode_step: DecodeStep = Field(
+        "eager",
+        description="how a decode step runs: eager (any config) or static: the steps between two seals "
+        "with fixed shapes and no host reads (cache/static_step.py), the form a CUDA graph can replay. "
+        "static needs position_mode real, no summaries or rest entry, lsa_rerank 1, lsa_select_every 1, "
+        "lsa_cache_pages 0, lsa_feedback_share 0 and exact blocks in cold_store memory",
+    )
+    lsa_fetch_share: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="with decode_step static: at most this share of a step's selected pages (rounded up) "
+        "enters the working set per KV head a step, read in one gather of that fixed size; a new page past "
+        "it waits for the next step, and the step attends what it holds. null: every selected page is "
+        "read each step (the eager step's selection exactly, at k pages of reads)",
+    )
     lsa_feedback_share: float = Field(
         0.0,
         ge=0.0,
@@ -318,7 +335,37 @@ class FlashMemoryConfig(BaseModel):
                 f"lsa_rerank_mirror: {self.lsa_rerank_mirror!r} and lsa_rerank_codec: {self.lsa_rerank_codec!r} "
                 "both give the re-rank's keys; allowed: lsa_rerank_mirror: none with a code, or lsa_rerank_codec: exact"
             )
-        return out + self._layer_problems()
+        return out + self._layer_problems() + self._static_step_problems()
+
+    def _static_step_problems(self) -> list[str]:
+        """decode_step: static with a feature its fixed-shape step does not have."""
+        if self.decode_step != "static":
+            return (
+                []
+                if self.lsa_fetch_share is None
+                else [
+                    "lsa_fetch_share: set, but decode_step is 'eager' (it reads every new page); "
+                    "allowed: lsa_fetch_share with decode_step: static, or lsa_fetch_share: null"
+                ]
+            )
+        needs = {
+            "position_mode": (self.position_mode, "real"),
+            "use_summaries": (self.use_summaries, False),
+            "rest_entry": (self.rest_entry, False),
+            "lsa_rerank": (self.lsa_rerank, 1),
+            "lsa_select_every": (self.lsa_select_every, 1),
+            "lsa_cache_pages": (self.lsa_cache_pages, 0),
+            "lsa_feedback_share": (self.lsa_feedback_share, 0.0),
+            "cold_store": (self.cold_store, "memory"),
+            "cold_codec": (self.cold_codec, "exact"),
+            "cold_low_rank": (self.cold_low_rank, "none"),
+        }
+        return [
+            f"decode_step: static does not support {key}: {got!r}; allowed: {key}: {want!r} with it, "
+            "or decode_step: eager"
+            for key, (got, want) in needs.items()
+            if got != want
+        ]
 
     def _block_problems(self) -> list[str]:
         """Block, page and scorer sizes that do not fit together."""

@@ -220,6 +220,13 @@ class FlashMemoryCache(Cache):
             # host memory beside the cold tier the re-rank reads (lsa_rerank_codec's block codes,
             # lsa_rerank_mirror's key copy): on a CPU the same RAM as the device tiers
             "rerank_host_bytes": sum(layer.ranker.host_nbytes() for layer in self.flash_layers if layer.is_initialized),
+            # decode_step: static with an int8 working set: every sealed page coded, in host memory
+            # (cache/page_codes.py), what its fixed-size gathers read
+            "page_code_host_bytes": sum(
+                layer.page_codes.nbytes()
+                for layer in self.flash_layers
+                if layer.is_initialized and layer.page_codes is not None
+            ),
             # attention's keys, values and mask are assembled in buffers this thread's caches
             # share and reuse (a transient like the activations, kept: cache/scratch.py)
             "scratch_bytes": thread_scratch().nbytes(),
@@ -228,6 +235,9 @@ class FlashMemoryCache(Cache):
                 (layer.exact.peak_transient_bytes for layer in self.flash_layers if layer.is_initialized), default=0
             ),
             "sealed_blocks": sum(layer.num_sealed for layer in self.flash_layers if layer.is_initialized),
+            # decode_step: static: layer steps that ran static (the others eager: a seal, the
+            # prompt, a row change, or a store whose arena it cannot read)
+            "static_decode_steps": sum(layer.static_steps for layer in self.flash_layers if layer.is_initialized),
         }
 
     def full_cache_bytes(self, tokens: int) -> int:

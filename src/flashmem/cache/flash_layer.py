@@ -31,7 +31,9 @@ from transformers.cache_utils import CacheLayerMixin
 from flashmem.cache import generation, layer_state
 from flashmem.cache.block_reads import BlockReader
 from flashmem.cache.exact_prompt import ExactPrompt, attend_streamed
+from flashmem.cache.page_codes import PageCodes
 from flashmem.cache.ranking import CandidateRanker, SelectionHook
+from flashmem.cache.static_step import StaticStep
 from flashmem.cache.summaries import SummaryTiers
 from flashmem.cache.tiered_attention import attend, group_queries
 from flashmem.cache.traffic import Traffic
@@ -164,6 +166,9 @@ class FlashLayer(CacheLayerMixin):
         # streamed from the tiers when the cold tier gives exact blocks back, else held
         streamed = self.cfg.cold_codec == "exact" and self.cfg.cold_low_rank == "none"
         self.exact = ExactPrompt(self.cfg.prefill_exact_tokens, streamed)
+        self.static: StaticStep | None = None  # decode_step: static's current segment
+        self.page_codes: PageCodes | None = None  # its int8 pages, coded on the host
+        self.static_steps = 0  # decode steps it ran (memory_report()["static_decode_steps"])
         self.is_initialized = True
 
     # The working set's page ids [b, h, k], K/V [b, h, k*P, d] (model dtype) and validity.
@@ -276,6 +281,13 @@ class FlashLayer(CacheLayerMixin):
         elif exact:
             out = self.exact.attend(query, k, v, torch.cat([self.valid, valid], dim=-1), scaling)
             read = self.exact.read_bytes()
+        elif (static := self._static_step(k.shape[-2])) is not None:
+            out = static.run(query, qg, k, v, valid, scaling)  # attends and appends
+            self.static_steps += 1
+            self.reader.traffic.add("device_read_bytes", self._attended_bytes() + 2 * k.nbytes)
+            self.working_set.end_step()
+            self.peak_resident_bytes = max(self.peak_resident_bytes, sum(self.resident_bytes().values()))
+            return out
         else:
             out = attend(self, query, qg, k, v, valid, scaling)
             read = self._attended_bytes() + 2 * k.nbytes
@@ -284,6 +296,15 @@ class FlashLayer(CacheLayerMixin):
         self.append(k, v, valid, qg, group)
         self.peak_resident_bytes = max(self.peak_resident_bytes, sum(self.resident_bytes().values()))
         return out
+
+    def _static_step(self, m: int) -> StaticStep | None:
+        """The segment a decode step runs in with `decode_step: static` (a new one when the
+        last ended or the layer changed under it), or None: this step runs eagerly."""
+        if self.cfg.decode_step != "static" or m != 1:
+            return None
+        if self.static is None or not self.static.serves(self):
+            self.static = StaticStep(self) if StaticStep.applies(self) else None
+        return self.static
 
     def exact_prompt(self, q: int) -> bool:
         """Whether a forward of q new tokens attends every earlier token (prefill_exact_tokens):
@@ -400,10 +421,16 @@ class FlashLayer(CacheLayerMixin):
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of every device-resident tensor of this layer, per tier."""
         nb = tensor_bytes
+        window = nb(self.win_k) + nb(self.win_v)
+        open_block = nb(self.open_k) + nb(self.open_v)
+        if self.static is not None and self.static.serves(self):
+            # a static segment holds the open block's whole room from its start (one buffer of
+            # window + block), and its attention bias and slot ids beside it
+            open_block = self.static.recent.nbytes - window + self.static.bookkeeping_bytes()
         return {
             "sinks": nb(self.sink_k) + nb(self.sink_v),
-            "window": nb(self.win_k) + nb(self.win_v),
-            "open_block": nb(self.open_k) + nb(self.open_v),
+            "window": window,
+            "open_block": open_block,
             **self.summaries.nbytes(),
             # the block index, and the re-rank's candidate codes when held on the device
             "index": self.index.nbytes() + self.ranker.device_nbytes(),

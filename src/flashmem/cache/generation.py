@@ -300,6 +300,8 @@ def select_rows(layer: FlashLayer, src: torch.Tensor) -> None:
     if exact.k is not None and exact.v is not None:
         exact.k, exact.v = pick(exact.k), pick(exact.v)
     _remap_cold(layer, src, b_old)
+    layer.static = None  # decode_step: static starts a new segment, its page codes coded again
+    layer.page_codes = None
     if layer.ranker.codes is not None:  # coded per row as the blocks sealed: rows follow as the index's do
         layer.ranker.codes.select_rows(src)
     if layer.ranker.device_codes is not None:  # copied again for the new rows at the next re-rank

@@ -116,6 +116,18 @@ def estimate_command(
         help="replace the config's lsa_select_every: decode steps one selection serves (1-64; the ranking's "
         "bytes, FLOPs and operators come once in N steps)",
     ),
+    static: bool = typer.Option(
+        False,
+        "--static",
+        help="flashmem with decode_step: static (fixed shapes, no host waits: the step a CUDA graph can replay), "
+        "laid over the config with what it needs: lsa_rerank 1, no page cache, one selection a step",
+    ),
+    fetch_share: float | None = typer.Option(
+        None,
+        "--fetch-share",
+        help="with --static: lsa_fetch_share, the share of a step's selected pages read a step (0-1; default: "
+        "every one)",
+    ),
     new_candidate_fraction: float | None = typer.Option(
         None,
         "--new-candidate-fraction",
@@ -148,7 +160,7 @@ def estimate_command(
             {**overrides, "traffic": traffic, "params": params, "host_gib": host_gib, "budget": budget,
              "rerank_codec": rerank_codec, "rerank_on_device": rerank_on_device,
              "select_every": select_every, "new_candidate_fraction": new_candidate_fraction,
-             "dispatch": dispatch, "op_us": op_us}
+             "dispatch": dispatch, "op_us": op_us, "static": static or None, "fetch_share": fetch_share}
         )  # fmt: skip
     dtype_given = dtype
     dtype = assumed_dtype(model, dtype)
@@ -163,7 +175,7 @@ def estimate_command(
         hw_model = hardware_model(model, est, hw, a, config=config, budget=budget, params=params, traffic=traffic,
                                   host_gib=host_gib, dims=(layers, kv_heads, head_dim),
                                   rerank_codec=rerank_codec, rerank_on_device=rerank_on_device,
-                                  select_every=select_every)  # fmt: skip
+                                  select_every=select_every, static=static, fetch_share=fetch_share)  # fmt: skip
     _emit(est, hw_model, as_json=as_json, dtype_note=dtype_given is None and dtype is not None)
 
 
@@ -255,6 +267,8 @@ def hardware_model(
     rerank_codec: str | None = None,
     rerank_on_device: bool | None = None,
     select_every: int | None = None,
+    static: bool = False,
+    fetch_share: float | None = None,
 ) -> dict[str, Any]:
     """The three rows (full, offloaded, flashmem) and issue 27's targets, as a dict; with
     predicted traffic, also the targets at the measured new-page fractions."""
@@ -278,6 +292,7 @@ def hardware_model(
     cfg, cfg_source = _flashmem_config(config, budget, est.tokens, arch, head_dim, eb)
     cfg, cfg_source = _with_rerank_codec(cfg, cfg_source, rerank_codec, traffic, rerank_on_device)
     cfg, cfg_source = _with_select_every(cfg, cfg_source, select_every, traffic)
+    cfg, cfg_source = _with_static(cfg, cfg_source, static, fetch_share, traffic)
     group = arch.heads // arch.kv_heads if arch is not None else 1  # unknown: a lower bound (flops_note)
     flash, tr = _flashmem_traffic(model, est, cfg, dims, traffic, a, group)
     rows_b = [
@@ -470,6 +485,33 @@ def _with_select_every(cfg: Any, source: str, every: int | None, traffic: Path |
             "selections'); allowed: one of them"
         )
     return cfg.model_copy(update={"lsa_select_every": every}), f"{source}, lsa_select_every {every} (--select-every)"
+
+
+def _with_static(cfg: Any, source: str, static: bool, share: float | None, traffic: Path | None) -> tuple[Any, str]:
+    """`cfg` with --static (decode_step: static and what it needs) and --fetch-share (checked:
+    one line naming what is allowed)."""
+    from flashmem.config import FlashMemoryConfig
+
+    if not static:
+        if share is not None:
+            raise ConfigError("--fetch-share: needs --static (the static step's fixed-size read); allowed: both")
+        return cfg, source
+    if share is not None and not 0 < share <= 1:
+        raise ConfigError(f"--fetch-share: {share} is not allowed; allowed: above 0, up to 1")
+    if traffic is not None:
+        raise ConfigError(
+            "--static: not allowed together with --traffic (a run's counted bytes are its own step's); "
+            "allowed: one of them"
+        )
+    if int(cfg.lsa_select_every) > 1:
+        raise ConfigError("--static: one selection a step; allowed: --select-every 1 (or none) with it")
+    update = dict(
+        decode_step="static", lsa_fetch_share=share, lsa_rerank=1, lsa_rerank_mirror="none",
+        lsa_rerank_codec="exact", lsa_rerank_on_device=False, lsa_cache_pages=0,
+    )  # fmt: skip
+    out = FlashMemoryConfig(**{**cfg.model_dump(), **update})  # one line if the config has what it lacks
+    what = "decode_step static, lsa_rerank 1, no page cache" + (f", lsa_fetch_share {share:g}" if share else "")
+    return out, f"{source}, {what} (--static)"
 
 
 def _print(est: Any) -> None:

@@ -94,6 +94,12 @@ def pool_mass(probs: torch.Tensor, pool: str = "mean", share_heads: bool = False
 def top_pages(mass: torch.Tensor, allowed: torch.Tensor, k: int, follow: int = 0) -> torch.Tensor:
     """The k pages of most mass [b, h, n] among `allowed` ([b, h or 1, n] bool), after
     each lends to its `follow` successors (see select_blocks) -> sorted ids [b, h, k]."""
+    return ranked_pages(mass, allowed, k, follow).sort(dim=-1).values
+
+
+def ranked_pages(mass: torch.Tensor, allowed: torch.Tensor, k: int, follow: int = 0) -> torch.Tensor:
+    """top_pages in rank order: ids [b, h, k], the page of most mass first (a step that
+    attends the first k' <= k of them attends top_pages(..., k'), ties aside)."""
     n = mass.shape[-1]
     k = min(k, n)
     own = mass
@@ -102,8 +108,7 @@ def top_pages(mass: torch.Tensor, allowed: torch.Tensor, k: int, follow: int = 0
         lent[..., j:] = own[..., :-j] * (1.0 - 1e-3 * j)
         mass = torch.maximum(mass, lent)
     mass = mass.masked_fill(~allowed, -1.0)
-    idx = torch.topk(mass, k, dim=-1).indices
-    return idx.sort(dim=-1).values
+    return torch.topk(mass, k, dim=-1).indices
 
 
 def feedback_pages(

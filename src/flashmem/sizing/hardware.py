@@ -366,11 +366,18 @@ FLASH_LAYER_OPS = LayerOps(kernels=214, views=158, waits=13)
 FLASH_DEVICE_CODES_OPS = LayerOps(kernels=282, views=192, waits=18)
 # a step that reuses the last selection (`lsa_select_every`; `--select-every 64`)
 FLASH_REUSE_LAYER_OPS = LayerOps(kernels=67, views=91, waits=0)
+# `decode_step: static` (cache/static_step.py, lsa_rerank 1; `--static`, 2026-12-04,
+# results/ops_per_step_static.json and _2layers.json: the eager step with lsa_rerank 1 counted
+# 186 kernels and 12 waits a layer in the same runs)
+FLASH_STATIC_LAYER_OPS = LayerOps(kernels=101, views=101, waits=0)
 
 
 def flash_layer_ops(traffic: FlashTraffic) -> LayerOps:
-    """flashmem's operators a layer for its config: with the candidates' codes on the device or
-    not; with `lsa_select_every` N, the mean of one selecting step and N - 1 reusing ones."""
+    """flashmem's operators a layer for its config: the static step's; with the candidates'
+    codes on the device or not; with `lsa_select_every` N, the mean of one selecting step and
+    N - 1 reusing ones."""
+    if traffic.static:
+        return FLASH_STATIC_LAYER_OPS
     select = FLASH_DEVICE_CODES_OPS if traffic.held_code_bytes else FLASH_LAYER_OPS
     return select.amortized(FLASH_REUSE_LAYER_OPS, traffic.select_every)
 
@@ -463,6 +470,8 @@ class FlashTraffic:
     # decode steps one selection serves (`lsa_select_every`): the ranking's and the gather's
     # bytes, FLOPs and operators above are already the mean over them
     select_every: int = 1
+    # `decode_step: static`: fixed-size page reads, no host waits (`FLASH_STATIC_LAYER_OPS`)
+    static: bool = False
 
 
 def rebuild_fraction(cfg: Any, head_dim: int | None, dtype_bytes: float | None) -> float:
@@ -511,7 +520,19 @@ def predicted_traffic(
     selected_tokens = int(counts["working_set"])
     new_exact = a.new_page_fraction * selected_tokens * cold_tok
     new_pages = new_exact
-    if a.rerank_keys == "host" and cfg.working_set_codec == "int8" and head_dim and dtype_bytes:
+    static = getattr(cfg, "decode_step", "eager") == "static"
+    fetch_share = 1.0
+    if static:
+        # cache/static_step.py: the device reads a fixed number of pages a step, new or not:
+        # `lsa_fetch_share` of the selected pages, else every one; an int8 working set's as the
+        # host coded them (cache/page_codes.py: d codes and an fp32 scale a token and head)
+        share = getattr(cfg, "lsa_fetch_share", None)
+        k = max(1, selected_tokens // page)
+        fetch_share = 1.0 if share is None else min(1.0, math.ceil(float(share) * k) / k)
+        new_exact = new_pages = fetch_share * selected_tokens * cold_tok
+        if cfg.working_set_codec == "int8" and head_dim and dtype_bytes:
+            new_pages = new_exact * (1 + 4 / head_dim) / dtype_bytes
+    if not static and a.rerank_keys == "host" and cfg.working_set_codec == "int8" and head_dim and dtype_bytes:
         # cut on the host, an int8 working set's new pages cross as their codes (cache/working_set.py)
         new_pages = new_exact * (1 + 4 / head_dim) / dtype_bytes
     rerank = host = disk_keys = flops = held = decoded = 0.0
@@ -589,6 +610,8 @@ def predicted_traffic(
     # the working set (a cat of held and new rows, then an index_select: two reads and two writes)
     rebuilds = rebuild_fraction(cfg, head_dim, dtype_bytes)
     merge = rebuilds * 4 * selection + (1 - rebuilds) * 2 * a.new_page_fraction * selection
+    if static:  # the fetched pages written into their slots, never a rebuild
+        merge = 2 * fetch_share * selection
     merge, spill = merge / every, spill / every
     # held codes are in the index's tier: neither is read by a step that reuses the selection
     index_skipped = (1 - 1 / every) * float(flash.tiers.get("index", 0.0))
@@ -622,7 +645,12 @@ def predicted_traffic(
         prefill_link_bytes=behind * cold_tok,
         attended_tokens=attended,
         source=(
-            f"predicted from the config: {a.new_page_fraction:g} of the selected pages new per step"
+            "predicted from the config: "
+            + (
+                f"static step, {fetch_share:g} of the selected pages read per step"
+                if static
+                else f"{a.new_page_fraction:g} of the selected pages new per step"
+            )
             + (over if rerank or held else "")
             + (f", re-rank {what} read and scored on the host{where}" if host else "")
         ),
@@ -639,6 +667,7 @@ def predicted_traffic(
         rerank_device_flops=flops if rerank or held else 0.0,
         held_code_bytes=held,
         select_every=every,
+        static=static,
     )
 
 

@@ -1,0 +1,289 @@
+"""The static decode step on a GPU: eager, static, and static replayed from CUDA graphs.
+
+The H200 runs found flashmem's decode step bound by the host: about 63 us of Python per
+kernel and 63 host waits a step, against 0.85 us per kernel replayed from a CUDA graph
+(docs/accelerator.md). `decode_step: static` (cache/static_step.py) runs the steps between two
+seals with fixed shapes and no host reads. This measures, on gpu_check's model (a random
+Llama with Llama-3.1-8B's attention, 4 layers, bf16, batch 1, cuDNN's attention off), per length:
+
+- `dynamic`: DynamicCache in HBM, filled with random K/V;
+- `eager`: flashmem at `--budget` with `lsa_rerank: 1` (what the static step ranks by), the
+  eager step;
+- `static`: the same cache, `decode_step: static`;
+- `graph`: the same, each layer's `device_step` captured in a CUDA graph once per segment
+  (the segment's first step fills the working set and its second warms up, both eagerly; the
+  third is captured; the rest replay it with the step's inputs copied into the graph's). The
+  graph has its own attention buffers: the thread's scratch may be reallocated by an eager step.
+
+Per mode: decode ms a step (median and mean over `--steps`, so a segment's captures count),
+under torch.profiler the kernels, copies and synchronisations a step, and where the host
+waits (`gpu_step_anatomy.sync_points`). First, at a short length in fp32 on the device, the
+three modes' logits against each other (`exactness`). The cold tier is read through a mapped
+view of its pinned memory when CuPy is importable (`store/mapped.py`); without it the static
+step's gather waits for the ids, and a capture fails: recorded, the other modes still run.
+
+    python3 benchmarks/diagnostics/static_step_gpu.py --out results/static_step_h200.json
+    python benchmarks/diagnostics/static_step_gpu.py --device cpu --smoke --emulate-graphs --out /tmp/s.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import gpu_step_anatomy as anatomy  # noqa: E402
+
+import flashmem  # noqa: E402
+import gpu_check as gc  # noqa: E402
+from flashmem.cache.static_step import StaticStep  # noqa: E402
+
+
+class Emulated:
+    """A stand-in for torch.cuda.CUDAGraph off CUDA (`--emulate-graphs`): `capture` records the
+    call, `replay` makes it again and writes its results into the first call's outputs, so the
+    wrapper's handling of static inputs, outputs and segments runs on a CPU."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], Any] | None = None
+        self.outs: Any = None
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        self.fn = fn
+        self.outs = tuple(t.clone() for t in fn())
+        return self.outs
+
+    def replay(self) -> None:
+        assert self.fn is not None
+        for dst, src in zip(self.outs, self.fn(), strict=True):
+            dst.copy_(src)
+
+
+class Graphs:
+    """While on: StaticStep.device_step replayed from one CUDA graph per layer and segment
+    (emulate: `Emulated`, the same bookkeeping with no graph)."""
+
+    def __init__(self, emulate: bool = False) -> None:
+        self.captures = self.replays = self.eager = 0
+        self._real = StaticStep.device_step
+        self.emulate = emulate
+
+    def __enter__(self) -> Graphs:
+        graphs = self
+        real = self._real
+
+        def device_step(step, q, qg, k_new, v_new, valid_new, scaling, every, kv, mask):  # type: ignore[no-untyped-def]
+            st = step.__dict__
+            if not step.filled or "_warm" not in st:  # the segment's first step and a warm-up: eager
+                st["_warm"] = step.filled
+                graphs.eager += 1
+                return real(step, q, qg, k_new, v_new, valid_new, scaling, every, kv, mask)
+            if "_graph" not in st:
+                ins = [t.clone() for t in (q, qg, k_new, v_new, valid_new)]
+                saved = {n: t.clone() for n, t in vars(step).items() if isinstance(t, torch.Tensor) and n[0] != "_"}
+                bufs = (kv.clone(), mask.clone())  # its own: the thread's scratch may be reallocated
+                if graphs.emulate:
+                    g: Any = Emulated()
+                    outs = g.capture(lambda: real(step, *ins, scaling, every, *bufs))
+                else:
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):  # every step after the first has the same `every`
+                        outs = real(step, *ins, scaling, every, *bufs)
+                st["_graph"], st["_ins"], st["_outs"], st["_bufs"] = g, ins, outs, bufs
+                graphs.captures += 1  # capturing runs nothing: the replay below is this step
+                if graphs.emulate:  # ... the emulated capture ran it: restore what it changed
+                    for name, t in saved.items():
+                        getattr(step, name).copy_(t)
+            for dst, src in zip(st["_ins"], (q, qg, k_new, v_new, valid_new), strict=True):
+                dst.copy_(src)
+            st["_graph"].replay()
+            graphs.replays += 1
+            return st["_outs"]
+
+        StaticStep.device_step = device_step  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        StaticStep.device_step = self._real  # type: ignore[method-assign]
+
+
+def set_mode(cache: Any, step: str) -> None:
+    """Every managed layer's decode_step (the segments restart)."""
+    for layer in cache.flash_layers:
+        layer.cfg = layer.cfg.model_copy(update={"decode_step": step})
+        layer.static = None
+
+
+def mode_section(
+    model: Any, cache: Any, start: int, steps: int, device: torch.device, graphs: bool, emulate: bool = False
+) -> dict[str, Any]:
+    """Decode ms per step in the cache's current mode, its profile and its host waits."""
+    ctx = Graphs(emulate) if graphs else None
+    kw = gc.cache_kw(model)
+    nxt = anatomy.token_stream(model, device, start)
+    out: dict[str, Any] = {}
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        ms = gc.timed_decode(model, cache, start, steps, 2, device)
+        out.update(decode_ms_median=statistics.median(ms), decode_ms_mean=statistics.fmean(ms), decode_ms=ms)
+        with torch.no_grad():
+            out["profile"] = anatomy.profile_steps(lambda: model(nxt(), use_cache=True, **{kw: cache}), 3, device)
+            out["sync_points"] = anatomy.sync_points(lambda: model(nxt(), use_cache=True, **{kw: cache}), device)
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+            out["graphs"] = {"captures": ctx.captures, "replays": ctx.replays, "eager_steps": ctx.eager}
+    steps_ = [layer.static for layer in cache.flash_layers if layer.static is not None]
+    if steps_:
+        s = steps_[0]
+        out["static"] = {"k": s.k, "fetch": s.fetch, "arena_on": str(s.arena[0].device)}
+    return out
+
+
+def length_section(model: Any, tokens: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    res: dict[str, Any] = {"tokens": tokens}
+    dyn = gc.fill_dynamic(model, tokens, device)
+    ms = gc.timed_decode(model, dyn, tokens, args.steps, 2, device)
+    res["dynamic"] = {"decode_ms_median": statistics.median(ms), "decode_ms_mean": statistics.fmean(ms)}
+    del dyn
+    gc.reset_peak(device)
+    extra = {} if args.fetch_share is None else {"lsa_fetch_share": args.fetch_share}
+    cfg = gc.recipe_config(args.budget, tokens, model, device, lsa_rerank=1, **extra)
+    res["config"] = {k: getattr(cfg, k) for k in ("lsa_top_k", "gpu_cache_limit", "hca_chunk_size", "lsa_fetch_share")}
+    cache = flashmem.attach(model, cfg)
+    try:
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            flashmem.prefill(model, cache, ids.to(device), chunk=min(8192, tokens))
+        gc.sync(device)
+        res["prefill_s"] = time.perf_counter() - t0
+        at = tokens
+        for mode, step, graphs in (("eager", "eager", False), ("static", "static", False), ("graph", "static", True)):
+            if graphs and device.type != "cuda" and not args.emulate_graphs:
+                res[mode] = "n/a (CUDA only)"
+                continue
+            set_mode(cache, step)
+            try:
+                res[mode] = mode_section(model, cache, at, args.steps, device, graphs, args.emulate_graphs)
+            except Exception as exc:  # recorded; the other modes still run
+                res[mode] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(-4)}
+            at += args.steps + 8
+        res["max_memory_allocated"] = gc.peak_bytes(device)
+        dyn_ms = res["dynamic"]["decode_ms_median"]
+        res["speed_vs_dynamic"] = {
+            m: dyn_ms / res[m]["decode_ms_median"]
+            for m in ("eager", "static", "graph")
+            if isinstance(res[m], dict) and "decode_ms_median" in res[m]
+        }
+    finally:
+        cache.close()
+    return res
+
+
+def exactness(device: torch.device, emulate: bool = False) -> dict[str, Any]:
+    """eager, static and graphed static on one token stream, fp32 on the device: max |logit diff|."""
+    model = gc.build_llama(gc.SMOKE, 2, torch.float32, device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    ids = torch.randint(0, model.config.vocab_size, (1, 600), generator=torch.Generator().manual_seed(3)).to(device)
+    cfg = dict(
+        gc.SMALL, use_summaries=False, lsa_top_k=6, lsa_page_tokens=4, lsa_rerank=1, prefill_exact_tokens=0,
+        cold_store="memory", working_set_codec="int8",
+    )  # fmt: skip
+    out: dict[str, Any] = {}
+    got = {}
+    for name, step in (("eager", "eager"), ("static", "static"), ("graph", "static")):
+        if name == "graph" and device.type != "cuda" and not emulate:
+            continue
+        cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**cfg, decode_step=step))
+        ctx = Graphs(emulate) if name == "graph" else None
+        try:
+            if ctx is not None:
+                ctx.__enter__()
+            got[name] = gc.decode_logits(model, cache, ids, 60)
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+                out["graph_replays"] = ctx.replays
+            cache.close()
+    for name in ("static", "graph"):
+        if name in got:
+            out[f"{name}_vs_eager_max_abs_diff"] = float((got[name] - got["eager"]).abs().max())
+    return out
+
+
+def guarded(name: str, out: dict[str, Any], fn: Callable[[], Any]) -> None:
+    anatomy.guarded(name, out, fn)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="results JSON path")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU in seconds)")
+    ap.add_argument("--lengths", default=None, help="context lengths (default 32768,131072; smoke 512)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; smoke 2)")
+    ap.add_argument("--steps", type=int, default=40, help="timed decode steps per mode (default 40)")
+    ap.add_argument("--budget", type=float, default=1 / 16)
+    ap.add_argument("--fetch-share", type=float, default=None, help="lsa_fetch_share (default: every page)")
+    ap.add_argument(
+        "--emulate-graphs", action="store_true",
+        help="off CUDA: run the graph mode's bookkeeping with each capture and replay a plain call (a test)",
+    )  # fmt: skip
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA device here; allowed: --device cpu (with --smoke)", file=sys.stderr)
+        return 2
+    lengths = [int(x) for x in (args.lengths or ("512" if args.smoke else "32768,131072")).split(",")]
+    layers = args.layers or (2 if args.smoke else 4)
+    if args.smoke:
+        args.budget = max(args.budget, 0.5)
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)  # as gpu_check: cuDNN plans every new length
+    out: dict[str, Any] = {
+        "label": "measured on this device",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "layers": layers,
+        "budget": args.budget,
+    }
+    try:
+        import cupy  # noqa: F401
+
+        out["cupy"] = True
+    except ImportError:
+        out["cupy"] = False
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def write() -> None:  # after every section: a kill leaves what finished
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+
+    guarded("exactness", out, lambda: exactness(device, args.emulate_graphs))
+    write()
+    model = gc.build_llama(gc.SMOKE if args.smoke else gc.LLAMA_8B, layers, torch.bfloat16, device)
+    for n in lengths:
+        guarded(f"tokens_{n}", out, lambda n=n: length_section(model, n, args, device))
+        write()
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
