@@ -118,10 +118,12 @@ class Graphs:
         StaticStep.device_step = self._real  # type: ignore[method-assign]
 
 
-def set_mode(cache: Any, step: str) -> None:
-    """Every managed layer's decode_step (the segments restart)."""
+def set_mode(cache: Any, step: str, share: float | None) -> None:
+    """Every managed layer's decode_step, and lsa_fetch_share when static (the segments restart)."""
     for layer in cache.flash_layers:
-        layer.cfg = layer.cfg.model_copy(update={"decode_step": step})
+        layer.cfg = layer.cfg.model_copy(
+            update={"decode_step": step, "lsa_fetch_share": share if step == "static" else None}
+        )
         layer.static = None
 
 
@@ -159,9 +161,12 @@ def length_section(model: Any, tokens: int, args: argparse.Namespace, device: to
     res["dynamic"] = {"decode_ms_median": statistics.median(ms), "decode_ms_mean": statistics.fmean(ms)}
     del dyn
     gc.reset_peak(device)
-    extra = {} if args.fetch_share is None else {"lsa_fetch_share": args.fetch_share}
-    cfg = gc.recipe_config(args.budget, tokens, model, device, lsa_rerank=1, **extra)
-    res["config"] = {k: getattr(cfg, k) for k in ("lsa_top_k", "gpu_cache_limit", "hca_chunk_size", "lsa_fetch_share")}
+    # what the static step supports, for both modes: no re-rank, no page cache (the accelerator's
+    # recipe gives the room to one); checked now, not when a mode switches
+    cfg = gc.recipe_config(args.budget, tokens, model, device, lsa_rerank=1, lsa_cache_pages=0)
+    flashmem.FlashMemoryConfig(**{**cfg.model_dump(), "decode_step": "static", "lsa_fetch_share": args.fetch_share})
+    res["config"] = {k: getattr(cfg, k) for k in ("lsa_top_k", "gpu_cache_limit", "hca_chunk_size", "lsa_cache_pages")}
+    res["config"]["lsa_fetch_share"] = args.fetch_share
     cache = flashmem.attach(model, cfg)
     try:
         ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
@@ -175,7 +180,7 @@ def length_section(model: Any, tokens: int, args: argparse.Namespace, device: to
             if graphs and device.type != "cuda" and not args.emulate_graphs:
                 res[mode] = "n/a (CUDA only)"
                 continue
-            set_mode(cache, step)
+            set_mode(cache, step, args.fetch_share)
             try:
                 res[mode] = mode_section(model, cache, at, args.steps, device, graphs, args.emulate_graphs)
             except Exception as exc:  # recorded; the other modes still run
