@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -39,7 +40,12 @@ from typing import Any
 
 import torch
 
-from flashmem.store.mapped import mapped_view
+# src/: a checkout without `pip install -e .` (the lent GPU machine)
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+if _SRC not in sys.path:
+    sys.path.insert(0, _SRC)
+
+from flashmem.store.mapped import mapped_view  # noqa: E402
 
 
 def timed(fn: Callable[[], Any], reps: int, device: torch.device) -> list[float]:

@@ -211,7 +211,8 @@ class FlashMemoryConfig(BaseModel):
         description="how a decode step runs: eager (any config) or static: the steps between two seals "
         "with fixed shapes and no host reads (cache/static_step.py), the form a CUDA graph can replay. "
         "static needs position_mode real, no summaries or rest entry, lsa_rerank 1, lsa_select_every 1, "
-        "lsa_cache_pages 0, lsa_feedback_share 0 and exact blocks in cold_store memory",
+        "lsa_cache_pages 0, lsa_feedback_share 0 and exact blocks in cold_store memory; it does not take "
+        "lsa_open_room's extra pages (a segment holds its slots to its end)",
     )
     lsa_fetch_share: float | None = Field(
         None,

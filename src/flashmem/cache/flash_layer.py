@@ -274,6 +274,7 @@ class FlashLayer(CacheLayerMixin):
         self.scaling = scaling
         group = query.shape[1] // k.shape[1]
         qg = group_queries(query, group)
+        static = None if exact else self._static_step(k.shape[-2])
         if exact and self.exact.streamed:
             out = attend_streamed(self, query, k, v, valid, scaling)
             tiers = self.resident_bytes()
@@ -281,19 +282,17 @@ class FlashLayer(CacheLayerMixin):
         elif exact:
             out = self.exact.attend(query, k, v, torch.cat([self.valid, valid], dim=-1), scaling)
             read = self.exact.read_bytes()
-        elif (static := self._static_step(k.shape[-2])) is not None:
-            out = static.run(query, qg, k, v, valid, scaling)  # attends and appends
+        elif static is not None:
+            out = static.run(query, qg, k, v, valid, scaling)  # attends and appends the chunk
             self.static_steps += 1
-            self.reader.traffic.add("device_read_bytes", self._attended_bytes() + 2 * k.nbytes)
-            self.working_set.end_step()
-            self.peak_resident_bytes = max(self.peak_resident_bytes, sum(self.resident_bytes().values()))
-            return out
+            read = self._attended_bytes() + 2 * k.nbytes
         else:
             out = attend(self, query, qg, k, v, valid, scaling)
             read = self._attended_bytes() + 2 * k.nbytes
         self.reader.traffic.add("device_read_bytes", read)
         self.working_set.end_step()
-        self.append(k, v, valid, qg, group)
+        if static is None:
+            self.append(k, v, valid, qg, group)
         self.peak_resident_bytes = max(self.peak_resident_bytes, sum(self.resident_bytes().values()))
         return out
 
