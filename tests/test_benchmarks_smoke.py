@@ -335,13 +335,15 @@ def test_gpu_step_anatomy_smoke_on_cpu(tmp_path: Path):
     assert d["flashmem"]["sync_points"].startswith("n/a")  # PyTorch's sync debug mode is CUDA's
 
 
-def test_static_step_gpu_smoke_on_cpu(tmp_path: Path):
+@pytest.mark.parametrize("rerank", [False, True])
+def test_static_step_gpu_smoke_on_cpu(tmp_path: Path, rerank: bool):
     """The next lease's static-step script runs on a CPU: eager, static and the graph mode's
     bookkeeping with each capture and replay emulated by a plain call (`--emulate-graphs`);
-    the three give the same logits, and the graph mode captured once per layer and segment."""
+    the three give the same logits, and the graph mode captured once per layer and segment.
+    With --rerank-codes both modes re-rank by codes held on the device."""
     out = tmp_path / "static.json"
     run_script(BENCH / "diagnostics" / "static_step_gpu.py", "--device", "cpu", "--smoke", "--steps", "30",
-               "--emulate-graphs", "--out", str(out))  # fmt: skip
+               "--emulate-graphs", "--out", str(out), *(["--rerank-codes"] if rerank else []))  # fmt: skip
     d = json.loads(out.read_text())
     ex = d["exactness"]
     assert ex["static_vs_eager_max_abs_diff"] < 1e-4 and ex["graph_vs_eager_max_abs_diff"] < 1e-4
@@ -353,3 +355,5 @@ def test_static_step_gpu_smoke_on_cpu(tmp_path: Path):
     assert row["static"]["static"]["arena_on"] == "cpu" and "static" not in row["eager"]
     g = row["graph"]["graphs"]
     assert g["captures"] >= 2 and g["replays"] > 3 * g["captures"]
+    st = row["static"]["static"]
+    assert (st["candidates"] > st["k"]) is rerank and (row["config"]["lsa_rerank"] > 1) is rerank

@@ -499,3 +499,24 @@ def test_static_reads_a_fixed_share_and_launches_the_static_steps_operators(caps
     )
     assert e["flashmem_traffic"]["parts"]["rerank_keys"] == 0
     assert e["rows"]["flashmem"]["step_s"] < r["rows"]["flashmem"]["step_s"]
+
+
+def test_static_keeps_a_rerank_by_codes_on_the_device_and_reads_a_share_of_them(capsys):
+    """--static with --rerank-codec int4 --rerank-on-device: the static step re-ranks by the held
+    codes (named in the source line), reads every candidate's codes a step (a fixed read, new or
+    not) and, with --fetch-share s, as many as the pages it reads, beside them; without a code on
+    the device the re-rank is dropped."""
+    base = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "--json", "--static")
+    coded = ("--rerank-codec", "int4", "--rerank-on-device")
+    outs = [run(capsys, *base, *extra) for extra in ((), coded, (*coded, "--fetch-share", "0.25"))]
+    assert all(code == 0 for code, _, _ in outs)
+    plain, every, quarter = (json.loads(out)["hardware_model"] for _, out, _ in outs)
+    assert "lsa_rerank 1" in plain["flashmem_config"] and plain["flashmem_traffic"]["parts"]["rerank_keys"] == 0
+    assert "re-ranked by int4 codes on the device" in every["flashmem_config"]
+    held = every["flashmem_traffic"]["parts"]["rerank_keys"]
+    # a quarter of the pages a step, and as many candidates (of 4x as many): a sixteenth of their codes
+    assert held > 0 and quarter["flashmem_traffic"]["parts"]["rerank_keys"] == pytest.approx(held / 16, rel=0.02)
+    # the pages' read is the static step's own, with or without the re-rank
+    assert quarter["flashmem_traffic"]["parts"]["new_pages"] == pytest.approx(
+        every["flashmem_traffic"]["parts"]["new_pages"] / 4, rel=0.02
+    )

@@ -199,10 +199,15 @@ def test_cli_runs_tiny(tmp_path):
 def test_flashmem_method_adapter(tmp_path, loaded):
     pytest.importorskip("flashmem.cache.attach")
     impl = loaded.model.config._attn_implementation
-    args = _args(tmp_path, "fidelity", methods=["full", "flashmem"], budgets=[0.25], lengths=[1024], n_cont=16)
+    methods = ["full", "flashmem", "flashmem:static-rr"]
+    args = _args(tmp_path, "fidelity", methods=methods, budgets=[0.25], lengths=[1024], n_cont=16)
     store = run_suite(args, loaded)
     rows = {r["method"]: r for r in store.rows.values()}
     assert not rows["flashmem"].get("error"), rows["flashmem"].get("error")
+    # the row says whether its decode steps ran static: the recipe's are eager, the variant's not
+    assert rows["flashmem"]["static_decode_steps"] == 0
+    assert not rows["flashmem:static-rr"].get("error"), rows["flashmem:static-rr"].get("error")
+    assert rows["flashmem:static-rr"]["static_decode_steps"] > 0
     assert 0.15 < rows["flashmem"]["ratio"] < 0.35
     # the recipe's exact prompt is streamed from the tiers: nothing held, the peak within the budget
     assert rows["flashmem"]["prompt_kv_bytes"] == 0

@@ -89,6 +89,83 @@ def test_static_steps_with_padded_rows_match_eager():
     torch.testing.assert_close(static, eager, atol=2e-5, rtol=1e-4)
 
 
+# the re-rank the static step supports: the index's 3k candidates (at least 12), their keys' int4
+# codes held on the device
+RERANK = dict(lsa_rerank=3, lsa_rerank_codec="int4", lsa_rerank_on_device=True, lsa_rerank_min_pages=12)
+
+
+@pytest.mark.parametrize("codec", ["int4", "sign"])
+def test_static_steps_with_the_rerank_give_the_eager_steps_logits(codec):
+    """The candidates' codes held in the ranker's slots, which the eager seal step updates in place
+    between segments: the same candidates, scores and picks as the eager re-rank, across seals. The
+    re-rank changes the logits (else this test could not tell it ran)."""
+    ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(11))
+    rr = dict(RERANK, lsa_rerank_codec=codec, lsa_open_room=False)
+    eager = _logits("eager", ids, 70, **rr)
+    with Spy() as spy:
+        static = _logits("static", ids, 70, spy=spy, **rr)
+    assert spy.last is not None and spy.last.rerank and spy.last.C > spy.last.k
+    assert spy.steps > 100 and spy.reported == spy.steps
+    torch.testing.assert_close(static, eager, atol=2e-5, rtol=1e-4)
+    plain = _logits("eager", ids, 70, lsa_open_room=False)
+    assert (plain - eager).abs().max() > 1e-3
+
+
+def test_static_rerank_with_padded_rows_matches_eager():
+    ids = torch.randint(0, 128, (2, 80), generator=torch.Generator().manual_seed(12))
+    mask = torch.ones(2, 80, dtype=torch.long)
+    mask[1, :5] = 0
+    eager = _logits("eager", ids, 40, mask, **RERANK)
+    static = _logits("static", ids, 40, mask, **RERANK)
+    torch.testing.assert_close(static, eager, atol=2e-5, rtol=1e-4)
+
+
+def test_fetch_cap_bounds_the_candidates_read_and_their_slots_hold_the_arenas_codes():
+    """With lsa_fetch_share 0.25 at most as many candidate slots as pages (ceil(k / 4)) change a
+    step per KV head, every held slot's codes are the host arena's for the page it names, and the
+    candidates' link bytes are that fixed read's."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(13))
+    cfg = flashmem.FlashMemoryConfig(
+        **{**PAGED, **RERANK}, decode_step="static", lsa_fetch_share=0.25, working_set_codec="int8"
+    )
+    with flashmem.attach(model, cfg) as cache, torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        layer = cache.flash_layers[1]
+        before = None
+        changes = 0
+        for t in range(12):
+            model(torch.full((1, 1), t % 5 + 2), cache=cache, use_cache=True)
+            step = layer.static
+            assert step is not None and step.filled and step.rerank
+            now = step.cidx.clone()
+            if before is not None and before[0] is step:
+                changed = (now != before[1]).sum(-1)
+                assert int(changed.max()) <= step.cfetch == step.fetch < step.C
+                changes += int(changed.sum())
+            before = (step, now)
+            arena = layer.ranker.codes
+            ppb, (b, h, _) = step.ppb, now.shape
+            on = now >= 0
+            blk, pg = now.clamp_min(0) // ppb, now.clamp_min(0) % ppb
+            bi, hi = torch.arange(b)[:, None, None], torch.arange(h)[None, :, None]
+            want_q = arena.q.view(arena.q.shape[0], b, h, ppb, step.P, -1)[blk, bi, hi, pg]  # [b, h, S, P, w]
+            assert torch.equal(step.cq[on], want_q[on])
+            assert torch.equal(step.cs[on], arena.scale[blk, bi, hi][on])
+        assert changes > 0  # candidates did change: the check above saw reads
+        cache.traffic_report()
+        model(torch.full((1, 1), 4), cache=cache, use_cache=True)
+        cache.traffic_report()
+        last = cache._traffic.steps[-1]
+    steps = [lay.static for lay in cache.flash_layers]
+    b, h = steps[0].rows
+    d, P = cache.flash_layers[0].sink_k.shape[-1], cfg.page_tokens
+    pages = sum(b * h * s.fetch * 2 * P * (d + 4) for s in steps)  # int8 pages: codes and a scale a token
+    codes = sum(b * h * s.cfetch * (P * d // 2 + 2 * d * 2) for s in steps)  # int4 keys, fp16 zero and scale
+    assert last.counts["h2d_bytes"] == pages + codes
+    assert last.candidate_hits + last.candidate_misses == sum(b * h * s.C for s in steps)
+
+
 class Waits(TorchDispatchMode):
     """Operators whose result the host reads: it waits for the device's queue there."""
 
@@ -109,11 +186,11 @@ class Waits(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_counts(step: str) -> tuple[int, int]:
+def _step_counts(step: str, **extra) -> tuple[int, int]:
     """Waits and kernels of one decode step in the middle of a segment (two layers)."""
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(4))
-    cfg = flashmem.FlashMemoryConfig(**PAGED, decode_step=step)
+    cfg = flashmem.FlashMemoryConfig(**{**PAGED, **extra}, decode_step=step)
     with flashmem.attach(model, cfg) as cache, torch.no_grad():
         model(ids, cache=cache, use_cache=True)
         tok = torch.full((1, 1), 5)
@@ -130,14 +207,19 @@ def test_a_static_step_waits_on_nothing_and_launches_fewer_operators():
     assert eager_waits > 0  # the count sees the eager step's host reads
     assert static_waits == 0
     assert static_kernels < 0.8 * eager_kernels
+    # with the re-rank by codes held on the device: still no wait (the eager one waits)
+    assert _step_counts("eager", **RERANK)[0] > eager_waits
+    assert _step_counts("static", **RERANK, lsa_fetch_share=0.5)[0] == 0
 
 
-def test_device_step_traces_whole_and_gives_the_same_result():
+@pytest.mark.parametrize("rerank", [False, True])
+def test_device_step_traces_whole_and_gives_the_same_result(rerank):
     """torch.compile(fullgraph=True) refuses a graph break: a host read, a data-dependent shape,
     an unsupported out= write. The traced step equals the eager one, state updates included."""
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(5))
-    cfg = flashmem.FlashMemoryConfig(**PAGED, decode_step="static", lsa_fetch_share=0.4)
+    extra = RERANK if rerank else {}
+    cfg = flashmem.FlashMemoryConfig(**{**PAGED, **extra}, decode_step="static", lsa_fetch_share=0.4)
     seen: dict = {}
     real = StaticStep.device_step
 
@@ -155,6 +237,7 @@ def test_device_step_traces_whole_and_gives_the_same_result():
             for _ in range(3):
                 model(torch.full((1, 1), 5), cache=cache, use_cache=True)
         step, args = seen["step"], seen["args"]
+        assert step.rerank is rerank
         assert args[6] is False  # a capped step: the fixed-size gather of new pages first
 
         def restore() -> None:
@@ -216,8 +299,11 @@ def test_fetch_cap_reads_at_most_that_many_new_pages_and_holds_what_its_ids_say(
 
 
 def test_config_refuses_what_the_static_step_does_not_do():
-    with pytest.raises(ConfigError, match="decode_step: static does not support lsa_rerank: 4"):
+    with pytest.raises(ConfigError, match="decode_step: static re-ranks .lsa_rerank: 4. by key codes held on the"):
         flashmem.FlashMemoryConfig(**{**PAGED, "lsa_rerank": 4}, decode_step="static")
+    with pytest.raises(ConfigError, match="lsa_rerank_on_device False; allowed"):
+        flashmem.FlashMemoryConfig(**{**PAGED, "lsa_rerank": 4, "lsa_rerank_codec": "int4"}, decode_step="static")
+    flashmem.FlashMemoryConfig(**{**PAGED, **RERANK}, decode_step="static")  # codes on the device: allowed
     with pytest.raises(ConfigError, match="lsa_fetch_share: set, but decode_step is 'eager'"):
         flashmem.FlashMemoryConfig(**PAGED, lsa_fetch_share=0.5)
     with pytest.raises(ConfigError, match="use_summaries"):

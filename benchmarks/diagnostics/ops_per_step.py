@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--by-caller", type=int, default=0, metavar="N", help="list the N busiest functions")
     ap.add_argument(
         "--static", action="store_true",
-        help="decode_step: static (cache/static_step.py), with lsa_rerank 1 as it needs; also counts the eager "
-        "step with lsa_rerank 1 in the same run",
+        help="decode_step: static (cache/static_step.py), with lsa_rerank 1 (with --device-codes: re-ranked by "
+        "int4 codes held on the device, no page cache); also counts the eager step with that config in the "
+        "same run",
     )  # fmt: skip
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -152,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         # candidates' codes on the device where the page cap leaves room), its 4,096-token chunks
         extra = {"lsa_rerank_codec": "int4", "lsa_rerank_on_device": True} if a.device_codes else {}
         if a.static:
-            extra = {"lsa_rerank": 1}
+            extra = (
+                {"lsa_rerank": 1} if not a.device_codes else {**extra, "lsa_cache_pages": 0, "lsa_rerank_min_pages": 0}
+            )
         cfg = budget_config(
             a.budget, a.tokens + a.steps + 2, **model_geometry(model), device_codes=True,
             lsa_layer_shares=None, prefill_chunk=4096, lsa_select_every=a.select_every, **extra,

@@ -8,7 +8,8 @@ Llama with Llama-3.1-8B's attention, 4 layers, bf16, batch 1, cuDNN's attention 
 
 - `dynamic`: DynamicCache in HBM, filled with random K/V;
 - `eager`: flashmem at `--budget` with `lsa_rerank: 1` (what the static step ranks by), the
-  eager step;
+  eager step; with `--rerank-codes`, re-ranked as the recipe (4x the pages) by the candidates'
+  int4 key codes held on the device (the static step's re-rank);
 - `static`: the same cache, `decode_step: static`;
 - `graph`: the same, each layer's `device_step` captured in a CUDA graph once per segment
   (the segment's first step fills the working set and its second warms up, both eagerly; the
@@ -23,6 +24,7 @@ view of its pinned memory when CuPy is importable (`store/mapped.py`); without i
 step's gather waits for the ids, and a capture fails: recorded, the other modes still run.
 
     python3 benchmarks/diagnostics/static_step_gpu.py --out results/static_step_h200.json
+    python3 benchmarks/diagnostics/static_step_gpu.py --rerank-codes --out results/static_step_rerank_h200.json
     python benchmarks/diagnostics/static_step_gpu.py --device cpu --smoke --emulate-graphs --out /tmp/s.json
 """
 
@@ -150,7 +152,9 @@ def mode_section(
     steps_ = [layer.static for layer in cache.flash_layers if layer.static is not None]
     if steps_:
         s = steps_[0]
-        out["static"] = {"k": s.k, "fetch": s.fetch, "arena_on": str(s.arena[0].device)}
+        out["static"] = {"k": s.k, "fetch": s.fetch, "arena_on": str(s.arena[0].device), "candidates": s.C}
+        if s.rerank:
+            out["static"]["codes_on"] = str(s.code_arena[0].device)
     return out
 
 
@@ -161,11 +165,14 @@ def length_section(model: Any, tokens: int, args: argparse.Namespace, device: to
     res["dynamic"] = {"decode_ms_median": statistics.median(ms), "decode_ms_mean": statistics.fmean(ms)}
     del dyn
     gc.reset_peak(device)
-    # what the static step supports, for both modes: no re-rank, no page cache (the accelerator's
-    # recipe gives the room to one); checked now, not when a mode switches
-    cfg = gc.recipe_config(args.budget, tokens, model, device, lsa_rerank=1, lsa_cache_pages=0)
+    # what the static step supports, for both modes: no re-rank or one by codes on the device, no
+    # page cache (the accelerator's recipe gives the room to one); checked now, not when a mode switches
+    cfg = gc.recipe_config(args.budget, tokens, model, device, lsa_cache_pages=0, **rerank_keys(args.rerank_codes))
     flashmem.FlashMemoryConfig(**{**cfg.model_dump(), "decode_step": "static", "lsa_fetch_share": args.fetch_share})
-    res["config"] = {k: getattr(cfg, k) for k in ("lsa_top_k", "gpu_cache_limit", "hca_chunk_size", "lsa_cache_pages")}
+    res["config"] = {
+        k: getattr(cfg, k)
+        for k in ("lsa_top_k", "gpu_cache_limit", "hca_chunk_size", "lsa_cache_pages", "lsa_rerank", "lsa_rerank_codec")
+    }
     res["config"]["lsa_fetch_share"] = args.fetch_share
     cache = flashmem.attach(model, cfg)
     try:
@@ -198,15 +205,23 @@ def length_section(model: Any, tokens: int, args: argparse.Namespace, device: to
     return res
 
 
-def exactness(device: torch.device, emulate: bool = False) -> dict[str, Any]:
+def rerank_keys(codes: bool) -> dict[str, Any]:
+    """The re-rank both modes run: none, or (--rerank-codes) the recipe's 4x candidates scored by
+    their int4 codes held on the device, with no candidate floor (its codes would take the budget)."""
+    if not codes:
+        return {"lsa_rerank": 1}
+    return {"lsa_rerank": 4, "lsa_rerank_codec": "int4", "lsa_rerank_on_device": True, "lsa_rerank_min_pages": 0}
+
+
+def exactness(device: torch.device, emulate: bool = False, codes: bool = False) -> dict[str, Any]:
     """eager, static and graphed static on one token stream, fp32 on the device: max |logit diff|."""
     model = gc.build_llama(gc.SMOKE, 2, torch.float32, device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     ids = torch.randint(0, model.config.vocab_size, (1, 600), generator=torch.Generator().manual_seed(3)).to(device)
     cfg = dict(
-        gc.SMALL, use_summaries=False, lsa_top_k=6, lsa_page_tokens=4, lsa_rerank=1, prefill_exact_tokens=0,
-        cold_store="memory", working_set_codec="int8",
+        gc.SMALL, use_summaries=False, lsa_top_k=6, lsa_page_tokens=4, prefill_exact_tokens=0,
+        cold_store="memory", working_set_codec="int8", **rerank_keys(codes),
     )  # fmt: skip
     out: dict[str, Any] = {}
     got = {}
@@ -247,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=1 / 16)
     ap.add_argument("--fetch-share", type=float, default=None, help="lsa_fetch_share (default: every page)")
     ap.add_argument(
+        "--rerank-codes", action="store_true",
+        help="both modes re-ranked by the candidates' int4 codes held on the device (default: lsa_rerank 1)",
+    )  # fmt: skip
+    ap.add_argument(
         "--emulate-graphs", action="store_true",
         help="off CUDA: run the graph mode's bookkeeping with each capture and replay a plain call (a test)",
     )  # fmt: skip
@@ -267,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "layers": layers,
         "budget": args.budget,
+        "rerank_codes": args.rerank_codes,
     }
     try:
         import cupy  # noqa: F401
@@ -280,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2, default=str)
 
-    guarded("exactness", out, lambda: exactness(device, args.emulate_graphs))
+    guarded("exactness", out, lambda: exactness(device, args.emulate_graphs, args.rerank_codes))
     write()
     model = gc.build_llama(gc.SMOKE if args.smoke else gc.LLAMA_8B, layers, torch.bfloat16, device)
     for n in lengths:

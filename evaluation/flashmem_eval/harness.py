@@ -213,6 +213,8 @@ def cache_ratios(model: Any, cache: Any, tokens: int) -> dict[str, Any]:
             "prompt_kv_bytes": prompt_kv,
             # the most the managed layers held at any step so far (a held exact prompt included)
             "ratio_peak": peak / full["managed_bytes"] if full["managed_bytes"] else float("nan"),
+            # decode steps the layers ran as `decode_step: static` (0: eager)
+            "static_decode_steps": rep.get("static_decode_steps", 0),
         }
     else:
         b = kv_bytes(cache)

@@ -340,6 +340,7 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
                         # through the whole request, prompt included, beside it
                         row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
                         row["ratio_peak"] = end.get("ratio_peak")
+                        row["static_decode_steps"] = end.get("static_decode_steps")
                     row.update(H.fidelity_metrics(ref, lp, cont[0]))
                     row.update(info)
                 except Exception as exc:  # recorded; the sweep goes on

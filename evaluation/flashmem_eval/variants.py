@@ -88,6 +88,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "static-f50": {**RECIPE, "lsa_rerank": 1, "lsa_cache_pages": 0, "decode_step": "static", "lsa_fetch_share": 0.5},
     "static-f25": {**RECIPE, "lsa_rerank": 1, "lsa_cache_pages": 0, "decode_step": "static", "lsa_fetch_share": 0.25},
 }
+# ... re-ranked as the recipe is (4x the pages as candidates), by their keys' int4 codes held on
+# the device in the budget (no 256-candidate floor: at 4K its codes alone fill a 1/16 budget);
+# with a share, the candidates' codes are read under it too
+_STATIC_RR = {**RECIPE, "lsa_cache_pages": 0, "decode_step": "static", "lsa_rerank_codec": "int4",
+              "lsa_rerank_on_device": True, "lsa_rerank_min_pages": 0}  # fmt: skip
+VARIANTS.update(
+    {
+        "static-rr": _STATIC_RR,
+        "static-rr-f50": {**_STATIC_RR, "lsa_fetch_share": 0.5},
+        "static-rr-f25": {**_STATIC_RR, "lsa_fetch_share": 0.25},
+        # fewer candidates (2x the pages) or 1-bit codes: more of the budget left to pages
+        "static-rr2": {**_STATIC_RR, "lsa_rerank": 2},
+        "static-rrs": {**_STATIC_RR, "lsa_rerank_codec": "sign"},
+        # the same config's eager step (it lends lsa_open_room's pages, which the static step does not)
+        "rrdev": {**_STATIC_RR, "decode_step": "eager"},
+    }
+)
 # Variants that change the split of the resident budget (window, selected pages, CSA band)
 # rather than config keys; the recipe's is flashmem.recipe.SHAPE.
 SHAPES: dict[str, tuple[float, float, float]] = {"balanced": (0.4, 0.4, 0.0), "windowed": (0.6, 0.25, 0.0)}

@@ -210,7 +210,8 @@ class FlashMemoryConfig(BaseModel):
         "eager",
         description="how a decode step runs: eager (any config) or static: the steps between two seals "
         "with fixed shapes and no host reads (cache/static_step.py), the form a CUDA graph can replay. "
-        "static needs position_mode real, no summaries or rest entry, lsa_rerank 1, lsa_select_every 1, "
+        "static needs position_mode real, no summaries or rest entry, lsa_rerank 1 or a re-rank by codes "
+        "held on the device (lsa_rerank_codec int4/int2/sign, lsa_rerank_on_device), lsa_select_every 1, "
         "lsa_cache_pages 0, lsa_feedback_share 0 and exact blocks in cold_store memory; it does not take "
         "lsa_open_room's extra pages (a segment holds its slots to its end)",
     )
@@ -220,8 +221,10 @@ class FlashMemoryConfig(BaseModel):
         le=1.0,
         description="with decode_step static: at most this share of a step's selected pages (rounded up) "
         "enters the working set per KV head a step, read in one gather of that fixed size; a new page past "
-        "it waits for the next step, and the step attends what it holds. null: every selected page is "
-        "read each step (the eager step's selection exactly, at k pages of reads)",
+        "it waits for the next step, and the step attends what it holds. The re-rank's candidates' codes "
+        "likewise, as many a step as pages (a new candidate past it is not one until read). null: every "
+        "selected page and candidate is read each step (the eager step's selection exactly, at k pages of "
+        "reads)",
     )
     lsa_feedback_share: float = Field(
         0.0,
@@ -353,7 +356,6 @@ class FlashMemoryConfig(BaseModel):
             "position_mode": (self.position_mode, "real"),
             "use_summaries": (self.use_summaries, False),
             "rest_entry": (self.rest_entry, False),
-            "lsa_rerank": (self.lsa_rerank, 1),
             "lsa_select_every": (self.lsa_select_every, 1),
             "lsa_cache_pages": (self.lsa_cache_pages, 0),
             "lsa_feedback_share": (self.lsa_feedback_share, 0.0),
@@ -361,12 +363,20 @@ class FlashMemoryConfig(BaseModel):
             "cold_codec": (self.cold_codec, "exact"),
             "cold_low_rank": (self.cold_low_rank, "none"),
         }
-        return [
+        out = [
             f"decode_step: static does not support {key}: {got!r}; allowed: {key}: {want!r} with it, "
             "or decode_step: eager"
             for key, (got, want) in needs.items()
             if got != want
         ]
+        if self.lsa_rerank > 1 and (self.lsa_rerank_codec == "exact" or not self.lsa_rerank_on_device):
+            out.append(
+                f"decode_step: static re-ranks (lsa_rerank: {self.lsa_rerank}) by key codes held on the device "
+                f"only, not lsa_rerank_codec {self.lsa_rerank_codec!r} with lsa_rerank_on_device "
+                f"{self.lsa_rerank_on_device}; allowed: lsa_rerank_codec int4, int2 or sign with "
+                "lsa_rerank_on_device: true, or lsa_rerank: 1, or decode_step: eager"
+            )
+        return out
 
     def _block_problems(self) -> list[str]:
         """Block, page and scorer sizes that do not fit together."""

@@ -22,6 +22,7 @@ import torch
 
 from flashmem.compress import key_code, page_code
 from flashmem.config import RERANK_CODE_BITS
+from flashmem.store.transfer import pinning
 
 HOST = torch.device("cpu")
 
@@ -75,7 +76,8 @@ class RerankCodes:
         cap = max(need, 2 * (self.q.shape[0] if self.q is not None else 0), 16)
 
         def bigger(old: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
-            t = part.new_empty((cap, *part.shape[1:]))
+            # pinned where a GPU is present: the static step's gather reads it from the device
+            t = torch.empty((cap, *part.shape[1:]), dtype=part.dtype, pin_memory=pinning())
             if old is not None:
                 t[: self.n] = old[: self.n]
             return t
@@ -179,6 +181,28 @@ class DeviceCandidates:
         for held_t, fresh_t in ((code.q, fresh.q), (code.zero, fresh.zero), (code.scale, fresh.scale)):
             held_t.view(-1, *held_t.shape[-2:]).index_copy_(0, dest, fresh_t.to(device))
         return code, slots, nbytes, copied
+
+    def reserve(
+        self, b: int, h: int, S: int, arena: RerankCodes, device: torch.device
+    ) -> tuple[torch.Tensor, key_code.KeyCode]:
+        """At least S slots for rows (b, h) on `device`, the codes held kept and new slots empty
+        (-1), shaped as `arena`'s codes -> (idx [b, h, S' >= S], the held codes): the static
+        step's (cache/static_step.py), which writes into them in place."""
+        idx = self.idx
+        if idx is None or self.code is None or idx.shape[:2] != (b, h) or idx.device != device:
+            assert arena.q is not None and arena.zero is not None and arena.scale is not None
+            w, d = arena.q.shape[-1], arena.zero.shape[-1]
+            self.idx = torch.full((b, h, S), -1, dtype=torch.long, device=device)
+            self.code = key_code.KeyCode(
+                torch.zeros(b, h, S, arena.P, w, dtype=arena.q.dtype, device=device),
+                torch.zeros(b, h, S, 1, d, dtype=arena.zero.dtype, device=device),
+                torch.zeros(b, h, S, 1, d, dtype=arena.scale.dtype, device=device),
+                arena.bits,
+            )
+        elif idx.shape[-1] < S:
+            self._grow(S)
+        assert self.idx is not None and self.code is not None
+        return self.idx, self.code
 
     def _grow(self, S: int) -> tuple[torch.Tensor, key_code.KeyCode]:
         """More slots (S), the new ones empty; the held codes move once."""

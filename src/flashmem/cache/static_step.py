@@ -25,6 +25,15 @@ Per step, per layer:
    past c waits for the next step; its slot keeps the page it held, masked out.
 5. One attention over sinks | working set | recent tier, with a bias per key.
 
+With `lsa_rerank` r > 1 (and `lsa_rerank_on_device`, a key code), step 2 takes the index's top
+C = max(r k, `lsa_rerank_min_pages`) candidates instead, and their keys' codes pick the k: the
+codes are held on the device in the ranker's own slots (cache/rerank_codes.py
+`DeviceCandidates`, which the eager step of a seal updates too), assigned as in step 3, the
+new candidates' codes gathered from the host's code arena in one read of a fixed size (every
+candidate, or with `lsa_fetch_share` s as many as pages, ceil(s k), new ones first: candidates
+change less from step to step than pages do; a new candidate past it waits a step and is not a
+candidate until then).
+
 A step that seals a block runs the eager path (`tiered_attention.py`), and so does everything
 else (the prompt, a row change, a crop); the next decode step starts a new segment from the
 layer's state. During a segment the layer's window, open block and working set are views of
@@ -38,7 +47,8 @@ the gather reads the host arena through a device view of its pinned memory where
 With `lsa_open_room: false` its logits equal the eager step's; with it, the eager step's with
 `lsa_open_room: false` (tests/test_static_step.py).
 
-Shapes: q [b, Hq, 1, d]; qg [b, h, group, d]; ranked ids, slots [b, h, k]; recent tier
+Shapes: q [b, Hq, 1, d]; qg [b, h, group, d]; ranked ids, slots [b, h, k]; candidates [b, h, C]
+and their held codes q [b, h, S >= C, P, d * bits / 8], zero / scale [b, h, S, 1, d]; recent tier
 [2 (K, V), b, h, W + B, d]; working set [2, b, h, k * P, d] (int8: and scales [2, b, h, k * P, 1]);
 bias [b, h, S + k * P + W + B].
 """
@@ -53,7 +63,11 @@ import torch
 from flashmem.cache import sdpa
 from flashmem.cache.assembly import NEG, step_scratch
 from flashmem.cache.page_codes import PageCodes
+from flashmem.cache.rerank_codes import RerankCodes
+from flashmem.compress import key_code
+from flashmem.index.rerank import coded_page_mass
 from flashmem.index.selection import index_mass, ranked_pages
+from flashmem.sizing.tiers import rerank_candidates
 from flashmem.store.mapped import device_view
 from flashmem.store.memory import MemoryStore
 
@@ -159,11 +173,49 @@ class StaticStep:
         # codes and per-token scales, or its exact bytes
         self.page_read_bytes = 2 * P * (d + 4) if self.int8 else layer.reader.page_bytes()
         self.filled = False  # the first step reads every selected page
+        self._init_rerank(layer, k)
         # what _publish handed the layer (a step checks they are still there: `serves`)
         self._open: torch.Tensor = layer.open_k
         self._win: torch.Tensor = layer.win_k
         self._ws_code: list[tuple[torch.Tensor, ...]] = []
         self._publish()
+
+    def _init_rerank(self, layer: FlashLayer, k: int) -> None:
+        """lsa_rerank with codes on the device: C candidates a step, their codes in the ranker's
+        slots (grown to C here, on the host, where a segment may still wait)."""
+        cfg, ranker = self.cfg, layer.ranker
+        b, h = self.rows
+        dev = self.page_valid.device
+        pages = self.page_valid.shape[-1]
+        self.C = rerank_candidates(cfg, pages, k) if ranker.device_codes is not None else 0
+        self.rerank = self.C > k
+        self.cand_hits = torch.zeros((), dtype=torch.long, device=dev)  # 0 without a re-rank
+        if not self.rerank:
+            return
+        codes, held = ranker.codes, ranker.device_codes
+        assert isinstance(codes, RerankCodes) and held is not None
+        reader = layer.reader
+        codes.fill(self.sealed, lambda j: reader.fetch_block(j, on_host=True)[0])
+        assert codes.q is not None and codes.zero is not None and codes.scale is not None
+        self.cidx, code = held.reserve(b, h, self.C, codes, dev)
+        self.cq, self.cz, self.cs = code.q, code.zero, code.scale  # [b, h, S, P, w], [b, h, S, 1, d]
+        self.code_bits = code.bits
+        share = cfg.lsa_fetch_share
+        # as many candidates' codes a step as pages: of the candidates 3-7% are new a step where 16-32%
+        # of the pages are (docs/accelerator.md, "Re-rank codes held on the device")
+        self.cfetch = self.C if share is None else min(self.C, self.fetch)
+        # the host arena as rows the gather reads: a page's codes [P * w], a block's zero / scale
+        # per (row, head) [d]; the same row arithmetic as the cold arena's pages
+        w, d = self.cq.shape[-1], self.cz.shape[-1]
+        self.code_arena = tuple(device_view(t, dev) for t in (codes.q, codes.zero, codes.scale))
+        self.code_rows = (self.code_arena[0].view(-1, self.P * w),) + tuple(t.view(-1, d) for t in self.code_arena[1:])
+        S = self.cidx.shape[-1]
+        bh = torch.arange(b * h, device=dev).view(b, h, 1)
+        self.cand_base, self.bh = bh * S, bh
+        self.code_dtype = torch.float32 if dev.type == "cpu" else self.dtype  # as the eager re-rank
+        # what one candidate's code takes over the link: its P keys, its block's zero and scale
+        self.cand_read_bytes = self.P * w * self.cq.element_size() + 2 * d * self.cz.element_size()
+        self._held = held
 
     # ------------------------------------------------------------------ segment
     def serves(self, layer: FlashLayer) -> bool:
@@ -176,12 +228,13 @@ class StaticStep:
             and layer.open_k is self._open
             and layer.win_k is self._win
             and (not self.filled or ws.code[0] is self._ws_code[0])
+            and (not self.rerank or self._held.idx is self.cidx)
         )
 
     def bookkeeping_bytes(self) -> int:
         """Device bytes the segment holds beside the tiers' own: the bias per key, the slots'
         page ids and token validity."""
-        return sum(t.nbytes for t in (self.bias, self.ids, self.ws_valid))
+        return sum(t.nbytes for t in (self.bias, self.ids, self.ws_valid))  # the codes: the index's
 
     def _publish(self) -> None:
         """The layer's window and open block as views of the recent tier (and, once filled,
@@ -223,7 +276,7 @@ class StaticStep:
         scratch = step_scratch()  # attention's K/V and mask, reused by every layer and step
         kv = scratch.take("static_kv", (2, b, h, L, q.shape[-1]), self.dtype, q.device)
         mask = scratch.take("mask", (b, h, group, 1, L), self.dtype, q.device)
-        out, hits, attended = self.device_step(q, qg, k_new, v_new, valid_new, scaling, every, kv, mask)
+        out, hits, attended, cand_hits = self.device_step(q, qg, k_new, v_new, valid_new, scaling, every, kv, mask)
         # the layer's bookkeeping, on the host (the counts are read when the step closes)
         reader = layer.reader
         # attention's buffer written and read back; int8 pages decoded into it in two passes
@@ -234,6 +287,11 @@ class StaticStep:
         reader.traffic.pages(hits, attended - hits, reader.page_bytes())
         read = self.k if every else self.fetch
         reader.traffic.cold_read(layer.store, q.device, b * h * read * self.page_read_bytes)
+        if self.rerank:  # the candidates' codes: the fixed gather's, as for the pages
+            cands = b * h * self.C
+            reader.traffic.add("h2d_bytes", b * h * (self.C if every else self.cfetch) * self.cand_read_bytes)
+            reader.traffic.candidates(cand_hits, cands - cand_hits)
+            reader.traffic.add("device_read_bytes", cands * self.cand_read_bytes)
         self.r += 1
         self.steps_left -= 1
         self.filled = True
@@ -252,11 +310,12 @@ class StaticStep:
         every: bool,
         kv: torch.Tensor,
         mask: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's device work, operators only: nothing read on the host, every shape fixed
         in the segment (`every`: read every ranked page, else `fetch` of them; kv
         [2, b, h, L, d] and mask [b, h, group, 1, L]: attention's buffers) -> the attention's
-        output [b, Hq, 1, d], the attended pages held already and all attended (0-dim counts).
+        output [b, Hq, 1, d], the attended pages held already and all attended, the re-rank's
+        candidates held already (0-dim counts).
         torch.compile(fullgraph=True) traces it whole (tests/test_static_step.py)."""
         layer, cfg = self.layer, self.cfg
         b, h = self.rows
@@ -268,14 +327,13 @@ class StaticStep:
         # 2. rank: the index's pooled mass (as the eager step), the top k pages in rank order
         scores = layer.index.score(layer.scorer, qg, scaling)  # [b, h, group, pages]
         mass = index_mass(scores, self.page_valid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)
-        ranked = ranked_pages(mass, self.page_valid[:, None, :], k, cfg.lsa_follow_pages)  # [b, h, k]
+        allowed = self.page_valid[:, None, :]
+        cand_hits = self.cand_hits
+        if self.rerank:  # the index's C candidates, their codes' mass picks the k
+            mass, allowed, cand_hits = self._rerank(qg, mass, scaling, every)
+        ranked = ranked_pages(mass, allowed, k, cfg.lsa_follow_pages)  # [b, h, k]
         # 3. slots: a held page keeps its own; the others take the free ones in order
-        match = ranked[..., :, None] == self.ids[..., None, :]  # [b, h, k ranked, k slots]
-        held = match.any(-1)
-        src = match.to(torch.int8).argmax(-1)
-        free = match.any(-2).to(torch.int8).argsort(dim=-1, stable=True)  # free slots first, ascending
-        rank = (~held).cumsum(-1).sub_(1).clamp_min_(0)
-        slot = torch.where(held, src, free.gather(-1, rank))  # [b, h, k], a permutation
+        slot, held = _slots(ranked, self.ids)
         # 4. the new pages, one gather of a fixed size (held pages as padding rewrite themselves)
         if every:
             pos, pid, pslot = None, ranked, slot
@@ -309,7 +367,47 @@ class StaticStep:
         # the token's own bias from here on: its validity
         recent_bias.index_copy_(-1, self.cursor, self.zero_neg[(~valid_new).long()][:, None, :].expand(b, h, 1))
         self.cursor.add_(1)
-        return out, held.sum(), attended
+        return out, held.sum(), attended, cand_hits
+
+    def _rerank(
+        self, qg: torch.Tensor, mass: torch.Tensor, scaling: float, every: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The index's mass [b, h, pages] -> the candidates' mass by their codes, scattered over
+        the pages ([b, h, pages], -1 elsewhere), the pages allowed (the candidates whose codes
+        are held) and the candidates held already (0-dim): as the eager re-rank
+        (cache/ranking.py `rerank_coded`), with a gather of a fixed size."""
+        cfg = self.cfg
+        b, h = self.rows
+        ppb, C = self.ppb, self.C
+        cand = ranked_pages(mass, self.page_valid[:, None, :], C, cfg.lsa_follow_pages)  # [b, h, C]
+        cslot, cheld = _slots(cand, self.cidx)
+        if every:
+            pos, pid, pslot = None, cand, cslot
+        else:
+            pos = cheld.to(torch.int8).argsort(dim=-1, stable=True)[..., : self.cfetch]  # new ones first
+            pid, pslot = cand.gather(-1, pos), cslot.gather(-1, pos)
+        blk = pid.div(ppb, rounding_mode="floor")
+        page_rows = (blk * (b * h * ppb - ppb) + pid + self.page_base).view(-1)  # the codes of P keys
+        block_rows = (blk * (b * h) + self.bh).view(-1)  # their block's zero and scale
+        dest = (self.cand_base + pslot).view(-1)
+        S = self.cidx.shape[-1]
+        for held_t, arena, rows in zip(
+            (self.cq, self.cz, self.cs), self.code_rows, (page_rows, block_rows, block_rows)
+        ):
+            held_t.view(b * h * S, -1).index_copy_(0, dest, _gather(arena, rows, qg.device))
+        self.cidx.scatter_(-1, pslot, pid)
+        cvalid = self.page_tokens_valid[self.bi, cand]  # [b, h, C, P]
+        got = None if pos is None else cheld.clone().scatter_(-1, pos, True)
+        if got is not None:  # a new candidate past the read waits: not a candidate this step
+            cvalid = cvalid & got[..., None]
+        code = key_code.KeyCode(self.cq, self.cz, self.cs, self.code_bits)
+        cmass = coded_page_mass(
+            qg.to(self.code_dtype), code, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads, cslot
+        )  # [b, h, C]
+        dense = torch.full_like(mass, -1.0).scatter_(-1, cand, cmass.to(mass.dtype))
+        on = torch.ones_like(cheld) if got is None else got
+        allowed = torch.zeros_like(mass, dtype=torch.bool).scatter_(-1, cand, on) & self.page_valid[:, None, :]
+        return dense, allowed, cheld.sum()
 
     def _attend(self, q: torch.Tensor, scaling: float, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One attention over sinks | working set | recent tier, assembled in kv [2, b, h, L, d]
@@ -327,6 +425,24 @@ class StaticStep:
         kv[:, :, :, at_r:] = self.recent
         mask.copy_(self.bias[:, :, None, None, :])
         return sdpa.attention(q, kv[0], kv[1], mask.view(b, h * group, 1, L), scaling, group > 1)
+
+
+def _slots(ranked: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots for pages ranked [b, h, c] (distinct) among slots holding ids [b, h, S >= c] (-1:
+    none): a held page keeps its own, the others take the free ones (holding no ranked page) in
+    ascending order -> (slot [b, h, c], distinct; held [b, h, c] bool). Sorts and searches, no
+    [c, S] match (1,024 candidates a head at 128K), and nothing the host reads."""
+    c, S = ranked.shape[-1], ids.shape[-1]
+    order = ids.argsort(dim=-1)
+    by_id = ids.gather(-1, order)
+    at = torch.searchsorted(by_id, ranked).clamp_max_(S - 1)
+    held = by_id.gather(-1, at) == ranked
+    src = order.gather(-1, at)  # a held page's slot
+    wanted = ranked.sort(dim=-1).values
+    taken = wanted.gather(-1, torch.searchsorted(wanted, ids).clamp_max_(c - 1)) == ids  # [b, h, S]
+    free = taken.to(torch.int8).argsort(dim=-1, stable=True)  # free slots first, ascending
+    rank = (~held).cumsum(-1).sub_(1).clamp_min_(0)
+    return torch.where(held, src, free.gather(-1, rank)), held
 
 
 def _gather(rows_of: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -120,13 +120,14 @@ def estimate_command(
         False,
         "--static",
         help="flashmem with decode_step: static (fixed shapes, no host waits: the step a CUDA graph can replay), "
-        "laid over the config with what it needs: lsa_rerank 1, no page cache, one selection a step",
+        "laid over the config with what it needs: no page cache, one selection a step, and lsa_rerank 1; with "
+        "--rerank-on-device (and a --rerank-codec) it keeps the re-rank by codes held on the device",
     ),
     fetch_share: float | None = typer.Option(
         None,
         "--fetch-share",
-        help="with --static: lsa_fetch_share, the share of a step's selected pages read a step (0-1; default: "
-        "every one)",
+        help="with --static: lsa_fetch_share, the share of a step's selected pages (and re-rank candidates' "
+        "codes) read a step (0-1; default: every one)",
     ),
     new_candidate_fraction: float | None = typer.Option(
         None,
@@ -292,7 +293,7 @@ def hardware_model(
     cfg, cfg_source = _flashmem_config(config, budget, est.tokens, arch, head_dim, eb)
     cfg, cfg_source = _with_rerank_codec(cfg, cfg_source, rerank_codec, traffic, rerank_on_device)
     cfg, cfg_source = _with_select_every(cfg, cfg_source, select_every, traffic)
-    cfg, cfg_source = _with_static(cfg, cfg_source, static, fetch_share, traffic)
+    cfg, cfg_source = _with_static(cfg, cfg_source, static, fetch_share, traffic, rerank_on_device is True)
     group = arch.heads // arch.kv_heads if arch is not None else 1  # unknown: a lower bound (flops_note)
     flash, tr = _flashmem_traffic(model, est, cfg, dims, traffic, a, group)
     rows_b = [
@@ -487,9 +488,12 @@ def _with_select_every(cfg: Any, source: str, every: int | None, traffic: Path |
     return cfg.model_copy(update={"lsa_select_every": every}), f"{source}, lsa_select_every {every} (--select-every)"
 
 
-def _with_static(cfg: Any, source: str, static: bool, share: float | None, traffic: Path | None) -> tuple[Any, str]:
+def _with_static(
+    cfg: Any, source: str, static: bool, share: float | None, traffic: Path | None, keep_rerank: bool = False
+) -> tuple[Any, str]:
     """`cfg` with --static (decode_step: static and what it needs) and --fetch-share (checked:
-    one line naming what is allowed)."""
+    one line naming what is allowed). keep_rerank (--rerank-on-device given): a re-rank by codes
+    held on the device stays, as the static step has it; else lsa_rerank 1."""
     from flashmem.config import FlashMemoryConfig
 
     if not static:
@@ -505,12 +509,16 @@ def _with_static(cfg: Any, source: str, static: bool, share: float | None, traff
         )
     if int(cfg.lsa_select_every) > 1:
         raise ConfigError("--static: one selection a step; allowed: --select-every 1 (or none) with it")
-    update = dict(
-        decode_step="static", lsa_fetch_share=share, lsa_rerank=1, lsa_rerank_mirror="none",
-        lsa_rerank_codec="exact", lsa_rerank_on_device=False, lsa_cache_pages=0,
-    )  # fmt: skip
+    # a re-rank by codes held on the device stays when asked for (the static step has it)
+    coded = (
+        keep_rerank and int(cfg.lsa_rerank) > 1 and cfg.lsa_rerank_codec != "exact" and bool(cfg.lsa_rerank_on_device)
+    )
+    update: dict[str, Any] = dict(decode_step="static", lsa_fetch_share=share, lsa_cache_pages=0)
+    if not coded:
+        update.update(lsa_rerank=1, lsa_rerank_mirror="none", lsa_rerank_codec="exact", lsa_rerank_on_device=False)
     out = FlashMemoryConfig(**{**cfg.model_dump(), **update})  # one line if the config has what it lacks
-    what = "decode_step static, lsa_rerank 1, no page cache" + (f", lsa_fetch_share {share:g}" if share else "")
+    rerank = f"re-ranked by {cfg.lsa_rerank_codec} codes on the device" if coded else "lsa_rerank 1"
+    what = f"decode_step static, {rerank}, no page cache" + (f", lsa_fetch_share {share:g}" if share else "")
     return out, f"{source}, {what} (--static)"
 
 

@@ -366,18 +366,23 @@ FLASH_LAYER_OPS = LayerOps(kernels=214, views=158, waits=13)
 FLASH_DEVICE_CODES_OPS = LayerOps(kernels=282, views=192, waits=18)
 # a step that reuses the last selection (`lsa_select_every`; `--select-every 64`)
 FLASH_REUSE_LAYER_OPS = LayerOps(kernels=67, views=91, waits=0)
-# `decode_step: static` (cache/static_step.py, lsa_rerank 1; `--static`, 2026-12-04,
-# results/ops_per_step_static.json and _2layers.json: the eager step with lsa_rerank 1 counted
-# 186 kernels and 12 waits a layer in the same runs)
-FLASH_STATIC_LAYER_OPS = LayerOps(kernels=101, views=101, waits=0)
+# `decode_step: static` (cache/static_step.py, lsa_rerank 1; `--static`, remeasured 2026-12-04,
+# stop 43, results/ops_per_step_static.json and _2layers.json: the eager step with lsa_rerank 1
+# counted 186 kernels and 12 waits a layer in the same runs; 101 kernels before the slots were
+# found by sorts instead of a [k, k] match)
+FLASH_STATIC_LAYER_OPS = LayerOps(kernels=108, views=99, waits=0)
+# ... re-ranked by int4 codes held on the device (`--static --device-codes`, 2026-12-04, stop 43,
+# results/ops_per_step_static_rerank.json and _2layers.json: the eager step with the same config
+# counted 261 kernels and 18 waits a layer in the same runs)
+FLASH_STATIC_RERANK_LAYER_OPS = LayerOps(kernels=176, views=125, waits=0)
 
 
 def flash_layer_ops(traffic: FlashTraffic) -> LayerOps:
-    """flashmem's operators a layer for its config: the static step's; with the candidates'
-    codes on the device or not; with `lsa_select_every` N, the mean of one selecting step and
-    N - 1 reusing ones."""
+    """flashmem's operators a layer for its config: the static step's (re-ranked by held codes
+    or not); the eager step's with the candidates' codes on the device or not, and with
+    `lsa_select_every` N the mean of one selecting step and N - 1 reusing ones."""
     if traffic.static:
-        return FLASH_STATIC_LAYER_OPS
+        return FLASH_STATIC_RERANK_LAYER_OPS if traffic.held_code_bytes else FLASH_STATIC_LAYER_OPS
     select = FLASH_DEVICE_CODES_OPS if traffic.held_code_bytes else FLASH_LAYER_OPS
     return select.amortized(FLASH_REUSE_LAYER_OPS, traffic.select_every)
 
@@ -536,6 +541,7 @@ def predicted_traffic(
         # cut on the host, an int8 working set's new pages cross as their codes (cache/working_set.py)
         new_pages = new_exact * (1 + 4 / head_dim) / dtype_bytes
     rerank = host = disk_keys = flops = held = decoded = 0.0
+    cand_share = a.candidate_fraction  # of the held candidates' codes, read a step
     codec = str(cfg.lsa_rerank_codec)
     # codes held on the device (cache/rerank_codes.py DeviceCandidates): the config decides,
     # not `rerank_keys`, except its free "device" ranker
@@ -575,8 +581,14 @@ def predicted_traffic(
             )
             # only the candidates the last step did not hold are gathered from the host's code
             # arena (filled at seal, so no disk read per step) and cross; that gather reads from
-            # host DRAM the same bytes the link carries, which the slower link bounds: not counted
+            # host DRAM the same bytes the link carries, which the slower link bounds: not counted.
+            # The static step reads a fixed share of them instead, new or not (cache/static_step.py)
             keys = a.candidate_fraction * held
+            if static:
+                share = getattr(cfg, "lsa_fetch_share", None)
+                k = max(1, selected_tokens // page)  # as many candidates' codes a step as pages
+                cand_share = 1.0 if share is None else min(1.0, math.ceil(float(share) * k) / cand)
+                keys = cand_share * held
         elif codec == "exact":  # as the cold tier holds them
             keys = scored * cold_tok / 2
             # a disk tier's blocks are read whole (K and V)
@@ -629,9 +641,10 @@ def predicted_traffic(
     where = ", in place over every sealed page" if in_place else ""
     over = f", re-rank {what} over the link"
     if held:
-        over = (
-            f", re-rank {what} held on the device and scored there, "
-            f"{a.candidate_fraction:g} of the candidates new per step (their codes over the link)"
+        over = f", re-rank {what} held on the device and scored there, " + (
+            f"{cand_share:g} of the candidates' codes read per step"
+            if static
+            else f"{cand_share:g} of the candidates new per step (their codes over the link)"
         )
     return FlashTraffic(
         resident_bytes=int(flash.device_resident_bytes),
