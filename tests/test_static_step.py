@@ -353,3 +353,53 @@ def test_traffic_counts_the_fixed_gather_and_the_attended_pages():
     on = sum(int(s.ws_valid.view(b, h, s.k, P).any(-1).sum()) for s in steps)
     assert last.page_hits + last.page_misses == on <= sum(b * h * s.k for s in steps)
     assert 0 < last.page_misses <= sum(b * h * s.fetch for s in steps)
+
+
+@pytest.mark.parametrize("extra", [{}, RERANK, {"lsa_fetch_share": 0.4}])
+def test_graph_steps_replay_each_segment_and_give_the_eager_steps_logits(extra, monkeypatch):
+    """decode_step graph: per layer and segment one eager step (the first reads every page), one
+    warm-up, one capture, then replays, emulated here (a real capture needs CUDA). The logits are
+    the static step's, so the eager step's where that one's are; without an emulation a CPU runs
+    it as the static step and captures nothing."""
+    from flashmem.cache import step_graph
+
+    ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(21))
+    cfg = dict(extra, lsa_open_room=False)
+    static = _logits("static", ids, 60, **cfg)
+    model = tiny_llama()
+    with flashmem.attach(model, flashmem.FlashMemoryConfig(**{**PAGED, **cfg}, decode_step="graph")) as cache:
+        plain = run(model, cache, ids, 60)
+        rep = cache.memory_report()
+    assert rep["static_graph_captures"] == rep["static_graph_replays"] == 0 and rep["static_decode_steps"] > 100
+    torch.testing.assert_close(plain, static, atol=0, rtol=0)
+    monkeypatch.setattr(step_graph, "GRAPH", step_graph.EmulatedGraph)
+    model = tiny_llama()
+    with flashmem.attach(model, flashmem.FlashMemoryConfig(**{**PAGED, **cfg}, decode_step="graph")) as cache:
+        with Spy() as spy:
+            graphed = run(model, cache, ids, 60)
+        rep = cache.memory_report()
+    # every segment of 3+ steps captured once per layer; its later steps replayed
+    long_enough = rep["static_graph_captures"]
+    assert 4 <= long_enough <= spy.segments and rep["static_graph_failures"] == 0
+    assert rep["static_graph_replays"] >= spy.steps - 3 * spy.segments > 50
+    torch.testing.assert_close(graphed, static, atol=2e-5, rtol=1e-4)
+
+
+def test_a_failed_capture_leaves_the_segment_static(monkeypatch):
+    """A capture that raises (on CUDA: a gather whose ids must cross to the host) is counted and
+    the segment's steps run eagerly, with the same logits."""
+    from flashmem.cache import step_graph
+
+    class Refused(step_graph.EmulatedGraph):
+        def capture(self, fn, state):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(22))
+    static = _logits("static", ids, 30)
+    monkeypatch.setattr(step_graph, "GRAPH", Refused)
+    model = tiny_llama()
+    with flashmem.attach(model, flashmem.FlashMemoryConfig(**PAGED, decode_step="graph")) as cache:
+        graphed = run(model, cache, ids, 30)
+        rep = cache.memory_report()
+    assert rep["static_graph_failures"] >= 2 and rep["static_graph_replays"] == 0
+    torch.testing.assert_close(graphed, static, atol=0, rtol=0)

@@ -11,10 +11,11 @@ Llama with Llama-3.1-8B's attention, 4 layers, bf16, batch 1, cuDNN's attention 
   eager step; with `--rerank-codes`, re-ranked as the recipe (4x the pages) by the candidates'
   int4 key codes held on the device (the static step's re-rank);
 - `static`: the same cache, `decode_step: static`;
-- `graph`: the same, each layer's `device_step` captured in a CUDA graph once per segment
-  (the segment's first step fills the working set and its second warms up, both eagerly; the
-  third is captured; the rest replay it with the step's inputs copied into the graph's). The
-  graph has its own attention buffers: the thread's scratch may be reallocated by an eager step.
+- `graph`: the same with `decode_step: graph` (cache/step_graph.py): each layer's
+  `device_step` captured in a CUDA graph once per segment (the segment's first step fills the
+  working set and its second warms up, both eagerly; the third is captured; the rest replay it
+  with the step's inputs copied into the graph's), its attention buffers from a pool the
+  layers' graphs share.
 
 Per mode: decode ms a step (median and mean over `--steps`, so a segment's captures count),
 under torch.profiler the kernels, copies and synchronisations a step, and where the host
@@ -31,13 +32,14 @@ step's gather waits for the ids, and a capture fails: recorded, the other modes 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,106 +51,53 @@ import gpu_step_anatomy as anatomy  # noqa: E402
 
 import flashmem  # noqa: E402
 import gpu_check as gc  # noqa: E402
-from flashmem.cache.static_step import StaticStep  # noqa: E402
+from flashmem.cache import step_graph  # noqa: E402
 
 
-class Emulated:
-    """A stand-in for torch.cuda.CUDAGraph off CUDA (`--emulate-graphs`): `capture` records the
-    call, `replay` makes it again and writes its results into the first call's outputs, so the
-    wrapper's handling of static inputs, outputs and segments runs on a CPU."""
-
-    def __init__(self) -> None:
-        self.fn: Callable[[], Any] | None = None
-        self.outs: Any = None
-
-    def capture(self, fn: Callable[[], Any]) -> Any:
-        self.fn = fn
-        self.outs = tuple(t.clone() for t in fn())
-        return self.outs
-
-    def replay(self) -> None:
-        assert self.fn is not None
-        for dst, src in zip(self.outs, self.fn(), strict=True):
-            dst.copy_(src)
-
-
-class Graphs:
-    """While on: StaticStep.device_step replayed from one CUDA graph per layer and segment
-    (emulate: `Emulated`, the same bookkeeping with no graph)."""
-
-    def __init__(self, emulate: bool = False) -> None:
-        self.captures = self.replays = self.eager = 0
-        self._real = StaticStep.device_step
-        self.emulate = emulate
-
-    def __enter__(self) -> Graphs:
-        graphs = self
-        real = self._real
-
-        def device_step(step, q, qg, k_new, v_new, valid_new, scaling, every, kv, mask):  # type: ignore[no-untyped-def]
-            st = step.__dict__
-            if not step.filled or "_warm" not in st:  # the segment's first step and a warm-up: eager
-                st["_warm"] = step.filled
-                graphs.eager += 1
-                return real(step, q, qg, k_new, v_new, valid_new, scaling, every, kv, mask)
-            if "_graph" not in st:
-                ins = [t.clone() for t in (q, qg, k_new, v_new, valid_new)]
-                saved = {n: t.clone() for n, t in vars(step).items() if isinstance(t, torch.Tensor) and n[0] != "_"}
-                bufs = (kv.clone(), mask.clone())  # its own: the thread's scratch may be reallocated
-                if graphs.emulate:
-                    g: Any = Emulated()
-                    outs = g.capture(lambda: real(step, *ins, scaling, every, *bufs))
-                else:
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):  # every step after the first has the same `every`
-                        outs = real(step, *ins, scaling, every, *bufs)
-                st["_graph"], st["_ins"], st["_outs"], st["_bufs"] = g, ins, outs, bufs
-                graphs.captures += 1  # capturing runs nothing: the replay below is this step
-                if graphs.emulate:  # ... the emulated capture ran it: restore what it changed
-                    for name, t in saved.items():
-                        getattr(step, name).copy_(t)
-            for dst, src in zip(st["_ins"], (q, qg, k_new, v_new, valid_new), strict=True):
-                dst.copy_(src)
-            st["_graph"].replay()
-            graphs.replays += 1
-            return st["_outs"]
-
-        StaticStep.device_step = device_step  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        StaticStep.device_step = self._real  # type: ignore[method-assign]
+@contextlib.contextmanager
+def emulated_graphs(on: bool) -> Iterator[None]:
+    """While on, `decode_step: graph` captures with step_graph.EmulatedGraph (a CPU's stand-in)."""
+    was = step_graph.GRAPH
+    step_graph.GRAPH = step_graph.EmulatedGraph if on else was
+    try:
+        yield
+    finally:
+        step_graph.GRAPH = was
 
 
 def set_mode(cache: Any, step: str, share: float | None) -> None:
-    """Every managed layer's decode_step, and lsa_fetch_share when static (the segments restart)."""
+    """Every managed layer's decode_step, and lsa_fetch_share when not eager (the segments restart)."""
     for layer in cache.flash_layers:
         layer.cfg = layer.cfg.model_copy(
-            update={"decode_step": step, "lsa_fetch_share": share if step == "static" else None}
+            update={"decode_step": step, "lsa_fetch_share": share if step != "eager" else None}
         )
         layer.static = None
 
 
 def mode_section(
-    model: Any, cache: Any, start: int, steps: int, device: torch.device, graphs: bool, emulate: bool = False
+    model: Any, cache: Any, start: int, steps: int, device: torch.device, emulate: bool = False
 ) -> dict[str, Any]:
     """Decode ms per step in the cache's current mode, its profile and its host waits."""
-    ctx = Graphs(emulate) if graphs else None
     kw = gc.cache_kw(model)
     nxt = anatomy.token_stream(model, device, start)
     out: dict[str, Any] = {}
-    if ctx is not None:
-        ctx.__enter__()
-    try:
+    before = cache.memory_report()
+    with emulated_graphs(emulate):
         ms = gc.timed_decode(model, cache, start, steps, 2, device)
         out.update(decode_ms_median=statistics.median(ms), decode_ms_mean=statistics.fmean(ms), decode_ms=ms)
         with torch.no_grad():
             out["profile"] = anatomy.profile_steps(lambda: model(nxt(), use_cache=True, **{kw: cache}), 3, device)
             out["sync_points"] = anatomy.sync_points(lambda: model(nxt(), use_cache=True, **{kw: cache}), device)
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-            out["graphs"] = {"captures": ctx.captures, "replays": ctx.replays, "eager_steps": ctx.eager}
+    after = cache.memory_report()
+    if cache.flash_layers[0].cfg.decode_step == "graph":
+        out["graphs"] = {
+            n: after[f"static_graph_{n}"] - before[f"static_graph_{n}"] for n in ("captures", "replays", "failures")
+        }
+        why = [
+            s.graph.failed for s in (layer.static for layer in cache.flash_layers) if s and s.graph and s.graph.failed
+        ]
+        if why:
+            out["graphs"]["failure"] = why[0]
     steps_ = [layer.static for layer in cache.flash_layers if layer.static is not None]
     if steps_:
         s = steps_[0]
@@ -183,13 +132,13 @@ def length_section(model: Any, tokens: int, args: argparse.Namespace, device: to
         gc.sync(device)
         res["prefill_s"] = time.perf_counter() - t0
         at = tokens
-        for mode, step, graphs in (("eager", "eager", False), ("static", "static", False), ("graph", "static", True)):
-            if graphs and device.type != "cuda" and not args.emulate_graphs:
+        for mode in ("eager", "static", "graph"):
+            if mode == "graph" and device.type != "cuda" and not args.emulate_graphs:
                 res[mode] = "n/a (CUDA only)"
                 continue
-            set_mode(cache, step, args.fetch_share)
+            set_mode(cache, mode, args.fetch_share)
             try:
-                res[mode] = mode_section(model, cache, at, args.steps, device, graphs, args.emulate_graphs)
+                res[mode] = mode_section(model, cache, at, args.steps, device, args.emulate_graphs)
             except Exception as exc:  # recorded; the other modes still run
                 res[mode] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(-4)}
             at += args.steps + 8
@@ -225,21 +174,20 @@ def exactness(device: torch.device, emulate: bool = False, codes: bool = False) 
     )  # fmt: skip
     out: dict[str, Any] = {}
     got = {}
-    for name, step in (("eager", "eager"), ("static", "static"), ("graph", "static")):
+    for name in ("eager", "static", "graph"):
         if name == "graph" and device.type != "cuda" and not emulate:
             continue
-        cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**cfg, decode_step=step))
-        ctx = Graphs(emulate) if name == "graph" else None
+        cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**cfg, decode_step=name))
         try:
-            if ctx is not None:
-                ctx.__enter__()
-            got[name] = gc.decode_logits(model, cache, ids, 60)
+            with emulated_graphs(emulate and name == "graph"):
+                got[name] = gc.decode_logits(model, cache, ids, 60)
+            if name == "graph":
+                rep = cache.memory_report()
+                out["graph_replays"] = rep["static_graph_replays"]
+                out["graph_failures"] = rep["static_graph_failures"]
         except Exception as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
         finally:
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
-                out["graph_replays"] = ctx.replays
             cache.close()
     for name in ("static", "graph"):
         if name in got:

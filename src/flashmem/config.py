@@ -38,7 +38,7 @@ SelectionPool = Literal["mean", "max"]
 ColdLowRank = Literal["none", "keys", "values", "kv"]
 RerankCodec = Literal["exact", "int4", "int2", "sign"]
 RerankMirror = Literal["none", "bf16", "int8"]
-DecodeStep = Literal["eager", "static"]
+DecodeStep = Literal["eager", "static", "graph"]
 # Bits per key element of each re-rank code (compress/key_code.py); each channel of a block
 # also keeps an fp16 scale and zero (RERANK_CODE_BLOCK_BYTES per channel and block).
 RERANK_CODE_BITS = {"int4": 4, "int2": 2, "sign": 1}
@@ -213,7 +213,9 @@ class FlashMemoryConfig(BaseModel):
         "static needs position_mode real, no summaries or rest entry, lsa_rerank 1 or a re-rank by codes "
         "held on the device (lsa_rerank_codec int4/int2/sign, lsa_rerank_on_device), lsa_select_every 1, "
         "lsa_cache_pages 0, lsa_feedback_share 0 and exact blocks in cold_store memory; it does not take "
-        "lsa_open_room's extra pages (a segment holds its slots to its end)",
+        "lsa_open_room's extra pages (a segment holds its slots to its end). graph: static, each layer's "
+        "step captured in a CUDA graph once per segment and replayed (cache/step_graph.py; on CUDA where "
+        "the device reads the cold tier itself, store/mapped.py; elsewhere it runs as static)",
     )
     lsa_fetch_share: float | None = Field(
         None,
@@ -343,13 +345,13 @@ class FlashMemoryConfig(BaseModel):
 
     def _static_step_problems(self) -> list[str]:
         """decode_step: static with a feature its fixed-shape step does not have."""
-        if self.decode_step != "static":
+        if self.decode_step == "eager":
             return (
                 []
                 if self.lsa_fetch_share is None
                 else [
                     "lsa_fetch_share: set, but decode_step is 'eager' (it reads every new page); "
-                    "allowed: lsa_fetch_share with decode_step: static, or lsa_fetch_share: null"
+                    "allowed: lsa_fetch_share with decode_step: static or graph, or lsa_fetch_share: null"
                 ]
             )
         needs = {
@@ -364,14 +366,14 @@ class FlashMemoryConfig(BaseModel):
             "cold_low_rank": (self.cold_low_rank, "none"),
         }
         out = [
-            f"decode_step: static does not support {key}: {got!r}; allowed: {key}: {want!r} with it, "
-            "or decode_step: eager"
+            f"decode_step: {self.decode_step} does not support {key}: {got!r}; allowed: {key}: {want!r} "
+            "with it, or decode_step: eager"
             for key, (got, want) in needs.items()
             if got != want
         ]
         if self.lsa_rerank > 1 and (self.lsa_rerank_codec == "exact" or not self.lsa_rerank_on_device):
             out.append(
-                f"decode_step: static re-ranks (lsa_rerank: {self.lsa_rerank}) by key codes held on the device "
+                f"decode_step: {self.decode_step} re-ranks (lsa_rerank: {self.lsa_rerank}) by key codes held on the device "
                 f"only, not lsa_rerank_codec {self.lsa_rerank_codec!r} with lsa_rerank_on_device "
                 f"{self.lsa_rerank_on_device}; allowed: lsa_rerank_codec int4, int2 or sign with "
                 "lsa_rerank_on_device: true, or lsa_rerank: 1, or decode_step: eager"

@@ -238,6 +238,14 @@ class FlashMemoryCache(Cache):
             # decode_step: static: layer steps that ran static (the others eager: a seal, the
             # prompt, a row change, or a store whose arena it cannot read)
             "static_decode_steps": sum(layer.static_steps for layer in self.flash_layers if layer.is_initialized),
+            # decode_step: graph: per layer and segment, one capture, then replays (a failed capture
+            # leaves its segment static and eager: cache/step_graph.py)
+            **{
+                f"static_graph_{name}": sum(
+                    layer.graph_counts[name] for layer in self.flash_layers if layer.is_initialized
+                )
+                for name in ("captures", "replays", "failures")
+            },
         }
 
     def full_cache_bytes(self, tokens: int) -> int:

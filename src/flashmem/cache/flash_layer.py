@@ -169,6 +169,8 @@ class FlashLayer(CacheLayerMixin):
         self.static: StaticStep | None = None  # decode_step: static's current segment
         self.page_codes: PageCodes | None = None  # its int8 pages, coded on the host
         self.static_steps = 0  # decode steps it ran (memory_report()["static_decode_steps"])
+        # decode_step graph: its segments' CUDA graphs captured, replayed and failed to capture
+        self.graph_counts = {"captures": 0, "replays": 0, "failures": 0}
         self.is_initialized = True
 
     # The working set's page ids [b, h, k], K/V [b, h, k*P, d] (model dtype) and validity.
@@ -297,9 +299,9 @@ class FlashLayer(CacheLayerMixin):
         return out
 
     def _static_step(self, m: int) -> StaticStep | None:
-        """The segment a decode step runs in with `decode_step: static` (a new one when the
-        last ended or the layer changed under it), or None: this step runs eagerly."""
-        if self.cfg.decode_step != "static" or m != 1:
+        """The segment a decode step runs in with `decode_step: static` or `graph` (a new one when
+        the last ended or the layer changed under it), or None: this step runs eagerly."""
+        if self.cfg.decode_step == "eager" or m != 1:
             return None
         if self.static is None or not self.static.serves(self):
             self.static = StaticStep(self) if StaticStep.applies(self) else None

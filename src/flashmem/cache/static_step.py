@@ -64,6 +64,7 @@ from flashmem.cache import sdpa
 from flashmem.cache.assembly import NEG, step_scratch
 from flashmem.cache.page_codes import PageCodes
 from flashmem.cache.rerank_codes import RerankCodes
+from flashmem.cache.step_graph import StepGraph, graph_kind
 from flashmem.compress import key_code
 from flashmem.index.rerank import coded_page_mass
 from flashmem.index.selection import index_mass, ranked_pages
@@ -174,6 +175,16 @@ class StaticStep:
         self.page_read_bytes = 2 * P * (d + 4) if self.int8 else layer.reader.page_bytes()
         self.filled = False  # the first step reads every selected page
         self._init_rerank(layer, k)
+        # decode_step graph: the segment's steps after its first replayed from a CUDA graph, where
+        # the device reads the cold tier (and the codes) itself (cache/step_graph.py)
+        readable = all(t.device == dev for t in self.arena) and (
+            not self.rerank or all(t.device == dev for t in self.code_arena)
+        )
+        kind = graph_kind(dev, readable) if cfg.decode_step == "graph" else None
+        self.graph: StepGraph | None = None
+        if kind is not None:
+            state = [t for n, t in vars(self).items() if isinstance(t, torch.Tensor) and not n.startswith("_")]
+            self.graph = StepGraph(kind, state)
         # what _publish handed the layer (a step checks they are still there: `serves`)
         self._open: torch.Tensor = layer.open_k
         self._win: torch.Tensor = layer.win_k
@@ -188,7 +199,7 @@ class StaticStep:
         dev = self.page_valid.device
         pages = self.page_valid.shape[-1]
         self.C = rerank_candidates(cfg, pages, k) if ranker.device_codes is not None else 0
-        self.rerank = self.C > k
+        self.rerank: bool = self.C > k
         self.cand_hits = torch.zeros((), dtype=torch.long, device=dev)  # 0 without a re-rank
         if not self.rerank:
             return
@@ -207,7 +218,9 @@ class StaticStep:
         # the host arena as rows the gather reads: a page's codes [P * w], a block's zero / scale
         # per (row, head) [d]; the same row arithmetic as the cold arena's pages
         w, d = self.cq.shape[-1], self.cz.shape[-1]
-        self.code_arena = tuple(device_view(t, dev) for t in (codes.q, codes.zero, codes.scale))
+        self.code_arena: tuple[torch.Tensor, ...] = tuple(
+            device_view(t, dev) for t in (codes.q, codes.zero, codes.scale)
+        )
         self.code_rows = (self.code_arena[0].view(-1, self.P * w),) + tuple(t.view(-1, d) for t in self.code_arena[1:])
         S = self.cidx.shape[-1]
         bh = torch.arange(b * h, device=dev).view(b, h, 1)
@@ -276,7 +289,12 @@ class StaticStep:
         scratch = step_scratch()  # attention's K/V and mask, reused by every layer and step
         kv = scratch.take("static_kv", (2, b, h, L, q.shape[-1]), self.dtype, q.device)
         mask = scratch.take("mask", (b, h, group, 1, L), self.dtype, q.device)
-        out, hits, attended, cand_hits = self.device_step(q, qg, k_new, v_new, valid_new, scaling, every, kv, mask)
+        res = None
+        if self.graph is not None and self.filled:  # after the first step `every` stays as it is
+            res = self._replayed([q, qg, k_new, v_new, valid_new], scaling, every, kv, mask)
+        if res is None:
+            res = self.device_step(q, qg, k_new, v_new, valid_new, scaling, every, kv, mask)
+        out, hits, attended, cand_hits = res
         # the layer's bookkeeping, on the host (the counts are read when the step closes)
         reader = layer.reader
         # attention's buffer written and read back; int8 pages decoded into it in two passes
@@ -298,6 +316,25 @@ class StaticStep:
         layer.validity.append(valid_new)
         self._publish()
         return out
+
+    def _replayed(
+        self, inputs: list[torch.Tensor], scaling: float, every: bool, kv: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, ...] | None:
+        """The step from the segment's graph (None: run it eagerly), its counts on the layer."""
+        graph, counts = self.graph, self.layer.graph_counts
+        assert graph is not None
+        before = (graph.captures, graph.replays, graph.failed)
+        res = graph.run(
+            self.device_step,
+            inputs,
+            (scaling, every),
+            lambda: (torch.empty_like(kv), torch.empty_like(mask)),
+            (kv, mask),
+        )
+        counts["captures"] += graph.captures - before[0]
+        counts["replays"] += graph.replays - before[1]
+        counts["failures"] += graph.failed is not None and before[2] is None
+        return res
 
     def device_step(
         self,

@@ -525,7 +525,7 @@ def predicted_traffic(
     selected_tokens = int(counts["working_set"])
     new_exact = a.new_page_fraction * selected_tokens * cold_tok
     new_pages = new_exact
-    static = getattr(cfg, "decode_step", "eager") == "static"
+    static = getattr(cfg, "decode_step", "eager") in ("static", "graph")
     fetch_share = 1.0
     if static:
         # cache/static_step.py: the device reads a fixed number of pages a step, new or not:
