@@ -310,13 +310,15 @@ def test_config_refuses_what_the_static_step_does_not_do():
         flashmem.FlashMemoryConfig(**{**PAGED, "use_summaries": True}, decode_step="static")
 
 
-def test_a_beam_reorder_starts_a_new_segment_and_stays_exact():
-    """A row change replaces the layer's tiers: the segment sees it and starts again."""
+@pytest.mark.parametrize("extra", [{}, RERANK])
+def test_a_beam_reorder_starts_a_new_segment_and_stays_exact(extra):
+    """A row change replaces the layer's tiers (and drops the held candidates' codes): the
+    segment sees it and starts again."""
     ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(7))
     outs = {}
     for step in ("eager", "static"):
         model = tiny_llama()
-        cfg = flashmem.FlashMemoryConfig(**PAGED, decode_step=step)
+        cfg = flashmem.FlashMemoryConfig(**{**PAGED, **extra}, decode_step=step)
         with flashmem.attach(model, cfg) as cache, torch.no_grad():
             out = model(ids.expand(2, -1), cache=cache, use_cache=True)
             got = []
