@@ -103,6 +103,8 @@ VARIANTS.update(
         "static-rrs": {**_STATIC_RR, "lsa_rerank_codec": "sign"},
         # the same config's eager step (it lends lsa_open_room's pages, which the static step does not)
         "rrdev": {**_STATIC_RR, "decode_step": "eager"},
+        # the recipe with an 8-token window, the pages filling the rest (up to the cap)
+        "win8": {**RECIPE, "gpu_cache_limit": 8},
     }
 )
 # Variants that change the split of the resident budget (window, selected pages, CSA band)

@@ -44,6 +44,9 @@ The first step of a segment reads every selected page (the working set starts em
 the gather reads the host arena through a device view of its pinned memory where
 `store/mapped.py` can make one, otherwise the page ids cross to the host first (one wait).
 
+With `decode_step: graph` each layer's `device_step` is captured in a CUDA graph once per
+segment and replayed (cache/step_graph.py).
+
 With `lsa_open_room: false` its logits equal the eager step's; with it, the eager step's with
 `lsa_open_room: false` (tests/test_static_step.py).
 

@@ -85,7 +85,8 @@ def budget_config(
     every step around that length (`predicted_ratio(peak=True)`: the open block full).
 
     Searched: selected pages k (lsa_top_k), near band (multiple of the block
-    size, only with summaries) and window W (multiple of 8). Among configs at
+    size, only with summaries) and window W (multiple of 8; a `gpu_cache_limit`
+    the caller or the variant names is kept, and the pages fill the rest). Among configs at
     most 3% over the target that come within 3% of the fullest such config
     (else the closest one) the one nearest the variant's split of the resident
     tokens (flashmem.recipe.SHAPE: window 8% / selected pages 70% / CSA entries 0%)
@@ -121,7 +122,15 @@ def budget_config(
     ratio = _ratio_of(base, tokens, group, head_dim, dtype_bytes, peak=True)
     per_page = base.page_tokens * working_set_scale(base, head_dim, dtype_bytes)
     bands = range(0, 33) if base.use_summaries else [0]  # the band is dropped without summaries
-    cands = _candidates(ratio, budget, tokens, _page_counts(int(target / per_page) + 9), bands)
+    counts = _page_counts(int(target / per_page) + 9)
+    if "gpu_cache_limit" in set(overrides) | set(spec.keys):
+        # a window the caller or the variant names stands: the pages fill the rest
+        w = base.gpu_cache_limit
+        cands = [
+            (abs(r - budget) / budget, w, k, band, r) for k in counts for band in bands for r in [ratio(w, k, band)]
+        ]
+    else:
+        cands = _candidates(ratio, budget, tokens, counts, bands)
     _, w, k, band, got = _nearest_shape(cands, budget, spec.shape, target, per_page, base)
     if got > 1.03 * budget:
         # sinks, the open block and the index alone pass it: say so, not silently hold more
