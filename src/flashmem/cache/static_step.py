@@ -373,13 +373,8 @@ class StaticStep:
             mass, allowed, cand_hits = self._rerank(qg, mass, scaling, every)
         ranked = ranked_pages(mass, allowed, k, cfg.lsa_follow_pages)  # [b, h, k]
         # 3. slots: a held page keeps its own; the others take the free ones in order
-        slot, held = _slots(ranked, self.ids)
         # 4. the new pages, one gather of a fixed size (held pages as padding rewrite themselves)
-        if every:
-            pos, pid, pslot = None, ranked, slot
-        else:
-            pos = held.to(torch.int8).argsort(dim=-1, stable=True)[..., : self.fetch]  # new pages first
-            pid, pslot = ranked.gather(-1, pos), slot.gather(-1, pos)
+        slot, held, pos, pid, pslot = _admit(ranked, self.ids, None if every else self.fetch)
         blk = pid.div(ppb, rounding_mode="floor")
         arena_rows = (blk * (self.block_stride - ppb) + pid + self.page_base).view(-1)  # [b*h*c]: K's
         slot_rows = ((self.slot_base + pslot).view(1, -1) + self.kv_rows).view(-1)  # [2*b*h*c]: K's, then V's
@@ -420,12 +415,7 @@ class StaticStep:
         b, h = self.rows
         ppb, C = self.ppb, self.C
         cand = ranked_pages(mass, self.page_valid[:, None, :], C, cfg.lsa_follow_pages)  # [b, h, C]
-        cslot, cheld = _slots(cand, self.cidx)
-        if every:
-            pos, pid, pslot = None, cand, cslot
-        else:
-            pos = cheld.to(torch.int8).argsort(dim=-1, stable=True)[..., : self.cfetch]  # new ones first
-            pid, pslot = cand.gather(-1, pos), cslot.gather(-1, pos)
+        cslot, cheld, pos, pid, pslot = _admit(cand, self.cidx, None if every else self.cfetch)
         blk = pid.div(ppb, rounding_mode="floor")
         page_rows = (blk * (b * h * ppb - ppb) + pid + self.page_base).view(-1)  # the codes of P keys
         block_rows = (blk * (b * h) + self.bh).view(-1)  # their block's zero and scale
@@ -483,6 +473,19 @@ def _slots(ranked: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch
     free = taken.to(torch.int8).argsort(dim=-1, stable=True)  # free slots first, ascending
     rank = (~held).cumsum(-1).sub_(1).clamp_min_(0)
     return torch.where(held, src, free.gather(-1, rank)), held
+
+
+def _admit(
+    ranked: torch.Tensor, ids: torch.Tensor, fetch: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """`_slots`, and what a fixed-size read brings in: every ranked page (fetch None), or the
+    first `fetch` positions with new pages first -> (slot, held [b, h, c]; the positions read
+    [b, h, fetch] or None; their page ids and slots [b, h, fetch or c])."""
+    slot, held = _slots(ranked, ids)
+    if fetch is None:
+        return slot, held, None, ranked, slot
+    pos = held.to(torch.int8).argsort(dim=-1, stable=True)[..., :fetch]  # new pages first
+    return slot, held, pos, ranked.gather(-1, pos), slot.gather(-1, pos)
 
 
 def _gather(rows_of: torch.Tensor, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
