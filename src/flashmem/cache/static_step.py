@@ -187,7 +187,7 @@ class StaticStep:
         self.graph: StepGraph | None = None
         if kind is not None:
             state = [t for n, t in vars(self).items() if isinstance(t, torch.Tensor) and not n.startswith("_")]
-            self.graph = StepGraph(kind, state)
+            self.graph = StepGraph(kind, state, layer.graph_counts)
         # what _publish handed the layer (a step checks they are still there: `serves`)
         self._open: torch.Tensor = layer.open_k
         self._win: torch.Tensor = layer.win_k
@@ -294,7 +294,13 @@ class StaticStep:
         mask = scratch.take("mask", (b, h, group, 1, L), self.dtype, q.device)
         res = None
         if self.graph is not None and self.filled:  # after the first step `every` stays as it is
-            res = self._replayed([q, qg, k_new, v_new, valid_new], scaling, every, kv, mask)
+            res = self.graph.run(
+                self.device_step,
+                [q, qg, k_new, v_new, valid_new],
+                (scaling, every),
+                lambda: (torch.empty_like(kv), torch.empty_like(mask)),  # inside a capture: the pool's
+                (kv, mask),
+            )
         if res is None:
             res = self.device_step(q, qg, k_new, v_new, valid_new, scaling, every, kv, mask)
         out, hits, attended, cand_hits = res
@@ -319,25 +325,6 @@ class StaticStep:
         layer.validity.append(valid_new)
         self._publish()
         return out
-
-    def _replayed(
-        self, inputs: list[torch.Tensor], scaling: float, every: bool, kv: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, ...] | None:
-        """The step from the segment's graph (None: run it eagerly), its counts on the layer."""
-        graph, counts = self.graph, self.layer.graph_counts
-        assert graph is not None
-        before = (graph.captures, graph.replays, graph.failed)
-        res = graph.run(
-            self.device_step,
-            inputs,
-            (scaling, every),
-            lambda: (torch.empty_like(kv), torch.empty_like(mask)),
-            (kv, mask),
-        )
-        counts["captures"] += graph.captures - before[0]
-        counts["replays"] += graph.replays - before[1]
-        counts["failures"] += graph.failed is not None and before[2] is None
-        return res
 
     def device_step(
         self,

@@ -110,15 +110,17 @@ class StepGraph:
     replayed. `inputs` are the step's tensors [q, qg, k_new, v_new, valid_new]; `buffers` makes
     attention's K/V and mask buffers (inside the capture: from the pool)."""
 
-    def __init__(self, kind: type[EmulatedGraph] | type[CudaGraph], state: list[torch.Tensor]) -> None:
+    def __init__(
+        self, kind: type[EmulatedGraph] | type[CudaGraph], state: list[torch.Tensor], counts: dict[str, int]
+    ) -> None:
         self.kind = kind
         self.state = state  # what the step writes (restored after an emulated capture)
+        self.counts = counts  # the layer's captures, replays and failures (memory_report)
         self.graph: EmulatedGraph | CudaGraph | None = None
         self.inputs: list[torch.Tensor] = []
         self.outs: tuple[torch.Tensor, ...] = ()
         self.warm = False
         self.failed: str | None = None
-        self.captures = self.replays = 0
 
     def run(
         self,
@@ -150,12 +152,13 @@ class StepGraph:
                 self.outs = graph.capture(call, self.state)
             except Exception as exc:  # noqa: BLE001 - recorded; the segment runs eagerly
                 self.failed = f"{type(exc).__name__}: {exc}"
+                self.counts["failures"] += 1
                 return None
             self.graph = graph
-            self.captures += 1
+            self.counts["captures"] += 1
         for dst, src in zip(self.inputs, inputs, strict=True):
             dst.copy_(src)
         self.graph.replay()
-        self.replays += 1
+        self.counts["replays"] += 1
         out, *counts = self.outs
         return (out, *(c.clone() for c in counts))
