@@ -527,13 +527,15 @@ def predicted_traffic(
     new_pages = new_exact
     static = getattr(cfg, "decode_step", "eager") in ("static", "graph")
     fetch_share = 1.0
+    capped: int | None = None  # pages a static step reads with lsa_fetch_share (None: every one)
     if static:
         # cache/static_step.py: the device reads a fixed number of pages a step, new or not:
         # `lsa_fetch_share` of the selected pages, else every one; an int8 working set's as the
         # host coded them (cache/page_codes.py: d codes and an fp32 scale a token and head)
         share = getattr(cfg, "lsa_fetch_share", None)
         k = max(1, selected_tokens // page)
-        fetch_share = 1.0 if share is None else min(1.0, math.ceil(float(share) * k) / k)
+        capped = None if share is None else math.ceil(float(share) * k)
+        fetch_share = 1.0 if capped is None else min(1.0, capped / k)
         new_exact = new_pages = fetch_share * selected_tokens * cold_tok
         if cfg.working_set_codec == "int8" and head_dim and dtype_bytes:
             new_pages = new_exact * (1 + 4 / head_dim) / dtype_bytes
@@ -584,10 +586,8 @@ def predicted_traffic(
             # host DRAM the same bytes the link carries, which the slower link bounds: not counted.
             # The static step reads a fixed share of them instead, new or not (cache/static_step.py)
             keys = a.candidate_fraction * held
-            if static:
-                share = getattr(cfg, "lsa_fetch_share", None)
-                k = max(1, selected_tokens // page)  # as many candidates' codes a step as pages
-                cand_share = 1.0 if share is None else min(1.0, math.ceil(float(share) * k) / cand)
+            if static:  # as many candidates' codes a step as pages
+                cand_share = 1.0 if capped is None else min(1.0, capped / cand)
                 keys = cand_share * held
         elif codec == "exact":  # as the cold tier holds them
             keys = scored * cold_tok / 2
