@@ -105,6 +105,8 @@ VARIANTS.update(
         "rrdev": {**_STATIC_RR, "decode_step": "eager"},
         # the recipe with an 8-token window, the pages filling the rest (up to the cap)
         "win8": {**RECIPE, "gpu_cache_limit": 8},
+        # ... and with the rest entry (the left-out pages' mass and mean value, one entry per KV head)
+        "winrest": {**RECIPE, "gpu_cache_limit": 8, "rest_entry": True},
     }
 )
 # Variants that change the split of the resident budget (window, selected pages, CSA band)
