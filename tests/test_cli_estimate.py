@@ -386,32 +386,36 @@ def test_host_tflops_moves_the_bound(capsys):
 
 
 def test_rerank_on_device_holds_the_codes_in_the_budget(capsys):
-    """--rerank-codec int4 --rerank-on-device at 32K: the recipe re-ranks max(4 x 168, 256) = 672
+    """--rerank-codec int4 --rerank-on-device at 32K: the recipe re-ranks max(4 x 176, 256) = 704
     candidate pages of 16 tokens per KV head and layer; each page's int4 codes are 16 x 128 / 2 =
-    1,024 B plus an fp16 zero and scale per channel (512 B): 672 x 1,536 x 32 layers x 8 KV heads =
-    264,241,152 B held on the device per sequence, and 0.4 of them cross the link per step."""
+    1,024 B plus an fp16 zero and scale per channel (512 B): 704 x 1,536 x 32 layers x 8 KV heads =
+    276,824,064 B held on the device per sequence, and 0.4 of them cross the link per step."""
     base = ("estimate", "-m", "llama-3.1-8b", "-t", "32K", "--hardware", "h200", "--json", "--rerank-codec", "int4")
     code, text, _ = run(capsys, *base, "--rerank-on-device")
     assert code == 0
     hm = json.loads(text)["hardware_model"]
     code, text, _ = run(capsys, *base)  # the recipe at 32K keeps the codes on the host
     host = json.loads(text)["hardware_model"]
-    held = 672 * (16 * 128 // 2 + 4 * 128) * 32 * 8
-    assert held == 264_241_152 and hm["flashmem_traffic"]["held_code_bytes"] == held
+    assert FlashMemoryConfig.for_budget(1 / 16, 32768, "llama-3.1-8b").lsa_top_k == 176
+    held = 704 * (16 * 128 // 2 + 4 * 128) * 32 * 8
+    assert held == 276_824_064 and hm["flashmem_traffic"]["held_code_bytes"] == held
     assert hm["rerank_on_device"] and not host["rerank_on_device"]
     assert "lsa_rerank_on_device true (--rerank-on-device)" in hm["flashmem_config"]
     # the device holds them: a sequence's resident bytes grow by exactly the codes, which sets the batch
     per_seq = hm["rows"]["flashmem"]["device_bytes_per_seq"]
     assert per_seq == host["rows"]["flashmem"]["device_bytes_per_seq"] + held
     weights, hbm, allow = 8_030_261_248 * 2, 143771 * 2**20, 2 * 2**30
-    assert hm["rows"]["flashmem"]["largest_batch"] == (hbm - weights - allow) // per_seq == 249
+    assert hm["rows"]["flashmem"]["largest_batch"] == (hbm - weights - allow) // per_seq == 243
     # the link: the new pages (as int8 codes) and 0.4 of the candidates' codes; nothing on the host
     tr = hm["flashmem_traffic"]
     assert tr["parts"]["rerank_keys"] == pytest.approx(0.4 * held)
     assert tr["parts"]["new_pages"] == host["flashmem_traffic"]["parts"]["new_pages"]
     assert tr["link_bytes_per_step"] == pytest.approx(tr["parts"]["new_pages"] + 0.4 * held)
     assert tr["host_read_bytes_per_step"] == 0 and tr["host_flops_per_step"] == 0
-    assert tr["device_flops_rerank_per_step"] == host["flashmem_traffic"]["host_flops_per_step"] > 0
+    # the same scores, of the 704 candidates on the device; the host scores all 2,044 sealed pages
+    # ((32,768 - 20 sinks - 32 window) // 64 = 511 blocks of 4) in place: candidates are a third of them
+    host_flops = host["flashmem_traffic"]["host_flops_per_step"]
+    assert tr["device_flops_rerank_per_step"] * 2044 == pytest.approx(host_flops * 704) and host_flops > 0
     assert host["rows"]["flashmem"]["bound_at_largest"] == "host compute"
     assert hm["rows"]["flashmem"]["bound_at_largest"] == "link"
     big = hm["rows"]["flashmem"]["largest_batch"]

@@ -72,6 +72,24 @@ def test_follow_pages_from_one_eighth_up_and_from_one_thirty_second_down():
     assert FlashMemoryConfig.for_budget(1 / 32, 8192, lsa_follow_pages=0).lsa_follow_pages == 0
 
 
+def test_rest_entry_from_one_sixteenth_up_and_not_with_a_static_step():
+    rests = {b: recipe_keys(b)["rest_entry"] for b in (1 / 4, 1 / 8, 1 / 12, 1 / 16, 1 / 24, 1 / 32)}
+    assert rests == {1 / 4: True, 1 / 8: True, 1 / 12: True, 1 / 16: True, 1 / 24: False, 1 / 32: False}
+    assert FlashMemoryConfig.for_budget(1 / 16, 8192).keeps_rest_entry
+    assert not FlashMemoryConfig.for_budget(1 / 32, 8192).rest_entry
+    # a caller's choice stands, both ways
+    assert not FlashMemoryConfig.for_budget(1 / 8, 8192, rest_entry=False).rest_entry
+    assert FlashMemoryConfig.for_budget(1 / 32, 8192, rest_entry=True).rest_entry
+    # the static and graph steps have none: asking for them gives the recipe without it, not an error
+    for step in ("static", "graph"):
+        cfg = FlashMemoryConfig.for_budget(1 / 8, 8192, decode_step=step, lsa_rerank=1, lsa_cache_pages=0)
+        assert cfg.decode_step == step and not cfg.rest_entry
+    assert not FlashMemoryConfig.for_budget(1 / 8, 8192, variant="static").rest_entry
+    # ... unless asked for by name, which the config refuses in one line
+    with pytest.raises(FlashMemError, match="does not support rest_entry"):
+        FlashMemoryConfig.for_budget(1 / 8, 8192, decode_step="static", lsa_rerank=1, lsa_cache_pages=0, rest_entry=True)
+
+
 def test_bare_config_is_the_seed_layout_not_the_recipe():
     """A bare config is the base YAML keys lay over (documented in flashmem.recipe): it
     differs from the recipe in the keys the recipe sets."""

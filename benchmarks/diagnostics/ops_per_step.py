@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             extra = (
                 {"lsa_rerank": 1} if not a.device_codes else {**extra, "lsa_cache_pages": 0, "lsa_rerank_min_pages": 0}
             )
+            extra["rest_entry"] = False  # the static step has none; the eager row compared runs the same config
         cfg = budget_config(
             a.budget, a.tokens + a.steps + 2, **model_geometry(model), device_codes=True,
             lsa_layer_shares=None, prefill_chunk=4096, lsa_select_every=a.select_every, **extra,

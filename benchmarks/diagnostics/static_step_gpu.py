@@ -115,8 +115,11 @@ def length_section(model: Any, tokens: int, args: argparse.Namespace, device: to
     del dyn
     gc.reset_peak(device)
     # what the static step supports, for both modes: no re-rank or one by codes on the device, no
-    # page cache (the accelerator's recipe gives the room to one); checked now, not when a mode switches
-    cfg = gc.recipe_config(args.budget, tokens, model, device, lsa_cache_pages=0, **rerank_keys(args.rerank_codes))
+    # page cache (the accelerator's recipe gives the room to one), no rest entry; checked now, not
+    # when a mode switches
+    cfg = gc.recipe_config(
+        args.budget, tokens, model, device, lsa_cache_pages=0, rest_entry=False, **rerank_keys(args.rerank_codes)
+    )
     flashmem.FlashMemoryConfig(**{**cfg.model_dump(), "decode_step": "static", "lsa_fetch_share": args.fetch_share})
     res["config"] = {
         k: getattr(cfg, k)

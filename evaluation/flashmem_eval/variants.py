@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from flashmem.errors import FlashMemError
-from flashmem.recipe import RECIPE, SELECTED_TOKENS_CAP, SHAPE, Variant
+from flashmem.recipe import RECIPE, SELECTED_TOKENS_CAP, SHAPE, WINDOW_CAP, Variant
 
-__all__ = ["CAPS", "SHAPES", "VARIANTS", "variant"]
+__all__ = ["CAPS", "SHAPES", "VARIANTS", "WINDOW_CAPS", "variant"]
 
 # Config keys laid over the budget-mapped default (the recipe).
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -107,6 +107,9 @@ VARIANTS.update(
         "win8": {**RECIPE, "gpu_cache_limit": 8},
         # ... and with the rest entry (the left-out pages' mass and mean value, one entry per KV head)
         "winrest": {**RECIPE, "gpu_cache_limit": 8, "rest_entry": True},
+        # a 32-token window (speculative decoding's default 20-token drafts stay croppable), with the rest entry
+        "win32": {**RECIPE, "gpu_cache_limit": 32},
+        "win32rest": {**RECIPE, "gpu_cache_limit": 32, "rest_entry": True},
     }
 )
 # Variants that change the split of the resident budget (window, selected pages, CSA band)
@@ -117,6 +120,10 @@ VARIANTS.update({name: dict(RECIPE) for name in SHAPES})
 # cap); the recipe's is flashmem.recipe.SELECTED_TOKENS_CAP.
 CAPS: dict[str, int | None] = {"nocap": None, "cap8k": 8192}
 VARIANTS.update({name: dict(RECIPE) for name in CAPS})
+# Variants with another cap on the window the solver sizes (None: none, the recipe before
+# "A smaller window"); the recipe's is flashmem.recipe.WINDOW_CAP.
+WINDOW_CAPS: dict[str, int | None] = {"sizedwin": None}
+VARIANTS.update({name: dict(RECIPE) for name in WINDOW_CAPS})
 # The cold tier in the calibrated low-rank space (`cold_low_rank`; needs the model's
 # calibration, `flashmem calibrate`): lr<parts><rank>, parts kv / k (keys) / v (values);
 # -i8 / -i4: the stored coefficients int8 / int4-coded too (docs/measurements.md, "Low-rank cold tier").
@@ -141,7 +148,13 @@ VARIANTS.update({f"{n}-pca": {**VARIANTS[n], "cold_key_basis": "pca"} for n in _
 
 
 def variant(name: str) -> Variant:
-    """The solver's inputs for a variant name: its keys, budget split and cap."""
+    """The solver's inputs for a variant name: its keys, budget split and caps."""
     if name not in VARIANTS:
         raise FlashMemError(f"variant: {name!r} is not known; allowed: {', '.join(VARIANTS)}")
-    return Variant(keys=dict(VARIANTS[name]), shape=SHAPES.get(name, SHAPE), cap=CAPS.get(name, SELECTED_TOKENS_CAP))
+    return Variant(
+        keys=dict(VARIANTS[name]),
+        shape=SHAPES.get(name, SHAPE),
+        cap=CAPS.get(name, SELECTED_TOKENS_CAP),
+        # a variant that splits the budget another way sizes its window uncapped
+        window_cap=WINDOW_CAPS.get(name, None if name in SHAPES else WINDOW_CAP),
+    )

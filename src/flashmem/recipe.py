@@ -91,8 +91,28 @@ FOLLOW_FROM_BUDGET = 1 / 8
 # StreamingLLM. At 1/16 it changed no answer and only added KL (docs/measurements.md, "Following
 # pages below 1/8, looked at again").
 FOLLOW_UP_TO_BUDGET = 1 / 32
+# From this budget up, one entry per KV head stands for the sealed pages a step leaves out (their
+# mass estimated from the index, their mean value: `rest_entry`), so attention keeps their share
+# instead of renormalising over the picks. At 1/16 it kept every answer the recipe kept and gained
+# two (SmolLM2 task families: 21 of the full cache's 22 items on the dev set against 20, 14 of 14
+# held out against 13; Gemma3 retrieval 39 of 39 dev and held-out prompts both ways), and lowered
+# KL at 4K (1/8: 21-35%, 1/16: 12-20%); at 8K it moved KL by -7% to +2% at 1/8 and +13-19% at
+# 1/16. At 1/32 it lost an item (17 of 22 against 18): not below 1/16. One K/V pair per KV head
+# (docs/results.md, "Summaries and following for aggregation and multivalue"). The static
+# decode step has no rest entry (cache/static_step.py): a config with one does not get it.
+REST_FROM_BUDGET = 1 / 16
 # Target shares of the resident budget the solver aims at: window, selected pages, CSA band.
 SHAPE: tuple[float, float, float] = (0.08, 0.7, 0.0)
+# The window the solver sizes (SHAPE's 8%) is at most this many tokens; its bytes beyond buy
+# selected pages (or, past SELECTED_TOKENS_CAP, the page cache and the re-rank's codes). Exact
+# recent tokens cost 3.8x the bytes of int8 pages, and the pages a step selects hold the recent
+# text it needs: SmolLM2 at 8K and 1/8 (window 128 -> 32), KL to the full cache 0.0039 and
+# 0.0008 against 0.0060 and 0.0029 (seeds 0 and 1; an 8-token window: 0.0024 and 0.0007), at
+# 1/4 (336 -> 8) 0.0006 against 0.0039; Gemma3 at 8K held out, every answer and output the same
+# (docs/results.md, "A smaller window"). Not below 32: a crop (speculative decoding's rejected
+# drafts, 20 tokens by default in transformers) can remove only unsealed tokens, and the window
+# is all that stays unsealed right after a seal. Budgets whose solver window is smaller keep it.
+WINDOW_CAP: int | None = 32
 # Selected pages a step attends, at most this many tokens per layer (on average over the
 # layers), whatever the budget buys: past it a budget is a ceiling, not a target. At 1/8 the
 # int8 working set buys a third of the context, 24K tokens per head at 64K, and decoding them
@@ -116,9 +136,10 @@ MAX_TOKENS = 2**27
 
 def recipe_keys(budget: float) -> dict[str, Any]:
     """RECIPE's keys at `budget`: with `lsa_follow_pages` from FOLLOW_FROM_BUDGET up and from
-    FOLLOW_UP_TO_BUDGET down."""
+    FOLLOW_UP_TO_BUDGET down, and `rest_entry` from REST_FROM_BUDGET up."""
     follow = budget >= FOLLOW_FROM_BUDGET * (1 - 1e-6) or budget <= FOLLOW_UP_TO_BUDGET * (1 + 1e-6)
-    return {**RECIPE, "lsa_follow_pages": 1 if follow else 0}
+    rest = budget >= REST_FROM_BUDGET * (1 - 1e-6)
+    return {**RECIPE, "lsa_follow_pages": 1 if follow else 0, "rest_entry": rest}
 
 
 # Where the cap leaves room in the budget, the re-rank's candidates are scored by int4 codes of
@@ -151,12 +172,13 @@ PAGE_CACHE_MAX_SELECTIONS = 4
 class Variant:
     """What the budget solver lays its sizes over: config keys (the recipe's unless a
     variant changes them), the target split of the resident budget (window, selected
-    pages, CSA band), the cap on a step's selected tokens (None: no cap) and the re-rank
-    keys taken where the cap leaves room for them (None: never)."""
+    pages, CSA band), the cap on the window it sizes and on a step's selected tokens (None: no
+    cap) and the re-rank keys taken where the cap leaves room for them (None: never)."""
 
     keys: Mapping[str, Any] = field(default_factory=lambda: dict(RECIPE))
     shape: tuple[float, float, float] = SHAPE
     cap: int | None = SELECTED_TOKENS_CAP
+    window_cap: int | None = WINDOW_CAP
     device_rerank: Mapping[str, Any] | None = field(default_factory=lambda: dict(DEVICE_RERANK))
     # the room the cap and the codes leave holds pages that left the selection (lsa_cache_pages)
     device_page_cache: bool = True

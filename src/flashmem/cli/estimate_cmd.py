@@ -513,12 +513,14 @@ def _with_static(
     coded = (
         keep_rerank and int(cfg.lsa_rerank) > 1 and cfg.lsa_rerank_codec != "exact" and bool(cfg.lsa_rerank_on_device)
     )
-    update: dict[str, Any] = dict(decode_step="static", lsa_fetch_share=share, lsa_cache_pages=0)
+    # the static step has no page cache and no rest entry (the recipe's from 1/16 up)
+    update: dict[str, Any] = dict(decode_step="static", lsa_fetch_share=share, lsa_cache_pages=0, rest_entry=False)
     if not coded:
         update.update(lsa_rerank=1, lsa_rerank_mirror="none", lsa_rerank_codec="exact", lsa_rerank_on_device=False)
     out = FlashMemoryConfig(**{**cfg.model_dump(), **update})  # one line if the config has what it lacks
     rerank = f"re-ranked by {cfg.lsa_rerank_codec} codes on the device" if coded else "lsa_rerank 1"
-    what = f"decode_step static, {rerank}, no page cache" + (f", lsa_fetch_share {share:g}" if share else "")
+    dropped = ", no rest entry" if cfg.rest_entry else ""
+    what = f"decode_step static, {rerank}, no page cache{dropped}" + (f", lsa_fetch_share {share:g}" if share else "")
     return out, f"{source}, {what} (--static)"
 
 

@@ -85,8 +85,9 @@ def budget_config(
     every step around that length (`predicted_ratio(peak=True)`: the open block full).
 
     Searched: selected pages k (lsa_top_k), near band (multiple of the block
-    size, only with summaries) and window W (multiple of 8; a `gpu_cache_limit`
-    the caller or the variant names is kept, and the pages fill the rest). Among configs at
+    size, only with summaries) and window W (multiple of 8, at most
+    flashmem.recipe.WINDOW_CAP; a `gpu_cache_limit` the caller or the variant
+    names is kept, and the pages fill the rest). Among configs at
     most 3% over the target that come within 3% of the fullest such config
     (else the closest one) the one nearest the variant's split of the resident
     tokens (flashmem.recipe.SHAPE: window 8% / selected pages 70% / CSA entries 0%)
@@ -123,15 +124,18 @@ def budget_config(
     per_page = base.page_tokens * working_set_scale(base, head_dim, dtype_bytes)
     bands = range(0, 33) if base.use_summaries else [0]  # the band is dropped without summaries
     counts = _page_counts(int(target / per_page) + 9)
+    def at_window(w: int) -> list[_Candidate]:
+        return [(abs(r - budget) / budget, w, k, band, r) for k in counts for band in bands for r in [ratio(w, k, band)]]
+
     if "gpu_cache_limit" in set(overrides) | set(spec.keys):
         # a window the caller or the variant names stands: the pages fill the rest
-        w = base.gpu_cache_limit
-        cands = [
-            (abs(r - budget) / budget, w, k, band, r) for k in counts for band in bands for r in [ratio(w, k, band)]
-        ]
+        cands = at_window(base.gpu_cache_limit)
     else:
         cands = _candidates(ratio, budget, tokens, counts, bands)
     _, w, k, band, got = _nearest_shape(cands, budget, spec.shape, target, per_page, base)
+    if spec.window_cap is not None and w > spec.window_cap and "gpu_cache_limit" not in set(overrides) | set(spec.keys):
+        # the sized window is capped (flashmem.recipe.WINDOW_CAP): the pages fill the rest
+        _, w, k, band, got = _nearest_shape(at_window(spec.window_cap), budget, spec.shape, target, per_page, base)
     if got > 1.03 * budget:
         # sinks, the open block and the index alone pass it: say so, not silently hold more
         warnings.warn(
@@ -207,12 +211,17 @@ def _with_page_cache(
 
 
 def _base_config(variant_keys: Any, budget: float, overrides: dict[str, Any]) -> FlashMemoryConfig:
-    """The variant's keys (the recipe's follow pages at `budget` unless set) under the caller's overrides."""
+    """The variant's keys (the recipe's follow pages and rest entry at `budget` unless set) under
+    the caller's overrides. The rest entry is left out where the caller or the variant names a
+    decode step without one (static, graph) and does not name it."""
     keys = dict(variant_keys)
-    keys.setdefault("lsa_follow_pages", recipe_keys(budget)["lsa_follow_pages"])
+    at_budget = recipe_keys(budget)
+    keys.setdefault("lsa_follow_pages", at_budget["lsa_follow_pages"])
     if overrides.get("position_mode") == "window":
         keys["prefill_exact_tokens"] = 0  # an exact prompt attends at real positions
     keys.update(overrides)
+    if "rest_entry" not in keys:
+        keys["rest_entry"] = at_budget["rest_entry"] and keys.get("decode_step", "eager") == "eager"
     return FlashMemoryConfig(**keys)
 
 
