@@ -87,7 +87,9 @@ def test_rest_entry_from_one_sixteenth_up_and_not_with_a_static_step():
     assert not FlashMemoryConfig.for_budget(1 / 8, 8192, variant="static").rest_entry
     # ... unless asked for by name, which the config refuses in one line
     with pytest.raises(FlashMemError, match="does not support rest_entry"):
-        FlashMemoryConfig.for_budget(1 / 8, 8192, decode_step="static", lsa_rerank=1, lsa_cache_pages=0, rest_entry=True)
+        FlashMemoryConfig.for_budget(
+            1 / 8, 8192, decode_step="static", lsa_rerank=1, lsa_cache_pages=0, rest_entry=True
+        )
 
 
 def test_bare_config_is_the_seed_layout_not_the_recipe():

@@ -124,8 +124,11 @@ def budget_config(
     per_page = base.page_tokens * working_set_scale(base, head_dim, dtype_bytes)
     bands = range(0, 33) if base.use_summaries else [0]  # the band is dropped without summaries
     counts = _page_counts(int(target / per_page) + 9)
+
     def at_window(w: int) -> list[_Candidate]:
-        return [(abs(r - budget) / budget, w, k, band, r) for k in counts for band in bands for r in [ratio(w, k, band)]]
+        return [
+            (abs(r - budget) / budget, w, k, band, r) for k in counts for band in bands for r in [ratio(w, k, band)]
+        ]
 
     if "gpu_cache_limit" in set(overrides) | set(spec.keys):
         # a window the caller or the variant names stands: the pages fill the rest
