@@ -7,9 +7,10 @@
 # Sections (each writes its files under $OUT, default results/; each command resumes:
 # finished cells are skipped, rows live in <json>.partial.jsonl until the JSON is written):
 #   main       the main job on SmolLM2 at 8K: both answers, memory, agreement with the full cache
-#   table      the README's generated tables: every method on the same 24 Gemma3-270m prompts at 4K
-#              (retrieval_gemma3_2026-12-03.json, about 70 min on one core) with the fidelity and
-#              tasks runs; rewrites the README's generated block
+#   table      the README's generated tables from one set of runs: every method on the same 24
+#              Gemma3-270m prompts at 4K (retrieval_gemma3_4k.json, about 70 min on one core), the
+#              fidelity against the quantized caches and the task families (SmolLM2, 4K); rewrites
+#              the README's generated block
 #   retrieval  Gemma3-270m retrieval at 1/8, 1/16, 1/32 over 2K-16K merged with the full cache,
 #              eviction and kvpress rows into retrieval_gemma3_current.json
 #   heldout    needle formats the suite does not use (benchmarks/page_retrieval.py), seed 51
@@ -35,14 +36,28 @@ main() {
 }
 
 table() {
+  # every row of the README's generated block from the recipe of this checkout, one file per suite
   local R="--model gemma3-270m --lengths 4k --seeds 1,2 --depths 0.15,0.5,0.85 --tasks passkey,locker"
-  R="$R --haystacks kjv,stdlib-doc $C --json-out $O/retrieval_gemma3_2026-12-03.json"
+  R="$R --haystacks kjv,stdlib-doc $C --json-out $O/retrieval_gemma3_4k.json"
   flashmem bench retrieval --methods full,streaming,snapkv,flashmem,kvpress:KeyDiffPress,kvpress:ExpectedAttentionPress \
     --budgets 1/8,1/16 $R
   flashmem bench retrieval --methods flashmem,kvpress:KeyDiffPress --budgets 1/32 $R
-  flashmem report "$O/retrieval_gemma3_2026-12-03.json" --plot "$O/retrieval_gemma3_2026-12-03.png"
-  flashmem report "$O/retrieval_gemma3_2026-12-03.json" "$O/fidelity_smollm2_quant.json" "$O/tasks_smollm2_v2.json" \
-    --readme README.md
+  local F="--model smollm2 --lengths 4096 --seeds 0,1 --n-cont 256 $C --json-out $O/fidelity_smollm2_4k.json"
+  flashmem bench fidelity --methods full,quanto-int2,hqq-int2,kivi-int2,flashmem --budgets 1/8 $F
+  flashmem bench fidelity --methods quanto-int4,hqq-int4,kivi-int4,flashmem --budgets 1/6 $F
+  flashmem bench fidelity --methods flashmem --budgets 1/16 $F
+  local T="--model smollm2 --lengths 4096 --haystacks kjv,stdlib-doc"
+  T="$T --families keyed,multivalue,multiquery,vartrack,aggregation,passage --threads ${THREADS:-1}"
+  local TJ="$O/tasks_smollm2_4k.json"
+  # the full cache on every prompt, then the others only where it finds an item
+  flashmem bench tasks --methods full --budgets 1/16 --seeds 0,1,2 --wordings dev $T --no-progress --json-out "$TJ"
+  flashmem bench tasks --methods full --budgets 1/16 --seeds 11,12 --wordings heldout $T --no-progress --json-out "$TJ"
+  python -m flashmem_eval.task_suite run "$TJ" --answered-only --methods full,flashmem --budgets 1/16,1/32 \
+    --seeds 0,1,2 --wordings dev $T
+  python -m flashmem_eval.task_suite run "$TJ" --answered-only --methods full,flashmem --budgets 1/16 \
+    --seeds 11,12 --wordings heldout $T
+  flashmem report "$O/retrieval_gemma3_4k.json" --plot "$O/retrieval_gemma3_4k.png"
+  flashmem report "$O/retrieval_gemma3_4k.json" "$O/fidelity_smollm2_4k.json" "$TJ" --readme README.md
 }
 
 retrieval() {

@@ -176,6 +176,29 @@ def test_assisted_generation_equals_dynamic_cache(monkeypatch):
     assert any(n <= -5 for n in crops), crops  # whole drafts were rejected and cropped
 
 
+def test_assisted_generation_with_the_recipe_needs_a_window_as_long_as_the_drafts(monkeypatch):
+    """The recipe at 1/16 of a short prompt sizes an 8-token window: a 20-token draft rejected right
+    after a seal reaches into sealed history, one FlashMemError naming what is allowed. With
+    `gpu_cache_limit=32` (the recipe's cap, what it gives from 1/8 of 8K up) the same generation runs
+    through seals and crops of up to 20 tokens."""
+    torch.manual_seed(3)
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=1)
+    ids = torch.randint(0, 128, (1, 600))
+    draft.generation_config.num_assistant_tokens = 20
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    kw = dict(GEN, max_new_tokens=120, assistant_model=draft)
+    small = flashmem.attach(target, budget=1 / 16, tokens=700)
+    assert small.flash_layers[0].cfg.gpu_cache_limit == 8
+    with pytest.raises(FlashMemError, match=r"crop of \d+ tokens reaches into sealed history.*allowed: at most 8"):
+        target.generate(ids, cache=small, **kw)
+    crops = _count_crops(monkeypatch)
+    cache = flashmem.attach(target, budget=1 / 16, tokens=700, gpu_cache_limit=32)
+    out = target.generate(ids, cache=cache, **kw)
+    assert out.shape[1] == 720 and cache.flash_layers[0].num_sealed > 8  # blocks sealed while drafting
+    assert min(crops) <= -16  # drafts were rejected whole or nearly, past the 8 tokens a small window holds
+
+
 def test_prompt_lookup_decoding_equals_dynamic_cache(monkeypatch):
     torch.manual_seed(4)
     model = tiny_llama()
