@@ -56,6 +56,10 @@ table() {
     --seeds 0,1,2 --wordings dev $T
   python -m flashmem_eval.task_suite run "$TJ" --answered-only --methods full,flashmem --budgets 1/16 \
     --seeds 11,12 --wordings heldout $T
+  for w in "--seeds 0,1,2 --wordings dev" "--seeds 11,12 --wordings heldout"; do
+    python -m flashmem_eval.task_suite run "$TJ" --answered-only --budgets 1/16 $w $T \
+      --methods full,kvpress:KeyDiffPress,kvpress:ExpectedAttentionPress
+  done
   flashmem report "$O/retrieval_gemma3_4k.json" --plot "$O/retrieval_gemma3_4k.png"
   flashmem report "$O/retrieval_gemma3_4k.json" "$O/fidelity_smollm2_4k.json" "$TJ" --readme README.md
 }
