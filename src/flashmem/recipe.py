@@ -93,12 +93,13 @@ FOLLOW_FROM_BUDGET = 1 / 8
 FOLLOW_UP_TO_BUDGET = 1 / 32
 # From this budget up, one entry per KV head stands for the sealed pages a step leaves out (their
 # mass estimated from the index, their mean value: `rest_entry`), so attention keeps their share
-# instead of renormalising over the picks. At 1/16 it kept every answer the recipe kept and gained
-# two (SmolLM2 task families: 21 of the full cache's 22 items on the dev set against 20, 14 of 14
-# held out against 13; Gemma3 retrieval 39 of 39 dev and held-out prompts both ways), and lowered
-# KL at 4K (1/8: 21-35%, 1/16: 12-20%); at 8K it moved KL by -7% to +2% at 1/8 and +13-19% at
-# 1/16. At 1/32 it lost an item (17 of 22 against 18): not below 1/16. One K/V pair per KV head
-# (docs/results.md, "Summaries and following for aggregation and multivalue"). The static
+# instead of renormalising over the picks. At 1/16 it gained two answers at 4K (SmolLM2 task
+# families: 21 of the full cache's 22 items on the dev set against 20, 14 of 14 held out against
+# 13; Gemma3 retrieval 39 of 39 dev and held-out prompts both ways) and lowered KL there (1/8:
+# 21-35%, 1/16: 12-20%); at 8K it moved KL by -7% to +2% at 1/8 and +10-19% at 1/16 and lost one
+# of 19 task items at 1/16 (a mixed trade, kept: docs/results.md, "Tasks at 8K with this
+# recipe"). At 1/32 it lost an item (17 of 22 against 18): not below 1/16. One K/V pair per KV
+# head (docs/results.md, "Summaries and following for aggregation and multivalue"). The static
 # decode step has no rest entry (cache/static_step.py): a config with one does not get it.
 REST_FROM_BUDGET = 1 / 16
 # Target shares of the resident budget the solver aims at: window, selected pages, CSA band.

@@ -130,13 +130,14 @@ def budget_config(
             (abs(r - budget) / budget, w, k, band, r) for k in counts for band in bands for r in [ratio(w, k, band)]
         ]
 
-    if "gpu_cache_limit" in set(overrides) | set(spec.keys):
+    named = set(overrides) | set(spec.keys)
+    if "gpu_cache_limit" in named:
         # a window the caller or the variant names stands: the pages fill the rest
         cands = at_window(base.gpu_cache_limit)
     else:
         cands = _candidates(ratio, budget, tokens, counts, bands)
     _, w, k, band, got = _nearest_shape(cands, budget, spec.shape, target, per_page, base)
-    if spec.window_cap is not None and w > spec.window_cap and "gpu_cache_limit" not in set(overrides) | set(spec.keys):
+    if spec.window_cap is not None and w > spec.window_cap and "gpu_cache_limit" not in named:
         # the sized window is capped (flashmem.recipe.WINDOW_CAP): the pages fill the rest
         _, w, k, band, got = _nearest_shape(at_window(spec.window_cap), budget, spec.shape, target, per_page, base)
     if got > 1.03 * budget:
@@ -155,7 +156,6 @@ def budget_config(
             "allowed: a larger budget or prompt, a smaller lsa_rerank_min_pages, or lsa_rerank_on_device: false"
         )
     cap = spec.cap
-    named = set(overrides) | set(spec.keys)
     if cap is not None and k * base.page_tokens > cap:
         # the budget bought more pages than a step needs: attend the cap, leave the rest unused
         k = max(1, cap // base.page_tokens)
