@@ -186,3 +186,38 @@ def test_candidates_scored_in_place_choose_as_their_copied_keys_do(monkeypatch, 
     assert len(chosen) == len(copied) > 0
     assert all(torch.equal(a[1], b[1]) for a, b in zip(chosen, copied))
     assert torch.allclose(in_place_out, copied_out, atol=1e-5)
+
+
+def test_every_page_a_candidate_counts_the_pages_the_last_step_had_as_hits():
+    """When the re-rank's candidates are every sealed page, a step's candidate hits are the
+    pages the last step had (counted without a search) and its misses the pages sealed since:
+    per step hits + misses = b * h * pages, and the hits follow the page count of the step before."""
+    model = tiny_llama()
+    kw = dict(
+        SMALL,
+        lsa_page_tokens=4,
+        lsa_top_k=2,
+        lsa_rerank=4,
+        lsa_rerank_min_pages=256,
+        use_summaries=False,
+        prefill_chunk=4096,
+    )
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**kw))
+    ids = torch.randint(0, 128, (1, 90))
+    pages, steps = [], []
+    with torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True).logits[:, -1:]
+        for _ in range(40):  # 40 tokens: the 16-token blocks seal twice more
+            layer = cache.flash_layers[0]
+            pages.append(layer.num_sealed * layer.cfg.pages_per_block)  # what this step ranks
+            out = model(out.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
+    traffic = cache.flash_layers[0].reader.traffic
+    traffic.begin_step(1, 0, 0)  # closes the last decode step (and opens one, left out below)
+    b, h = 1, cache.flash_layers[0].sink_k.shape[1]
+    layers = len(cache.flash_layers)
+    steps = traffic.steps[-len(pages) - 1 : -1]
+    assert len(steps) == len(pages) and len(set(pages)) > 1  # pages were sealed while decoding
+    for i, (s, n) in enumerate(zip(steps, pages)):
+        assert s.candidate_hits + s.candidate_misses == layers * b * h * n
+        if i:
+            assert s.candidate_hits == layers * b * h * pages[i - 1]

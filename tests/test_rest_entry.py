@@ -79,3 +79,42 @@ def test_rest_entry_is_counted_in_the_budget():
     run(model, cache, torch.randint(0, 128, (1, 120)), 2)
     layer = cache.flash_layers[0]
     assert layer.resident_bytes()["rest_entry"] == layer.v_sum.nbytes > 0
+
+
+@pytest.mark.parametrize("coded", [True, False])
+def test_rest_value_is_every_sealed_value_less_the_working_set_as_attended(coded):
+    """The rest entry's value is taken from the values attention assembles: an int8 working
+    set's pages are decoded once, and the value is (v_sum - the valid working-set values'
+    sum) / n_left, the padding's values left out. Checked against attention written out."""
+    from flashmem.cache.assembly import NEG, Assembly, RestEntry
+    from flashmem.compress import page_code
+
+    torch.manual_seed(0)
+    b, h, group, d, n = 1, 2, 2, 8, 6
+    asm = Assembly(b, h, torch.float32, torch.device("cpu"))
+    sk, sv = torch.randn(b, h, 2, d), torch.randn(b, h, 2, d)
+    asm.add_valid(sk, sv, torch.ones(b, 2, dtype=torch.bool))
+    wk, wv = torch.randn(b, h, n, d), 3 * torch.randn(b, h, n, d)
+    valid = torch.tensor([[[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]], dtype=torch.bool)
+    bias = torch.zeros(b, h, n).masked_fill(~valid, NEG)
+    if coded:
+        (kc, ks), (vc, vs) = page_code.encode(wk), page_code.encode(wv)
+        asm.mark_working_set((kc, ks), (vc, vs), bias)
+        wk, wv = page_code.decode(kc, ks, torch.float32), page_code.decode(vc, vs, torch.float32)
+    else:
+        asm.mark_working_set(wk, wv, bias)
+    v_sum, n_left = 10 * torch.randn(b, h, d), torch.tensor([[7.0, 9.0]])
+    q = torch.randn(b, h * group, 1, d)
+    logit = torch.randn(b, h * group, 1)
+    k_new, v_new = torch.randn(b, h, 1, d), torch.randn(b, h, 1, d)
+    rest = RestEntry(logit, v_sum, n_left, valid.float())
+    out = asm.attend(q, k_new, v_new, torch.ones(b, 1, dtype=torch.bool), 0.5, rest)
+
+    v_rest = (v_sum - (wv * valid[..., None]).sum(-2)) / n_left[..., None]  # [b, h, d]
+    K = torch.cat([sk, wk, k_new], -2).repeat_interleave(group, 1)
+    V = torch.cat([sv, wv, v_new, v_rest[:, :, None]], -2).repeat_interleave(group, 1)
+    logits = q @ K.transpose(-1, -2) * 0.5
+    logits[..., 2 : 2 + n] += bias.repeat_interleave(group, 1)[:, :, None]
+    logits = torch.cat([logits, logit[..., None]], -1)  # the rest entry: its logit alone
+    ref = torch.softmax(logits, -1) @ V
+    assert (out - ref).abs().max() <= 1e-5

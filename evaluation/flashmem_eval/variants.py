@@ -110,6 +110,10 @@ VARIANTS.update(
         # a 32-token window (speculative decoding's default 20-token drafts stay croppable), with the rest entry
         "win32": {**RECIPE, "gpu_cache_limit": 32},
         "win32rest": {**RECIPE, "gpu_cache_limit": 32, "rest_entry": True},
+        # the recipe without the rest entry it takes from 1/16 up (REST_FROM_BUDGET)
+        "norest": {**RECIPE, "rest_entry": False},
+        # 8-token pages: twice the picks of half the tokens each (and twice the index vectors)
+        "page8": {**RECIPE, "lsa_page_tokens": 8},
     }
 )
 # Variants that change the split of the resident budget (window, selected pages, CSA band)

@@ -13,6 +13,7 @@ biases [b, h or 1, n]; queries [b, Hq, m, d] -> out [b, Hq, m, d].
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,8 @@ class Assembly:
         self.biases: list[torch.Tensor] = []
         # bytes `attend` wrote into its K/V buffers and SDPA read back (traffic's device_copy_bytes)
         self.copied_bytes = 0
+        # which part is the working set (`mark_working_set`): the rest entry subtracts its values
+        self.working_set_part: int | None = None
 
     def add(self, k: Part, v: Part, bias: torch.Tensor) -> None:
         """A part k, v [b, h, n, d] with its bias [b, h or 1, n]; empty parts are skipped."""
@@ -52,6 +55,14 @@ class Assembly:
             self.keys.append(k)
             self.values.append(v)
             self.biases.append(bias.expand(self.b, self.hkv, n))
+
+    def mark_working_set(self, k: Part, v: Part, bias: torch.Tensor) -> None:
+        """`add` the working set's part, remembered: the rest entry's value is every sealed
+        token's value sum less this part's, taken from the values as `attend` assembles them
+        (int8 pages decoded once, for attention and the rest entry alike)."""
+        at = len(self.values)
+        self.add(k, v, bias)
+        self.working_set_part = at if len(self.values) > at else None
 
     def add_valid(self, k: Part, v: Part, valid: torch.Tensor) -> None:
         """A part whose tokens are hidden where valid [b, n] is False (padding)."""
@@ -64,11 +75,11 @@ class Assembly:
         v_new: torch.Tensor,
         valid_new: torch.Tensor,
         scaling: float,
-        rest: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rest: RestEntry | None = None,
     ) -> torch.Tensor:
         """q [b, Hq, m, d] over the parts plus the chunk's own K/V [b, h, m, d] (causal,
         padding valid_new [b, m] hidden; each sees itself so no row is empty) and the rest
-        entry (value [b, h, 1, d], logit [b, Hq, m]) -> [b, Hq, m, d]."""
+        entry (its value written last into the values, `RestEntry.value`) -> [b, Hq, m, d]."""
         b, hkv, m = self.b, self.hkv, q.shape[2]
         dev = k_new.device
         new_bias = None  # a decode step's one token sees itself, padded or not: bias 0, no mask built
@@ -81,12 +92,18 @@ class Assembly:
         L = sum(bias.shape[-1] for bias in self.biases) + m + (rest is not None)
         scratch = step_scratch()
         if rest is not None:  # a zero key: its logit is all bias, per query head and query
-            v_rest, logit = rest
-            keys.append(torch.zeros_like(v_rest, dtype=k_new.dtype))
-            values.append(v_rest.to(v_new.dtype))
+            keys.append(k_new.new_zeros(b, hkv, 1, k_new.shape[-1]))
+            values.append(v_new.new_zeros(b, hkv, 1, v_new.shape[-1]))  # its value: written below
         K = concat(keys, lambda shape: scratch.take("keys", shape, k_new.dtype, dev))
         V = concat(values, lambda shape: scratch.take("values", shape, v_new.dtype, dev))
         self.copied_bytes = copy_bytes(keys, K) + copy_bytes(values, V)
+        if rest is not None:
+            ws = None
+            if self.working_set_part is not None:
+                a = sum(part_len(p) for p in self.values[: self.working_set_part])
+                ws = V[:, :, a : a + part_len(self.values[self.working_set_part])]
+            V[:, :, -1:] = rest.value(ws).to(V.dtype)
+            logit = rest.logit
         # The mask [b, Hq, rows, L] is written into a reused buffer laid out [b, h, group, rows, L]
         # (query head h * group + g, as enable_gqa pairs them): a prefill chunk's mask is 100+ MB
         # per layer, and a fresh one each time costs its page faults. Past MASK_BYTES the chunk's
@@ -193,24 +210,47 @@ def entry_bias(counts: torch.Tensor, use: torch.Tensor, rule: str, dtype: torch.
     return bias.masked_fill(~keep, NEG).to(dtype)
 
 
+@dataclass
+class RestEntry:
+    """The rest entry of one chunk: its logit [b, Hq, m], and what its value needs: every
+    sealed token's value sum v_sum [b, h, d] (fp32), the left-out tokens' count n_left [b, h]
+    and the working set's token weights ws_weight [b, h, n] (1 valid, 0 padding; None: no
+    working set). The value is taken once the working set's values are assembled (`value`)."""
+
+    logit: torch.Tensor
+    v_sum: torch.Tensor
+    n_left: torch.Tensor
+    ws_weight: torch.Tensor | None
+
+    def value(self, ws_values: torch.Tensor | None) -> torch.Tensor:
+        """The left-out tokens' mean value [b, h, 1, d] (fp32): v_sum less the working set's
+        values ws_values [b, h, n, d] as attention reads them (one weighted sum, a GEMV per
+        head)."""
+        v_sum = self.v_sum[:, :, None, :]
+        if self.ws_weight is not None and ws_values is not None:
+            vals = ws_values if ws_values.dtype == torch.float32 else ws_values.float()
+            v_sum = v_sum - torch.matmul(self.ws_weight[:, :, None, :], vals)
+        return v_sum / self.n_left.clamp_min(1)[..., None, None]
+
+
 def rest_entry(
     scores: torch.Tensor,
     selected: torch.Tensor,
     page_tokens_valid: torch.Tensor,
     v_sum: torch.Tensor,
-    ws: tuple[torch.Tensor, torch.Tensor] | None,
+    ws_valid: torch.Tensor | None,
     scaling: float,
     m: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> RestEntry:
     """One entry per KV head standing for every sealed token not attended exactly,
     so the softmax keeps the mass the left-out history had (without it, attention
     renormalises over a few pages and the output leaves the model's range).
 
     Logit, per query: log sum over left-out pages of n_page * exp(s q . index key);
     value: the mean value of the left-out tokens (running sum v_sum [b, h, d] minus the
-    working set's: ws = (values [b, h, n, d], validity [b, h, n])). scores:
+    working set's, whose validity is ws_valid [b, h, n]: `RestEntry.value`). scores:
     [b, h, m*group, pages]; selected: [b, h, pages]; page_tokens_valid: [b, pages, P]
-    -> value [b, h, 1, d], logit [b, Hq, m].
+    -> the entry (logit [b, Hq, m]).
     """
     b, h, nq, _ = scores.shape
     group = nq // m
@@ -220,10 +260,8 @@ def rest_entry(
     logit = torch.logsumexp(lg.masked_fill(~left[:, :, None, :], NEG), dim=-1)  # [b, h, nq]
     logit = logit.view(b, h, m, group).transpose(2, 3).reshape(b, h * group, m)
     n_left = counts.sum(-1)[:, None].expand(b, h)
-    if ws is not None:
-        ws_v, ws_valid = ws
+    w = None
+    if ws_valid is not None:
         w = ws_valid.to(torch.float32)
-        v_sum = v_sum - (ws_v.float() * w[..., None]).sum(-2)
         n_left = n_left - w.sum(-1)
-    v_rest = v_sum / n_left.clamp_min(1)[..., None]
-    return v_rest[:, :, None, :], logit
+    return RestEntry(logit, v_sum, n_left, w)

@@ -85,6 +85,7 @@ class CandidateRanker:
         # lsa_rerank_on_device: this step's candidates' codes held on the device, scored there
         self.device_codes = DeviceCandidates() if coded and cfg.lsa_rerank_on_device else None
         self._last_cand: torch.Tensor | None = None  # the last re-rank's candidates (counted only)
+        self._last_all: int | None = None  # ... when they were every page: how many
         # lsa_feedback_share: each sealed page's mean value, the second hop's summaries (host, fp32)
         self.page_values: PageValues | None = None
         if cfg.lsa_feedback_share > 0:
@@ -127,7 +128,7 @@ class CandidateRanker:
 
     def rank(
         self,
-        mass: torch.Tensor,
+        mass: torch.Tensor | Callable[[], torch.Tensor],
         page_valid: torch.Tensor,
         k_sel: int,
         scaling: float,
@@ -139,31 +140,40 @@ class CandidateRanker:
         (`index_mass`); page_valid: [b, n_pages]. With `lsa_rerank` r > 1 (qg [b, h, nq, d]
         and page_tokens_valid [b, n_pages, P] given) the index picks r * k_sel candidates (at
         least `lsa_rerank_min_pages`) and their exact keys pick the k_sel. With
-        `lsa_feedback_share` a share of the k_sel goes to the second hop (`feedback`)."""
+        `lsa_feedback_share` a share of the k_sel goes to the second hop (`feedback`). `mass`
+        may be given as a function: it is then computed only where a stage reads it (not when
+        every page is a re-rank candidate)."""
         cfg = self.cfg
         cap = cfg.lsa_rerank_max_tokens
         rerank = qg is not None and page_tokens_valid is not None
         rerank = rerank and (cap is None or num_sealed * cfg.hca_chunk_size <= cap)
-        n_pages = mass.shape[-1]
+        held: list[torch.Tensor] = [] if callable(mass) else [mass]
+
+        def pooled() -> torch.Tensor:
+            if not held:
+                assert callable(mass)
+                held.append(mass())
+            return held[0]
+
+        n_pages = page_valid.shape[-1]
         n_cand = min(max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages) if rerank else k_sel, n_pages)
         every = n_cand > k_sel and n_cand == n_pages  # every page a candidate: no index stage
         sel: Selection | None = None
         if n_cand > k_sel and isinstance(self.codes, RerankCodes):
             assert qg is not None and page_tokens_valid is not None
-            b, h = mass.shape[:2]
+            b, h = qg.shape[:2]
             cand = (
-                torch.arange(n_pages, device=mass.device).expand(b, h, n_pages)
+                torch.arange(n_pages, device=qg.device).expand(b, h, n_pages)
                 if every
-                else self._index_top(mass, page_valid, n_cand)
+                else self._index_top(pooled(), page_valid, n_cand)
             )
             sel = self.rerank_coded(cand, qg, page_tokens_valid, k_sel, scaling, num_sealed)
         elif every:
             assert qg is not None and page_tokens_valid is not None
-            b, h = mass.shape[:2]
-            self._count_candidates(torch.arange(n_pages, device=mass.device).expand(b, h, n_pages))
+            self._count_every_page(qg.shape[0], qg.shape[1], n_pages, qg.device)
             sel = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed)
         if sel is None:
-            idx = self._index_top(mass, page_valid, n_cand)
+            idx = self._index_top(pooled(), page_valid, n_cand)
             sel = Selection(idx)
             if n_cand > k_sel:
                 assert qg is not None and page_tokens_valid is not None
@@ -173,7 +183,7 @@ class CandidateRanker:
                     ranked = self.rerank_in_place(qg, page_tokens_valid, k_sel, scaling, num_sealed, idx)
                 sel = ranked if ranked is not None else self.rerank(idx, qg, page_tokens_valid, k_sel, scaling)
         if self.page_values is not None:
-            sel = self.feedback(sel, mass, page_valid, num_sealed)
+            sel = self.feedback(sel, pooled(), page_valid, num_sealed)
         return sel
 
     def _index_top(self, mass: torch.Tensor, page_valid: torch.Tensor, n: int) -> torch.Tensor:
@@ -269,11 +279,22 @@ class CandidateRanker:
         )  # [b, h, c]: decoded a chunk of candidates at a time
         return Selection(self._top(cand, mass.to(cand.device), page_tokens_valid, k_sel))
 
+    def _count_every_page(self, b: int, h: int, n_pages: int, device: torch.device) -> None:
+        """`_count_candidates` for every page a candidate (ids 0..n_pages-1 in each row and head):
+        after a re-rank that also had every page, the hits are its page count, no search."""
+        prev, last_all = self._last_cand, self._last_all
+        if prev is None or last_all is None or prev.shape[:2] != (b, h) or last_all > n_pages:
+            self._count_candidates(torch.arange(n_pages, device=device).expand(b, h, n_pages))
+        else:
+            self._last_cand = torch.arange(n_pages, device=device).expand(b, h, n_pages)
+            self.reader.traffic.candidates(b * h * last_all, b * h * (n_pages - last_all))
+        self._last_all = n_pages
+
     def _count_candidates(self, cand: torch.Tensor) -> None:
         """Count how many of this re-rank's candidates cand [b, h, c] (sorted) the last one also
         had: what codes held on the device (`lsa_rerank_on_device`) would not copy again."""
         prev = self._last_cand
-        self._last_cand = cand
+        self._last_cand, self._last_all = cand, None
         if prev is None or prev.shape[:2] != cand.shape[:2] or not prev.shape[-1]:
             self.reader.traffic.candidates(0, cand.numel())
             return

@@ -16,12 +16,13 @@ reader to change. Shapes: q [b, Hq, m, d]; qg (a KV head's GQA group, token-majo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from flashmem.cache import ranking
-from flashmem.cache.assembly import NEG, Assembly, bias_from_valid, rest_entry
+from flashmem.cache.assembly import NEG, Assembly, RestEntry, bias_from_valid, rest_entry
 from flashmem.rope import RopeRotator
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def attend(
 
 def _add_history(
     layer: FlashLayer, asm: Assembly, qg: torch.Tensor, m: int, scaling: float
-) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
+) -> tuple[int, RestEntry | None]:
     """Select and gather pages, then add the summaries of what is left out and the
     working set. qg: [b, h, m*group, d] -> (tokens of pages shown in window mode, the
     rest entry or None)."""
@@ -77,7 +78,10 @@ def _add_history(
         selected.scatter_(-1, layer.working_set.reuse(layer.reader), True)
     elif k_sel > 0:
         page_valid = page_tokens_valid.any(-1)  # [b, pages]
-        mass = layer.ranker.index_mass(q_index, page_valid, scaling, layer.summaries.hca_k, scores)
+
+        def mass() -> torch.Tensor:  # computed only where the ranking reads it
+            return layer.ranker.index_mass(q_index, page_valid, scaling, layer.summaries.hca_k, scores)
+
         positions = q_index.shape[2] * m // qg.shape[2]  # query positions scoring the index
         idx = _select_and_gather(
             layer, mass, scores, page_tokens_valid, page_valid, k_sel, scaling, q_index, positions, m == 1
@@ -90,9 +94,8 @@ def _add_history(
     rest = None
     if cfg.keeps_rest_entry:
         assert scores is not None
-        ws_v, ws_valid = layer.working_set.v, layer.working_set.valid
-        ws = (ws_v, ws_valid) if k_sel > 0 and ws_v is not None and ws_valid is not None else None
-        rest = rest_entry(scores, selected, page_tokens_valid, layer.v_sum, ws, scaling, m)
+        ws_valid = layer.working_set.valid if asm.working_set_part is not None else None
+        rest = rest_entry(scores, selected, page_tokens_valid, layer.v_sum, ws_valid, scaling, m)
     return shown, rest
 
 
@@ -115,7 +118,7 @@ def open_room_pages(layer: FlashLayer, m: int) -> int:
 
 def _select_and_gather(
     layer: FlashLayer,
-    mass: torch.Tensor,
+    mass: Callable[[], torch.Tensor],
     scores: torch.Tensor | None,
     page_tokens_valid: torch.Tensor,
     page_valid: torch.Tensor,
@@ -125,11 +128,12 @@ def _select_and_gather(
     positions: int,
     decode: bool,
 ) -> torch.Tensor:
-    """Rank the pages by the index's pooled mass [b, h, pages], gather the chosen ones into the
-    working set, queue look-ahead -> page ids [b, h, k]; scores [b, h, nq, pages] whole only
-    for a selection hook. q_index: [b, h, nq, d] the queries that scored, from `positions`
-    query positions (a long chunk's are re-ranked only when few enough); decode: a one-token
-    step's selection, which the next lsa_select_every - 1 decode steps reuse."""
+    """Rank the pages by the index's pooled mass [b, h, pages] (`mass()`: computed only if a
+    stage reads it), gather the chosen ones into the working set, queue look-ahead -> page ids
+    [b, h, k]; scores [b, h, nq, pages] whole only for a selection hook. q_index: [b, h, nq, d]
+    the queries that scored, from `positions` query positions (a long chunk's are re-ranked
+    only when few enough); decode: a one-token step's selection, which the next
+    lsa_select_every - 1 decode steps reuse."""
     cfg = layer.cfg
     rerank = cfg.lsa_rerank > 1 and positions <= ranking.RERANK_MAX_QUERIES
     ctx = (q_index, page_tokens_valid) if rerank else (None, None)
@@ -159,7 +163,7 @@ def _add_working_set(layer: FlashLayer, asm: Assembly) -> int:
         moved = S + torch.arange(true[0, 0].numel(), device=ws.idx.device)
         ws_k = _rope(layer).rotate(ws.k, moved - true.flatten(-2))
         shown = ws.idx.shape[-1] * P
-    asm.add(ws_k, ws_v, torch.full_like(ws.valid, NEG, dtype=asm.dtype).masked_fill_(ws.valid, 0.0))
+    asm.mark_working_set(ws_k, ws_v, torch.full_like(ws.valid, NEG, dtype=asm.dtype).masked_fill_(ws.valid, 0.0))
     return shown
 
 
