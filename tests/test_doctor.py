@@ -97,3 +97,23 @@ def test_threads_one_per_idle_core(cores, load, threads) -> None:
     from flashmem.doctor import suggest_threads
 
     assert suggest_threads(cores, load) == threads
+
+
+def test_warns_when_every_page_is_a_rerank_candidate_on_a_cpu(tmp_path) -> None:
+    """At 8K the recipe's re-rank takes every page as a candidate (4 x 200 wanted, 509 sealed):
+    a CPU step scores every key, so doctor says the cache saves memory there, not decode time.
+    At 32K (2,045 pages, 1,024 candidates) and on a GPU it says nothing of it."""
+    kw = dict(model="smollm2", cold_dir=tmp_path, probe_bytes=2**20, probe_seconds=0.2)
+    cfg = FlashMemoryConfig(
+        gpu_cache_limit=32, lsa_page_tokens=16, lsa_top_k=200, lsa_rerank=4, lsa_rerank_min_pages=256
+    )
+    short = diagnose(cfg, context=8192, machine_info=_machine(), **kw)
+    hit = [f for f in short.findings if "re-rank candidate" in f.finding]
+    assert len(hit) == 1 and hit[0].symptom == "slow" and hit[0].level == "warn"
+    pages = (8192 - cfg.sink_tokens - 32) // 16
+    assert hit[0].number == pages and "lsa_rerank_min_pages" in hit[0].advice
+    long = diagnose(cfg.model_copy(update={"lsa_top_k": 256}), context=32768, machine_info=_machine(), **kw)
+    assert not [f for f in long.findings if "re-rank candidate" in f.finding]
+    mem, threads, _ = _machine()
+    gpu = diagnose(cfg, context=8192, machine_info=(mem, threads, {"kind": "cuda"}), **kw)
+    assert not [f for f in gpu.findings if "re-rank candidate" in f.finding]

@@ -216,6 +216,7 @@ def diagnose(cfg: FlashMemoryConfig, *, model: str = "smollm2", context: int = 8
     )
     report.findings += _accuracy_findings(cfg, context, layers, selected_blocks)
     report.findings += _slow_findings(cfg, io, threads, device, reads_per_step=selected_blocks * managed)
+    report.findings += _rerank_findings(cfg, context, device)
     report.findings += _memory_findings(
         cfg, context, io, mem, device, est.full_cache_bytes, fe.device_resident_bytes, fe.cold_bytes
     )
@@ -270,6 +271,20 @@ def _slow_findings(cfg: FlashMemoryConfig, io: dict[str, Any], threads: dict[str
     if device["kind"] == "cpu":
         f.append(Finding("slow", "ok", "no CUDA device: attention runs on the CPU", "a GPU serves long contexts much faster", "cpu"))  # fmt: skip
     return f
+
+
+def _rerank_findings(cfg: FlashMemoryConfig, context: int, device: dict[str, Any]) -> list[Finding]:
+    """Slow, on a CPU: a context short enough that every page is a re-rank candidate, so a
+    decode step scores every key and then attends its selection, where the full cache attends
+    every key once."""
+    if device["kind"] != "cpu" or cfg.lsa_rerank <= 1:
+        return []
+    pages = max(0, context - cfg.sink_tokens - cfg.gpu_cache_limit) // cfg.page_tokens
+    k = cfg.blocks_to_select(pages)
+    cand = min(pages, max(k * cfg.lsa_rerank, cfg.lsa_rerank_min_pages))
+    if not pages or cand < pages or k >= pages:
+        return []
+    return [Finding("slow", "warn", f"every one of the {pages} sealed pages at {context} tokens is a re-rank candidate ({cfg.lsa_rerank} x {k} selected, at least lsa_rerank_min_pages {cfg.lsa_rerank_min_pages}): each decode step scores every key, then attends its selection; on a CPU that is slower than the full cache's one pass (SmolLM2 at 8K and 1/8: 0.77x its decode speed; a tiny model at 32K: 3.7x faster, docs/results.md)", "at this length the cache saves memory, not decode time; lower lsa_rerank_min_pages to trade accuracy for speed", cand)]  # fmt: skip
 
 
 def _memory_findings(cfg: FlashMemoryConfig, context: int, io: dict[str, Any], mem: dict[str, Any],
