@@ -59,6 +59,8 @@ table() {
   for w in "--seeds 0,1,2 --wordings dev" "--seeds 11,12 --wordings heldout"; do
     python -m flashmem_eval.task_suite run "$TJ" --answered-only --budgets 1/16 $w $T \
       --methods full,kvpress:KeyDiffPress,kvpress:ExpectedAttentionPress
+    # KIVI int2 (0.094-0.101 of the full cache) beside flashmem at 1/8
+    python -m flashmem_eval.task_suite run "$TJ" --answered-only --budgets 1/8 $w $T --methods full,kivi-int2,flashmem
   done
   flashmem report "$O/retrieval_gemma3_4k.json" --plot "$O/retrieval_gemma3_4k.png"
   flashmem report "$O/retrieval_gemma3_4k.json" "$O/fidelity_smollm2_4k.json" "$TJ" --readme README.md

@@ -9,7 +9,8 @@ It measures what its advice talks about:
   (`flashmem.sizing.calculator`), against what the machine has (RAM, accelerator,
   disk free under the cold folder);
 - threads and device: torch threads, usable cores, CUDA;
-- the config: keep_full_layers (or the layer split), window vs context, block size, selection, prefetch.
+- the config: keep_full_layers (or the layer split), window vs context, block size, selection,
+  prefetch, and (on a CPU) whether the re-rank's candidates are every page at the context.
 
 Advice is keyed to the three symptoms (accuracy drop, slow, out of memory), each
 finding with the number behind it.
