@@ -202,19 +202,17 @@ def test_every_page_a_candidate_counts_the_pages_the_last_step_had_as_hits():
         use_summaries=False,
         prefill_chunk=4096,
     )
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**kw))
     ids = torch.randint(0, 128, (1, 90))
-    pages, steps = [], []
-    with torch.no_grad():
+    pages: list[int] = []
+    with flashmem.attach(model, flashmem.FlashMemoryConfig(**kw)) as cache, torch.no_grad():
         out = model(ids, cache=cache, use_cache=True).logits[:, -1:]
         for _ in range(40):  # 40 tokens: the 16-token blocks seal twice more
             layer = cache.flash_layers[0]
             pages.append(layer.num_sealed * layer.cfg.pages_per_block)  # what this step ranks
             out = model(out.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
-    traffic = cache.flash_layers[0].reader.traffic
-    traffic.begin_step(1, 0, 0)  # closes the last decode step (and opens one, left out below)
-    b, h = 1, cache.flash_layers[0].sink_k.shape[1]
-    layers = len(cache.flash_layers)
+        traffic = layer.reader.traffic
+        traffic.begin_step(1, 0, 0)  # closes the last decode step (and opens one, left out below)
+        b, h, layers = 1, layer.sink_k.shape[1], len(cache.flash_layers)
     steps = traffic.steps[-len(pages) - 1 : -1]
     assert len(steps) == len(pages) and len(set(pages)) > 1  # pages were sealed while decoding
     for i, (s, n) in enumerate(zip(steps, pages)):
