@@ -14,6 +14,7 @@ than read again.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -128,7 +129,7 @@ class CandidateRanker:
 
     def rank(
         self,
-        mass: torch.Tensor | Callable[[], torch.Tensor],
+        mass: Callable[[], torch.Tensor],
         page_valid: torch.Tensor,
         k_sel: int,
         scaling: float,
@@ -136,25 +137,17 @@ class CandidateRanker:
         page_tokens_valid: torch.Tensor | None = None,
         num_sealed: int = 0,
     ) -> Selection:
-        """Top `k_sel` pages per KV head from the index's pooled mass [b, h, n_pages]
-        (`index_mass`); page_valid: [b, n_pages]. With `lsa_rerank` r > 1 (qg [b, h, nq, d]
-        and page_tokens_valid [b, n_pages, P] given) the index picks r * k_sel candidates (at
+        """Top `k_sel` pages per KV head from the index's pooled mass [b, h, n_pages] (`mass()`,
+        `index_mass`: computed once, and only where a stage reads it, so not when every page is
+        a re-rank candidate); page_valid: [b, n_pages]. With `lsa_rerank` r > 1 (qg [b, h, nq,
+        d] and page_tokens_valid [b, n_pages, P] given) the index picks r * k_sel candidates (at
         least `lsa_rerank_min_pages`) and their exact keys pick the k_sel. With
-        `lsa_feedback_share` a share of the k_sel goes to the second hop (`feedback`). `mass`
-        may be given as a function: it is then computed only where a stage reads it (not when
-        every page is a re-rank candidate)."""
+        `lsa_feedback_share` a share of the k_sel goes to the second hop (`feedback`)."""
         cfg = self.cfg
         cap = cfg.lsa_rerank_max_tokens
         rerank = qg is not None and page_tokens_valid is not None
         rerank = rerank and (cap is None or num_sealed * cfg.hca_chunk_size <= cap)
-        held: list[torch.Tensor] = [] if callable(mass) else [mass]
-
-        def pooled() -> torch.Tensor:
-            if not held:
-                assert callable(mass)
-                held.append(mass())
-            return held[0]
-
+        pooled = functools.cache(mass)
         n_pages = page_valid.shape[-1]
         n_cand = min(max(k_sel * cfg.lsa_rerank, cfg.lsa_rerank_min_pages) if rerank else k_sel, n_pages)
         every = n_cand > k_sel and n_cand == n_pages  # every page a candidate: no index stage
