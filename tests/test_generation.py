@@ -116,21 +116,109 @@ def test_a_crop_ends_the_exact_prompt(codec):
             pair.both("crop", -reject)
 
 
-def test_crop_into_sealed_history_is_refused_and_changes_nothing():
+def fed(model, cfg: flashmem.FlashMemoryConfig, ids: torch.Tensor):
+    """A cache that was fed ids [1, n] in one forward (the tiers a crop must give back)."""
+    cache = flashmem.attach(model, cfg)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    return cache
+
+
+def assert_same_tiers(cache, other) -> None:
+    """The layers hold the same tokens in the same tiers: sinks, sealed blocks (their count, index
+    pages, HCA entries, the rest entry's value sum), open block and window."""
+    for a, b in zip(cache.flash_layers, other.flash_layers, strict=True):
+        assert (a.sealed, a.tokens_seen) == (b.sealed, b.tokens_seen)
+        for name in ("sink_k", "sink_v", "open_k", "open_v", "win_k", "win_v", "v_sum"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.shape == y.shape and torch.allclose(x, y, atol=1e-5), name
+        assert a.index.count == b.index.count and a.summaries.hca_k.shape == b.summaries.hca_k.shape
+        assert torch.allclose(a.index.read(torch.float32), b.index.read(torch.float32), atol=0.05)
+        assert torch.equal(a.valid, b.valid)
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk+prefetch"])
+def test_crop_into_sealed_history_unseals_blocks_and_equals_dynamic_cache(tier, tmp_path):
+    """A crop past the window and the open block brings the newest sealed blocks back from the
+    cold tier into the open block, then seals what the kept tokens fill: the layers hold what a
+    cache fed only the kept tokens holds, and decode as DynamicCache does."""
     torch.manual_seed(2)
-    pair = Pair(tiny_llama(), exact_cfg())
-    pair.check(torch.randint(0, 128, (1, 100)))
+    model = tiny_llama()
+    pair = Pair(model, exact_cfg(**cold_tiers(tmp_path)[tier]))
+    seq = torch.randint(0, 128, (1, 100))
+    pair.check(seq)
+    layer = flash_layers(pair.cache)[0]
+    unsealed = 0
+    for draft, reject in [(40, 40), (30, 45), (20, 60), (8, 1), (5, 50)]:
+        ids = torch.randint(0, 128, (1, draft))
+        pair.check(ids)
+        sealed_before = layer.sealed
+        tail = layer.win_k.shape[-2] + layer.open_k.shape[-2]
+        pair.both("crop", -reject)
+        seq = torch.cat([seq, ids], dim=-1)[:, : seq.shape[1] + draft - reject]
+        unsealed += reject > tail
+        assert layer.sealed == max(0, seq.shape[1] - 2 - 32) // 16 and layer.sealed <= sealed_before
+        assert_same_tiers(pair.cache, fed(model, exact_cfg(), seq))
+        more = torch.randint(0, 128, (1, 3))
+        pair.check(more)
+        seq = torch.cat([seq, more], dim=-1)
+    assert unsealed >= 3
+
+
+def test_crop_after_unsealing_decodes_as_a_cache_fed_the_kept_tokens():
+    """The recipe (pages re-ranked by the CPU's int8 key copy, an int8 working set, the rest
+    entry): a draft that sealed blocks, rejected past them, leaves the cache in the state of one
+    that never saw it, so the next steps' logits are that cache's."""
+    torch.manual_seed(5)
+    model = tiny_llama()
+    cfg = flashmem.FlashMemoryConfig.for_budget(1 / 8, 2048, model)
+    assert cfg.keeps_rest_entry and cfg.lsa_rerank_mirror == "int8" and cfg.gpu_cache_limit == 8
+    seq = torch.randint(0, 128, (1, 1500))
+    cache = fed(model, cfg, seq)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 1)), cache=cache, use_cache=True)  # a decode step: pages selected
+        draft = torch.randint(0, 128, (1, 90))
+        model(draft, cache=cache, use_cache=True)
+    layer = cache.flash_layers[0]
+    sealed, tail = layer.sealed, layer.win_k.shape[-2] + layer.open_k.shape[-2]
+    cache.crop(-(tail + 70))
+    assert layer.sealed < sealed
+    kept = cache.get_seq_length()
+    ref = fed(model, cfg, torch.cat([seq, torch.zeros(1, 1, dtype=torch.long), draft], dim=-1)[:, :kept])
+    # the decode step after the prompt and the kept draft tokens: both caches hold the same tokens
+    assert_same_tiers(cache, ref)
+    with torch.no_grad():
+        for tok in torch.randint(0, 128, (4, 1, 1)):
+            a = model(tok, cache=cache, use_cache=True).logits
+            b = model(tok, cache=ref, use_cache=True).logits
+            assert (a - b).abs().max() <= 1e-4
+
+
+def test_a_crop_the_layers_cannot_make_is_refused_and_changes_nothing():
+    torch.manual_seed(2)
+    pair = Pair(tiny_llama(), exact_cfg(cold_codec="int8"))  # coded blocks cannot come back as they came
+    pair.forward(torch.randint(0, 128, (1, 100)))  # (int8 blocks: not DynamicCache's logits)
     layer = flash_layers(pair.cache)[0]
     room = generation.croppable_tokens(layer)
     assert room == layer.win_k.shape[-2] + layer.open_k.shape[-2] >= 32
     seen = pair.cache.get_seq_length()
-    with pytest.raises(FlashMemError, match=rf"crop of {room + 1} tokens reaches into sealed history.*at most {room}"):
+    with pytest.raises(
+        FlashMemError, match=rf"crop of {room + 1} tokens reaches into sealed history.*cold_codec: int8.*at most {room}"
+    ):
         pair.cache.crop(-(room + 1))
     assert [lay.get_seq_length() for lay in pair.cache.layers] == [seen, seen]  # all or nothing
     with pytest.raises(FlashMemError, match=r"crop\(3\): a positive count is not allowed"):
         pair.cache.crop(3)
     pair.both("crop", -room)  # the whole exact tail is allowed
-    pair.check(torch.randint(0, 128, (1, 3)))
+    assert layer.win_k.shape[-2] == layer.open_k.shape[-2] == 0
+    pair.forward(torch.randint(0, 128, (1, 3)))  # (int8 blocks: not DynamicCache's logits)
+    exact = Pair(tiny_llama(), exact_cfg())
+    exact.check(torch.randint(0, 128, (1, 50)))
+    with pytest.raises(
+        FlashMemError, match=r"crop of 51 tokens is more than layer 0 holds \(50\); allowed: at most 50"
+    ):
+        exact.cache.crop(-51)
+    exact.both("crop", -50)
 
 
 def test_crop_before_anything_is_sealed_reaches_the_sinks():
@@ -145,9 +233,9 @@ def _count_crops(monkeypatch) -> list[int]:
     seen: list[int] = []
     real = generation.crop
 
-    def spy(layer, n):
+    def spy(layer, n, *rest):
         seen.append(n)
-        return real(layer, n)
+        return real(layer, n, *rest)
 
     monkeypatch.setattr(generation, "crop", spy)
     return seen
@@ -176,11 +264,10 @@ def test_assisted_generation_equals_dynamic_cache(monkeypatch):
     assert any(n <= -5 for n in crops), crops  # whole drafts were rejected and cropped
 
 
-def test_assisted_generation_with_the_recipe_needs_a_window_as_long_as_the_drafts(monkeypatch):
-    """The recipe at 1/16 of a short prompt sizes an 8-token window: a 20-token draft rejected right
-    after a seal reaches into sealed history, one FlashMemError naming what is allowed. With
-    `gpu_cache_limit=32` (the recipe's cap, what it gives from 1/8 of 8K up) the same generation runs
-    through seals and crops of up to 20 tokens."""
+def test_assisted_generation_with_the_recipe_unseals_past_a_short_window(monkeypatch):
+    """The recipe at 1/16 of a short prompt sizes an 8-token window: a 20-token draft rejected
+    right after a seal reaches into sealed history, and the crop unseals the blocks the draft
+    sealed (read back from the cold tier), so generation runs through seals and crops."""
     torch.manual_seed(3)
     target, draft = tiny_llama(seed=0), tiny_llama(seed=1)
     ids = torch.randint(0, 128, (1, 600))
@@ -188,15 +275,21 @@ def test_assisted_generation_with_the_recipe_needs_a_window_as_long_as_the_draft
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
     kw = dict(GEN, max_new_tokens=120, assistant_model=draft)
-    small = flashmem.attach(target, budget=1 / 16, tokens=700)
-    assert small.flash_layers[0].cfg.gpu_cache_limit == 8
-    with pytest.raises(FlashMemError, match=r"crop of \d+ tokens reaches into sealed history.*allowed: at most 8"):
-        target.generate(ids, cache=small, **kw)
+    cache = flashmem.attach(target, budget=1 / 16, tokens=700)
+    assert cache.flash_layers[0].cfg.gpu_cache_limit == 8
     crops = _count_crops(monkeypatch)
-    cache = flashmem.attach(target, budget=1 / 16, tokens=700, gpu_cache_limit=32)
+    unseals: list[int] = []
+    real = generation.unseal
+
+    def spy(layer, k, v):
+        unseals.append(k.shape[-2])
+        return real(layer, k, v)
+
+    monkeypatch.setattr(generation, "unseal", spy)
     out = target.generate(ids, cache=cache, **kw)
     assert out.shape[1] == 720 and cache.flash_layers[0].num_sealed > 8  # blocks sealed while drafting
-    assert min(crops) <= -16  # drafts were rejected whole or nearly, past the 8 tokens a small window holds
+    assert min(crops) <= -16  # drafts were rejected whole or nearly, past the 8 tokens the window holds
+    assert unseals and all(n % 64 == 0 for n in unseals)  # whole blocks came back
 
 
 def test_prompt_lookup_decoding_equals_dynamic_cache(monkeypatch):

@@ -110,9 +110,11 @@ SHAPE: tuple[float, float, float] = (0.08, 0.7, 0.0)
 # text it needs: SmolLM2 at 8K and 1/8 (window 128 -> 32), KL to the full cache 0.0039 and
 # 0.0008 against 0.0060 and 0.0029 (seeds 0 and 1; an 8-token window: 0.0024 and 0.0007), at
 # 1/4 (336 -> 8) 0.0006 against 0.0039; Gemma3 at 8K held out, every answer and output the same
-# (docs/results.md, "A smaller window"). Not below 32: a crop (speculative decoding's rejected
-# drafts, 20 tokens by default in transformers) can remove only unsealed tokens, and the window
-# is all that stays unsealed right after a seal. Budgets whose solver window is smaller keep it.
+# (docs/results.md, "A smaller window"). Not below 32 so far: it was held there while a crop
+# (speculative decoding's rejected drafts, 20 tokens by default in transformers) could remove
+# only unsealed tokens. Crops now unseal blocks (cache/generation.py), so a smaller cap (8 above)
+# waits only on the retrieval and task checks a recipe change gets. Budgets whose solver window
+# is smaller keep it.
 WINDOW_CAP: int | None = 32
 # Selected pages a step attends, at most this many tokens per layer (on average over the
 # layers), whatever the budget buys: past it a budget is a ceiling, not a target. At 1/8 the

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PretrainedConfig
@@ -328,13 +328,22 @@ class FlashMemoryCache(Cache):
     # ------------------------------------------------------------ generate() (cache/generation.py)
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest -tokens_to_remove tokens from every layer (assisted and prompt-lookup
-        decoding), all or nothing: a crop past any managed layer's exact resident tail is
-        refused with one line before a layer changes."""
+        decoding), all or nothing: a crop no managed layer can make is refused with one line, and
+        the sealed blocks a crop unseals are read from the cold tier (a read error raises), before
+        a layer changes."""
         n = generation.crop_count(tokens_to_remove)
+        unsealed: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
         for layer in self.flash_layers:
             if layer.is_initialized and n:
                 generation.check_crop(layer, n)
-        super().crop(tokens_to_remove)
+        for layer in self.flash_layers:
+            if layer.is_initialized and n:
+                unsealed[id(layer)] = generation.read_unsealed(layer, n)
+        for other in self.layers:
+            if isinstance(other, FlashLayer):
+                generation.crop(other, tokens_to_remove, unsealed.get(id(other)))
+            else:  # a plain full or sliding layer (DynamicLayer's crop)
+                cast(Any, other).crop(tokens_to_remove)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)

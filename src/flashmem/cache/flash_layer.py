@@ -62,7 +62,7 @@ class FlashLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = True  # crop(-n) within the exact tail; beyond it one line (cache/generation.py)
+    is_croppable = True  # crop(-n): the exact tail, then sealed blocks unsealed (cache/generation.py)
     selection_hook: SelectionHook | None = None
     # The cache's StepGuard (None for a layer used alone): told when a step fails half-way.
     guard: StepGuard | None = None
@@ -224,11 +224,13 @@ class FlashLayer(CacheLayerMixin):
         if self.prefetcher is not None:
             self.prefetcher.new_sequence(self.layer_idx)
 
-    # generate()'s features (cache/generation.py): crop within the exact resident tail
-    # (assisted and prompt-lookup decoding), and row changes with a shared cold tier.
+    # generate()'s features (cache/generation.py): crop (assisted and prompt-lookup decoding),
+    # unsealing the newest blocks where the exact tail is too short, and row changes with a
+    # shared cold tier.
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the newest -tokens_to_remove tokens: at most the window, open block (and
-        sinks while nothing is sealed); a crop into sealed blocks is one FlashMemError."""
+        """Remove the newest -tokens_to_remove tokens: from the window and the open block, and
+        past them from sealed blocks brought back from the cold tier (an exact one), as if they
+        had never come; a crop the layer cannot make is one FlashMemError."""
         generation.crop(self, tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -377,7 +379,11 @@ class FlashLayer(CacheLayerMixin):
             self.open_v = torch.cat([self.open_v, win_v[:, :, :over]], dim=-2)
             win_k, win_v = win_k[:, :, over:], win_v[:, :, over:]
         self.win_k, self.win_v = win_k, win_v
-        B = cfg.hca_chunk_size
+        self.seal_full_blocks()
+
+    def seal_full_blocks(self) -> None:
+        """Seal the open block's full blocks (after an append, or a crop that unsealed blocks)."""
+        B = self.cfg.hca_chunk_size
         nb = self.open_k.shape[-2] // B
         if nb > 0:
             failure = self._seal(self.open_k[:, :, : nb * B], self.open_v[:, :, : nb * B])

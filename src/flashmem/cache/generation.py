@@ -4,16 +4,25 @@ changes of the batch rows (beam search, num_return_sequences, batch selection).
 Crop. Assisted decoding runs the target over a draft and then removes the tokens it
 rejected (`Cache.crop(-n)`). A FlashLayer keeps the newest tokens resident and exact:
 the window (the last `gpu_cache_limit` tokens), the open block, and, while nothing is
-sealed, the sinks. A crop of up to that many tokens cuts them off the end and refills
-the window from the open block, so the tiers hold what they would have held had the
-rejected tokens never come (unless the draft sealed a block: then the accepted tokens
-sit in that block instead of the window, the same tokens in the same order). Sealed
-blocks never change (their summaries, index pages and the rest entry's value sum were
-computed from them), so a crop that reaches into them is refused with one line.
+sealed, the sinks. A crop leaves the tiers a layer that never saw the removed tokens
+would hold: the blocks the kept tokens would not have sealed (a draft that sealed
+blocks, or a crop longer than the window and the open block) are unsealed first, their
+K/V read back from the cold tier into the open block (`unseal`: every per-block state
+drops them, what held their pages starts over); then the newest tokens are cut off the
+end, the window is refilled from the open block, and what the kept tokens fill seals
+again. Unsealing needs the blocks as they came: an exact cold tier, and rows that read
+their own stored rows (`unseal_refusal`); otherwise a crop takes only the window and the
+open block (a draft that sealed a block then leaves the accepted tokens in it and the
+window short: the same tokens in the same order) and one that reaches further is refused
+with one line. `FlashMemoryCache.crop` checks every layer and reads every layer's blocks
+before any layer changes. The cold tier keeps an unsealed block's old bytes until its id
+seals again (`put` replaces them); nothing reads a block past `sealed`.
 Also cut: the validity of positions and tokens_seen. A crop (even of 0 tokens) ends an
 exact prompt (`end_exact_prompt`): the prompt and the first draft attend exactly, the
-later verify forwards select, as decode steps do. Not undone: the fusion rule's recent queries (`use_summaries` only) keep the rejected
-tokens' queries, and the working set keeps its pages (re-selected every step anyway).
+later verify forwards select, as decode steps do. Not undone: the fusion rule's recent
+queries (`use_summaries` only) keep the rejected tokens' queries, so the HCA entries of
+blocks sealed again may differ from a fresh layer's; and the near band holds no CSA
+entries for unsealed blocks' predecessors that had aged out of it, until more blocks seal.
 
 Rows. Beam search reorders rows after every step (`reorder_cache(beam_idx)`), and
 `batch_repeat_interleave` / `batch_select_indices` repeat or drop them: each is
@@ -50,12 +59,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RowMap",
+    "blocks_to_unseal",
     "crop",
     "croppable_tokens",
     "crop_count",
+    "read_unsealed",
     "repeat",
     "select",
     "select_rows",
+    "unseal",
+    "unseal_refusal",
 ]
 
 
@@ -71,12 +84,45 @@ def crop_count(tokens_to_remove: int) -> int:
 
 
 def croppable_tokens(layer: FlashLayer) -> int:
-    """How many of the newest tokens a crop can remove: the window and the open block (and
-    the sinks while no block is sealed), which hold them exact and resident."""
+    """How many of the newest tokens a crop can remove: the window and the open block, and,
+    where sealed blocks can be unsealed (`unseal_refusal`), every sealed block and then the
+    sinks (while no block is sealed the sinks are exact and resident: removable)."""
     if not layer.is_initialized:
         return 0
     tail = layer.win_k.shape[-2] + layer.open_k.shape[-2]
-    return tail + (layer.sink_k.shape[-2] if layer.sealed == 0 else 0)
+    if layer.sealed == 0:
+        return tail + layer.sink_k.shape[-2]
+    if unseal_refusal(layer) is not None:
+        return tail
+    return tail + layer.sealed * layer.cfg.hca_chunk_size + layer.sink_k.shape[-2]
+
+
+def unseal_refusal(layer: FlashLayer) -> str | None:
+    """Why this layer's sealed blocks cannot be given back to a crop, or None. Unsealing reads a
+    block's K/V back from the cold tier into the open block: only an exact cold tier gives
+    back the tokens that were sealed, and only while every row reads its own stored row."""
+    cfg = layer.cfg
+    if cfg.cold_codec != "exact":
+        return f"cold_codec: {cfg.cold_codec} keeps sealed blocks coded, not as they came"
+    if layer.latent is not None:
+        return f"cold_low_rank: {cfg.cold_low_rank} keeps sealed blocks as low-rank coefficients"
+    if isinstance(layer.reader.store, RowMappedStore):
+        return "the rows changed (beam search) since blocks were sealed"
+    return None
+
+
+def blocks_to_unseal(layer: FlashLayer, n: int) -> int:
+    """Sealed blocks a crop of n tokens unseals: those the kept tokens would not have sealed (a
+    layer that saw them alone holds its last `gpu_cache_limit` in the window and seals full
+    blocks of the rest), so the crop leaves the tiers of a layer that never saw the removed
+    tokens. 0 where blocks cannot be unsealed (`unseal_refusal`): the crop then takes the
+    newest tokens from the window and the open block only, and the window stays short."""
+    if not layer.is_initialized or layer.sealed == 0 or unseal_refusal(layer) is not None:
+        return 0
+    cfg = layer.cfg
+    kept = layer.tokens_seen - n
+    middle = kept - layer.sink_k.shape[-2] - cfg.gpu_cache_limit  # what the window pushed out
+    return max(0, layer.sealed - max(0, middle) // cfg.hca_chunk_size)
 
 
 def check_crop(layer: FlashLayer, n: int) -> None:
@@ -86,16 +132,75 @@ def check_crop(layer: FlashLayer, n: int) -> None:
             f"layer {layer.layer_idx}: crop in the middle of a forward; allowed: crop between model forwards"
         )
     room = croppable_tokens(layer)
-    if n > room:
+    if n <= room:
+        return
+    why = unseal_refusal(layer) if layer.sealed else None
+    if why is not None:
         raise FlashMemError(
             f"crop of {n} tokens reaches into sealed history (layer {layer.layer_idx} holds its last {room} "
-            f"exact); allowed: at most {room} (the window keeps the last gpu_cache_limit="
-            f"{layer.cfg.gpu_cache_limit} tokens croppable)"
+            f"exact, and cannot unseal blocks: {why}); allowed: at most {room} (the window keeps the last "
+            f"gpu_cache_limit={layer.cfg.gpu_cache_limit} tokens croppable)"
         )
+    raise FlashMemError(
+        f"crop of {n} tokens is more than layer {layer.layer_idx} holds ({room}); allowed: at most {room}"
+    )
 
 
-def crop(layer: FlashLayer, tokens_to_remove: int) -> None:
-    """`CacheLayerMixin.crop`: remove the newest tokens (see the module docstring)."""
+def read_unsealed(layer: FlashLayer, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The K/V [b, h, u*B, d] of the sealed blocks a crop of n tokens unseals (`blocks_to_unseal`),
+    read from the cold tier (checksummed there) before anything changes, or None (none)."""
+    u = blocks_to_unseal(layer, n)
+    if u == 0:
+        return None
+    blocks = [layer.reader.fetch_block(j) for j in range(layer.sealed - u, layer.sealed)]
+    return torch.cat([bk for bk, _ in blocks], dim=-2), torch.cat([bv for _, bv in blocks], dim=-2)
+
+
+def unseal(layer: FlashLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The newest u sealed blocks, whose K/V k, v [b, h, u*B, d] were read back, become the start
+    of the open block again: every per-block state drops them (summaries, index pages, re-rank
+    codes, the rest entry's value sum) and what held their pages starts over (working set, page
+    cache, candidates' codes, a static segment, the prefetcher's loaded blocks). The cold tier
+    keeps their old bytes until the same block ids seal again (`put` replaces them); nothing
+    reads a block past `sealed`."""
+    cfg = layer.cfg
+    B, ppb, S = cfg.hca_chunk_size, cfg.pages_per_block, layer.block_start
+    u = k.shape[-2] // B
+    cut = layer.sealed - u
+    if cfg.keeps_rest_entry:
+        valid = layer.valid[:, S + cut * B : S + layer.sealed * B].to(torch.float32)  # [b, u*B]
+        layer.v_sum -= (v.float() * valid[:, None, :, None]).sum(-2)
+    summ = layer.summaries
+    summ.hca_k, summ.hca_v, summ.hca_cnt = summ.hca_k[:, :, :cut], summ.hca_v[:, :, :cut], summ.hca_cnt[:, :cut]
+    summ.csa_blocks = deque(blk for blk in summ.csa_blocks if blk[0] < cut)
+    summ.rebuild_band()
+    index = layer.index
+    index.codes = index.codes[:, :, : cut * ppb]
+    if index.scales is not None:
+        index.scales = index.scales[:, :, : cut * ppb]
+    ranker = layer.ranker
+    if ranker.codes is not None:  # re-rank codes or the key copy: coded again as the blocks seal
+        ranker.codes.n = min(ranker.codes.n, cut)
+    if ranker.device_codes is not None:
+        ranker.device_codes.clear()
+    ranker._last_cand = ranker._last_all = None
+    pv = ranker.page_values
+    if pv is not None and pv.blocks > cut:
+        pv.means, pv.blocks = pv.means[:, :, : cut * ppb], cut
+    layer.working_set.clear()
+    layer.static = None
+    layer.page_codes = None
+    if layer.prefetcher is not None:  # blocks loaded ahead under these ids are the old ones
+        layer.prefetcher.new_sequence(layer.layer_idx)
+    layer.sealed = cut
+    layer.open_k = torch.cat([k.to(layer.open_k.dtype), layer.open_k], dim=-2)
+    layer.open_v = torch.cat([v.to(layer.open_v.dtype), layer.open_v], dim=-2)
+
+
+def crop(layer: FlashLayer, tokens_to_remove: int, unsealed: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """`CacheLayerMixin.crop`: remove the newest tokens (see the module docstring). unsealed: the
+    blocks `read_unsealed` read for this crop ahead of time (FlashMemoryCache.crop reads every
+    layer's before it changes any), else read here."""
     if not layer.is_initialized:
         return
     n = crop_count(tokens_to_remove)
@@ -104,6 +209,10 @@ def crop(layer: FlashLayer, tokens_to_remove: int) -> None:
     end_exact_prompt(layer)
     if n == 0:
         return
+    if unsealed is None:
+        unsealed = read_unsealed(layer, n)
+    if unsealed is not None:
+        unseal(layer, *unsealed)
     for name in ("win", "open", "sink"):
         k, v = getattr(layer, f"{name}_k"), getattr(layer, f"{name}_v")
         take = min(n, k.shape[-2])
@@ -121,6 +230,8 @@ def crop(layer: FlashLayer, tokens_to_remove: int) -> None:
     removed = -tokens_to_remove
     layer.tokens_seen -= removed
     layer.validity.drop_last(removed)
+    if unsealed is not None:
+        layer.seal_full_blocks()  # what the accepted tokens fill seals again, as an append would
 
 
 def end_exact_prompt(layer: FlashLayer) -> None:
