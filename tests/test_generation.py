@@ -165,14 +165,20 @@ def test_crop_into_sealed_history_unseals_blocks_and_equals_dynamic_cache(tier, 
     assert unsealed >= 3
 
 
-def test_crop_after_unsealing_decodes_as_a_cache_fed_the_kept_tokens():
+@pytest.mark.parametrize("variant", ["default", "static"])
+def test_crop_after_unsealing_decodes_as_a_cache_fed_the_kept_tokens(variant):
     """The recipe (pages re-ranked by the CPU's int8 key copy, an int8 working set, the rest
-    entry): a draft that sealed blocks, rejected past them, leaves the cache in the state of one
-    that never saw it, so the next steps' logits are that cache's."""
+    entry), and the static decode step (a segment's buffers): a draft that sealed blocks,
+    rejected past them, leaves the cache in the state of one that never saw it, so the next
+    steps' logits are that cache's."""
     torch.manual_seed(5)
     model = tiny_llama()
-    cfg = flashmem.FlashMemoryConfig.for_budget(1 / 8, 2048, model)
-    assert cfg.keeps_rest_entry and cfg.lsa_rerank_mirror == "int8" and cfg.gpu_cache_limit == 8
+    cfg = flashmem.FlashMemoryConfig.for_budget(1 / 8, 2048, model, variant=variant)
+    assert cfg.gpu_cache_limit == 8
+    if variant == "default":
+        assert cfg.keeps_rest_entry and cfg.lsa_rerank_mirror == "int8"
+    else:
+        assert cfg.decode_step == "static"
     seq = torch.randint(0, 128, (1, 1500))
     cache = fed(model, cfg, seq)
     with torch.no_grad():
@@ -192,6 +198,7 @@ def test_crop_after_unsealing_decodes_as_a_cache_fed_the_kept_tokens():
             a = model(tok, cache=cache, use_cache=True).logits
             b = model(tok, cache=ref, use_cache=True).logits
             assert (a - b).abs().max() <= 1e-4
+    assert (layer.static_steps > 1) == (variant == "static")  # the segment before the draft and after the crop
 
 
 def test_a_crop_the_layers_cannot_make_is_refused_and_changes_nothing():
