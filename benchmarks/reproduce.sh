@@ -59,8 +59,11 @@ table() {
   for w in "--seeds 0,1,2 --wordings dev" "--seeds 11,12 --wordings heldout"; do
     python -m flashmem_eval.task_suite run "$TJ" --answered-only --budgets 1/16 $w $T \
       --methods full,kvpress:KeyDiffPress,kvpress:ExpectedAttentionPress
-    # KIVI int2 (0.094-0.101 of the full cache) beside flashmem at 1/8
-    python -m flashmem_eval.task_suite run "$TJ" --answered-only --budgets 1/8 $w $T --methods full,kivi-int2,flashmem
+    # quantized caches (KIVI int2: 0.094-0.101 of the full cache; the int4 ones 0.156-0.163) beside
+    # flashmem at 1/8 and at 1/6, about the int4 caches' bytes
+    python -m flashmem_eval.task_suite run "$TJ" --answered-only --budgets 1/8 $w $T \
+      --methods full,kivi-int2,kivi-int4,quanto-int4,hqq-int4,flashmem
+    python -m flashmem_eval.task_suite run "$TJ" --answered-only --budgets 1/6 $w $T --methods full,flashmem
   done
   flashmem report "$O/retrieval_gemma3_4k.json" --plot "$O/retrieval_gemma3_4k.png"
   flashmem report "$O/retrieval_gemma3_4k.json" "$O/fidelity_smollm2_4k.json" "$TJ" --readme README.md
