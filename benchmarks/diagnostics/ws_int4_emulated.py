@@ -11,12 +11,16 @@ without touching them, by patching two module attributes for the run:
 * the budget solver's `working_set_scale` counts 0.5 + 4/head_dim bytes an
   element for the int8 codec, so `for_budget` buys the pages int4 would.
 
+With `--part values` only the values go to int4 (keys stay int8, as KIVI keeps keys finer than
+values): after each gather the working set's value rows are coded again to 15 levels in place,
+and the solver counts (1 + 4/d + 0.5 + 4/d) / 2 bytes an element.
+
 The codes are still stored one a byte, so the measured ratio over-counts; the
-row reports `ratio_int4` (the working set's codes halved, its scales kept) / full, the bytes packed
+row reports `ratio_int4` (the int4 part's codes halved, its scales kept) / full, the bytes packed
 int4 codes would take (modelled from the measured tiers), beside the measured one.
 
-    OMP_NUM_THREADS=1 flock /work/notes/bench.lock python benchmarks/diagnostics/ws_int4_emulated.py \
-        --model smollm2 --budgets 1/8,1/16 --length 4096 --seeds 0,1 --out results/ws_int4_emulated_smollm2.jsonl
+    OMP_NUM_THREADS=1 python benchmarks/diagnostics/ws_int4_emulated.py --model smollm2 --budgets 1/8,1/16 \
+        --length 4096 --seeds 0,1 [--part values] --out results/ws_int4_emulated_smollm2.jsonl
 """
 
 from __future__ import annotations
@@ -48,16 +52,41 @@ def _int4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-def patch_int4() -> None:
+def _values_to_int4(ws: Any) -> None:
+    """The working set's value rows (int8 codes, scales) coded again to int4's 15 levels, in place;
+    rows already at int4 levels come back the same."""
+    code = ws.code[1]
+    if code is None or len(code) != 2:
+        return
+    codes, scale = code
+    codes4, scale4, _ = _int4_encode_and_decode(codes.float() * scale, None)
+    codes.copy_(codes4)
+    scale.copy_(scale4)
+    ws.plain[1] = None  # decoded again from the int4-level codes
+
+
+def patch_int4(part: str = "both") -> None:
     from flashmem.compress import page_code
     from flashmem.sizing import budget, calculator, tiers
 
-    page_code.encode_and_decode = _int4_encode_and_decode  # type: ignore[assignment]
-    page_code.encode = _int4_encode  # type: ignore[assignment]
+    if part == "both":
+        page_code.encode_and_decode = _int4_encode_and_decode  # type: ignore[assignment]
+        page_code.encode = _int4_encode  # type: ignore[assignment]
+    else:
+        from flashmem.cache.working_set import WorkingSet
+
+        gather = WorkingSet.gather
+
+        def gather_v4(self: Any, *a: Any, **k: Any) -> None:
+            gather(self, *a, **k)
+            _values_to_int4(self)
+
+        WorkingSet.gather = gather_v4  # type: ignore[method-assign]
 
     def scale(cfg: Any, head_dim: int, dtype_bytes: float) -> float:
         if cfg.working_set_codec == "int8":
-            return (0.5 + 4.0 / max(1, head_dim)) / dtype_bytes
+            int8, int4 = 1.0 + 4.0 / max(1, head_dim), 0.5 + 4.0 / max(1, head_dim)
+            return (int4 if part == "both" else (int8 + int4) / 2) / dtype_bytes
         return tiers.working_set_scale(cfg, head_dim, dtype_bytes)
 
     budget.working_set_scale = scale  # type: ignore[assignment]
@@ -72,6 +101,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--n-cont", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--part", default="both", choices=["both", "values"], help="values: keys stay int8")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from flashmem.config import FlashMemoryConfig
@@ -83,10 +113,11 @@ def main() -> None:
     budgets = [float(x.split("/")[0]) / float(x.split("/")[1]) if "/" in x else float(x) for x in a.budgets.split(",")]
     loaded = H.load(a.model)
     model, tok = loaded.model, loaded.tokenizer
-    patch_int4()
+    patch_int4(a.part)
     from flashmem.sizing.budget import model_geometry
 
     d = int(model_geometry(model)["head_dim"])
+    share = 1.0 if a.part == "both" else 0.5  # of the working set's bytes coded int4
     for seed in (int(s) for s in a.seeds.split(",")):
         prompt, cont = fidelity_ids(tok, a.length, a.n_cont, seed)
         pre = H.prefill_full(model, prompt)
@@ -104,15 +135,15 @@ def main() -> None:
                 H.restore_attn(model, impl)
                 cache.close()
             row = {
-                "method": "flashmem:ws-int4-emulated",
+                "method": "flashmem:ws-int4-emulated" + ("" if a.part == "both" else "-values"),
                 "model": a.model,
                 "budget": b,
                 "length": a.length,
                 "seed": seed,
                 "n_cont": a.n_cont,
                 "ratio_measured_int8_storage": end["ratio"],
-                # int8 codes + fp32 row scales -> int4 codes (half) + the same scales
-                "ratio_int4": (end["resident_managed_bytes"] - ws * (1 - (0.5 + 4 / d) / (1 + 4 / d)))
+                # int8 codes + fp32 row scales -> int4 codes (half) + the same scales (values only: half of them)
+                "ratio_int4": (end["resident_managed_bytes"] - ws * share * (1 - (0.5 + 4 / d) / (1 + 4 / d)))
                 / end["full_managed_bytes"],
                 "working_set_bytes": ws,
                 "lsa_top_k": cfg.lsa_top_k,
