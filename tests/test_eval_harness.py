@@ -73,6 +73,15 @@ def test_fidelity_suite_and_resume(tmp_path, loaded, monkeypatch):
     assert {s["method"] for s in summary} == {"full", "streaming", "snapkv"}
 
 
+def test_a_rerun_keeps_the_notes_a_file_carries(tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"meta": {"suite": "tasks", "note": "full rows copied", "runs": [{"a": 1}]}, "rows": []}))
+    store = H.ResultStore(out, meta={"suite": "tasks", "model": "smollm2"})
+    store.meta["runs"].append({"b": 2})
+    meta = store.write()["meta"]
+    assert meta["note"] == "full rows copied" and meta["runs"] == [{"a": 1}, {"b": 2}] and meta["model"] == "smollm2"
+
+
 def test_resume_ignores_cut_line_and_errors(tmp_path):
     out = tmp_path / "r.json"
     part = out.with_name("r.json.partial.jsonl")

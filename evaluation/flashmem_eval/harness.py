@@ -245,7 +245,10 @@ class ResultStore:
         if self.json_out.is_file():
             try:
                 doc = json.loads(self.json_out.read_text())
-                self.meta.setdefault("runs", list(doc.get("meta", {}).get("runs", [])))
+                old = doc.get("meta", {})
+                self.meta.setdefault("runs", list(old.get("runs", [])))
+                for key, value in old.items():  # notes a file carries (where rows were copied from) stay
+                    self.meta.setdefault(key, value)
                 for r in doc.get("rows", []):
                     if "cell" in r and not r.get("error"):
                         self.rows[r["cell"]] = r
