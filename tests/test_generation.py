@@ -288,9 +288,9 @@ def test_assisted_generation_with_the_recipe_unseals_past_a_short_window(monkeyp
     unseals: list[int] = []
     real = generation.unseal
 
-    def spy(layer, k, v):
-        unseals.append(k.shape[-2])
-        return real(layer, k, v)
+    def spy(layer, blocks):
+        unseals.append(sum(bk.shape[-2] for bk, _ in blocks))
+        return real(layer, blocks)
 
     monkeypatch.setattr(generation, "unseal", spy)
     out = target.generate(ids, cache=cache, **kw)

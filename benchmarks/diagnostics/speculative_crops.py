@@ -55,10 +55,10 @@ def main() -> None:
             crops.append(n)
         real_crop(layer, n, *rest)
 
-    def spy_unseal(layer: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+    def spy_unseal(layer: Any, blocks: generation.Unsealed) -> None:
         if layer.layer_idx == 0:
-            unseals.append(k.shape[-2])
-        real_unseal(layer, k, v)
+            unseals.append(sum(bk.shape[-2] for bk, _ in blocks))
+        real_unseal(layer, blocks)
 
     generation.crop, generation.unseal = spy_crop, spy_unseal  # type: ignore[assignment]
     rows: dict[str, Any] = {}

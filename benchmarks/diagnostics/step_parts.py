@@ -64,7 +64,12 @@ def wrap_parts(acc: dict[str, float]) -> Callable[[], None]:
 
         setattr(owner, name, functools.wraps(orig)(timed))
         undo.append((owner, name, orig))
-    return lambda: [setattr(o, n, f) for o, n, f in undo]  # type: ignore[func-returns-value]
+
+    def restore() -> None:
+        for owner, name, orig in undo:
+            setattr(owner, name, orig)
+
+    return restore
 
 
 def main() -> None:

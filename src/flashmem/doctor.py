@@ -280,10 +280,12 @@ def _rerank_findings(cfg: FlashMemoryConfig, context: int, device: dict[str, Any
     every key once."""
     if device["kind"] != "cpu" or cfg.lsa_rerank <= 1:
         return []
+    from flashmem.sizing.tiers import rerank_candidates
+
     pages = max(0, context - cfg.sink_tokens - cfg.gpu_cache_limit) // cfg.page_tokens
     k = cfg.blocks_to_select(pages)
-    cand = min(pages, max(k * cfg.lsa_rerank, cfg.lsa_rerank_min_pages))
-    if not pages or cand < pages or k >= pages:
+    cand = rerank_candidates(cfg, pages, k)  # 0 past lsa_rerank_max_tokens: no re-rank there
+    if not pages or not cand or cand < pages or k >= pages:
         return []
     return [Finding("slow", "warn", f"every one of the {pages} sealed pages at {context} tokens is a re-rank candidate ({cfg.lsa_rerank} x {k} selected, at least lsa_rerank_min_pages {cfg.lsa_rerank_min_pages}): each decode step scores every key, then attends its selection; on a CPU that is slower than the full cache's one pass (SmolLM2 at 8K and 1/8: 0.77x its decode speed; a tiny model at 32K: 3.7x faster, docs/results.md)", "at this length the cache saves memory, not decode time; lower lsa_rerank_min_pages to trade accuracy for speed", cand)]  # fmt: skip
 

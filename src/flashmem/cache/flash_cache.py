@@ -332,7 +332,7 @@ class FlashMemoryCache(Cache):
         the sealed blocks a crop unseals are read from the cold tier (a read error raises), before
         a layer changes."""
         n = generation.crop_count(tokens_to_remove)
-        unsealed: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        unsealed: dict[int, generation.Unsealed | None] = {}
         for layer in self.flash_layers:
             if layer.is_initialized and n:
                 generation.check_crop(layer, n)

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RowMap",
+    "Unsealed",
     "blocks_to_unseal",
     "crop",
     "croppable_tokens",
@@ -146,30 +147,34 @@ def check_crop(layer: FlashLayer, n: int) -> None:
     )
 
 
-def read_unsealed(layer: FlashLayer, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The K/V [b, h, u*B, d] of the sealed blocks a crop of n tokens unseals (`blocks_to_unseal`),
-    read from the cold tier (checksummed there) before anything changes, or None (none)."""
+# The newest sealed blocks' K/V as the cold tier gives them back, oldest first: [(k, v) [b, h, B, d]].
+Unsealed = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_unsealed(layer: FlashLayer, n: int) -> Unsealed | None:
+    """The sealed blocks a crop of n tokens unseals (`blocks_to_unseal`), read from the cold tier
+    (checksummed there) before anything changes, or None (none)."""
     u = blocks_to_unseal(layer, n)
     if u == 0:
         return None
-    blocks = [layer.reader.fetch_block(j) for j in range(layer.sealed - u, layer.sealed)]
-    return torch.cat([bk for bk, _ in blocks], dim=-2), torch.cat([bv for _, bv in blocks], dim=-2)
+    return [layer.reader.fetch_block(j) for j in range(layer.sealed - u, layer.sealed)]
 
 
-def unseal(layer: FlashLayer, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The newest u sealed blocks, whose K/V k, v [b, h, u*B, d] were read back, become the start
-    of the open block again: every per-block state drops them (summaries, index pages, re-rank
-    codes, the rest entry's value sum) and what held their pages starts over (working set, page
-    cache, candidates' codes, a static segment, the prefetcher's loaded blocks). The cold tier
-    keeps their old bytes until the same block ids seal again (`put` replaces them); nothing
-    reads a block past `sealed`."""
+def unseal(layer: FlashLayer, blocks: Unsealed) -> None:
+    """The newest len(blocks) sealed blocks, read back, become the start of the open block again
+    (one copy, with the open block's tokens): every per-block state drops them (summaries, index
+    pages, re-rank codes, the rest entry's value sum) and what held their pages starts over
+    (working set, page cache, candidates' codes, a static segment, the prefetcher's loaded
+    blocks). Until the crop seals again, the open block holds their tokens too: a transient of
+    the blocks a draft sealed. The cold tier keeps their old bytes until the same block ids seal
+    again (`put` replaces them); nothing reads a block past `sealed`."""
     cfg = layer.cfg
     B, ppb, S = cfg.hca_chunk_size, cfg.pages_per_block, layer.block_start
-    u = k.shape[-2] // B
-    cut = layer.sealed - u
+    cut = layer.sealed - len(blocks)
     if cfg.keeps_rest_entry:
-        valid = layer.valid[:, S + cut * B : S + layer.sealed * B].to(torch.float32)  # [b, u*B]
-        layer.v_sum -= (v.float() * valid[:, None, :, None]).sum(-2)
+        for j, (_, bv) in enumerate(blocks, start=cut):
+            valid = layer.valid[:, S + j * B : S + (j + 1) * B].to(torch.float32)  # [b, B]
+            layer.v_sum -= (bv.float() * valid[:, None, :, None]).sum(-2)
     summ = layer.summaries
     summ.hca_k, summ.hca_v, summ.hca_cnt = summ.hca_k[:, :, :cut], summ.hca_v[:, :, :cut], summ.hca_cnt[:, :cut]
     summ.csa_blocks = deque(blk for blk in summ.csa_blocks if blk[0] < cut)
@@ -193,11 +198,11 @@ def unseal(layer: FlashLayer, k: torch.Tensor, v: torch.Tensor) -> None:
     if layer.prefetcher is not None:  # blocks loaded ahead under these ids are the old ones
         layer.prefetcher.new_sequence(layer.layer_idx)
     layer.sealed = cut
-    layer.open_k = torch.cat([k.to(layer.open_k.dtype), layer.open_k], dim=-2)
-    layer.open_v = torch.cat([v.to(layer.open_v.dtype), layer.open_v], dim=-2)
+    layer.open_k = torch.cat([*(bk for bk, _ in blocks), layer.open_k], dim=-2)
+    layer.open_v = torch.cat([*(bv for _, bv in blocks), layer.open_v], dim=-2)
 
 
-def crop(layer: FlashLayer, tokens_to_remove: int, unsealed: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def crop(layer: FlashLayer, tokens_to_remove: int, unsealed: Unsealed | None = None) -> None:
     """`CacheLayerMixin.crop`: remove the newest tokens (see the module docstring). unsealed: the
     blocks `read_unsealed` read for this crop ahead of time (FlashMemoryCache.crop reads every
     layer's before it changes any), else read here."""
@@ -212,7 +217,7 @@ def crop(layer: FlashLayer, tokens_to_remove: int, unsealed: tuple[torch.Tensor,
     if unsealed is None:
         unsealed = read_unsealed(layer, n)
     if unsealed is not None:
-        unseal(layer, *unsealed)
+        unseal(layer, unsealed)
     for name in ("win", "open", "sink"):
         k, v = getattr(layer, f"{name}_k"), getattr(layer, f"{name}_v")
         take = min(n, k.shape[-2])
