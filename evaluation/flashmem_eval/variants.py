@@ -126,8 +126,9 @@ CAPS: dict[str, int | None] = {"nocap": None, "cap8k": 8192}
 VARIANTS.update({name: dict(RECIPE) for name in CAPS})
 # Variants with another cap on the window the solver sizes (None: none, the recipe before
 # "A smaller window"); the recipe's is flashmem.recipe.WINDOW_CAP.
-# wincap8: a cap of 8, which crops that unseal blocks (cache/generation.py) allow at any window.
-WINDOW_CAPS: dict[str, int | None] = {"sizedwin": None, "wincap8": 8}
+# wincap8: a cap of 8, checked as a variant before it became the recipe's (stop 47; its result
+# files name it); wincap32: the recipe's cap before that.
+WINDOW_CAPS: dict[str, int | None] = {"sizedwin": None, "wincap8": 8, "wincap32": 32}
 VARIANTS.update({name: dict(RECIPE) for name in WINDOW_CAPS})
 # The cold tier in the calibrated low-rank space (`cold_low_rank`; needs the model's
 # calibration, `flashmem calibrate`): lr<parts><rank>, parts kv / k (keys) / v (values);

@@ -107,15 +107,14 @@ SHAPE: tuple[float, float, float] = (0.08, 0.7, 0.0)
 # The window the solver sizes (SHAPE's 8%) is at most this many tokens; its bytes beyond buy
 # selected pages (or, past SELECTED_TOKENS_CAP, the page cache and the re-rank's codes). Exact
 # recent tokens cost 3.8x the bytes of int8 pages, and the pages a step selects hold the recent
-# text it needs: SmolLM2 at 8K and 1/8 (window 128 -> 32), KL to the full cache 0.0039 and
-# 0.0008 against 0.0060 and 0.0029 (seeds 0 and 1; an 8-token window: 0.0024 and 0.0007), at
-# 1/4 (336 -> 8) 0.0006 against 0.0039; Gemma3 at 8K held out, every answer and output the same
-# (docs/results.md, "A smaller window"). Not below 32 so far: it was held there while a crop
-# (speculative decoding's rejected drafts, 20 tokens by default in transformers) could remove
-# only unsealed tokens. Crops now unseal blocks (cache/generation.py), so a smaller cap (8 above)
-# waits only on the retrieval and task checks a recipe change gets. Budgets whose solver window
-# is smaller keep it.
-WINDOW_CAP: int | None = 32
+# text it needs: SmolLM2 at 8K and 1/8, KL to the full cache 0.0023 and 0.0006 with 8 tokens
+# against 0.0039 and 0.0007 with 32 (seeds 0 and 1) and 0.0060 and 0.0029 with the sized 128;
+# at 4K and 1/8 0.00208 / 0.00153 against 0.00216 / 0.00155 in fewer bytes; Gemma3 at 8K and 16K
+# held out, every answer and output the same; the SmolLM2 task families at 4K and 8K, the same
+# items (docs/results.md, "A smaller window" and "A window capped at 8 tokens"). It was held at
+# 32 while a crop (speculative decoding's rejected drafts) could remove only unsealed tokens;
+# crops now unseal blocks (cache/generation.py). Budgets whose solver window is smaller keep it.
+WINDOW_CAP: int | None = 8
 # Selected pages a step attends, at most this many tokens per layer (on average over the
 # layers), whatever the budget buys: past it a budget is a ceiling, not a target. At 1/8 the
 # int8 working set buys a third of the context, 24K tokens per head at 64K, and decoding them
