@@ -205,14 +205,16 @@ def test_an_unreachable_budget_warns_with_what_it_holds():
         budget_config(1 / 16, 2048, group=3, head_dim=64, dtype_bytes=4, device_codes=False)
 
 
-@pytest.mark.parametrize("window", [8, 512])
+@pytest.mark.parametrize("window", [32, 512])
 def test_a_named_window_stands_and_the_pages_fill_the_budget(window):
     """A caller's gpu_cache_limit is kept (the solver used to overwrite it with its own): the
-    pages fill what is left, so a smaller window buys more of them and the config still holds
-    about the budget."""
+    pages fill what is left, so a larger window buys fewer of them, a smaller one more, and the
+    config still holds about the budget."""
     geo = dict(head_dim=64, group=3, dtype_bytes=4, device_codes=False)
     solved = budget_config(0.125, 8192, **geo)
     named = budget_config(0.125, 8192, gpu_cache_limit=window, **geo)
     assert named.gpu_cache_limit == window != solved.gpu_cache_limit
-    assert (named.lsa_top_k > solved.lsa_top_k) is (window < solved.gpu_cache_limit)
+    assert named.lsa_top_k < solved.lsa_top_k
+    smaller = budget_config(0.125, 8192, gpu_cache_limit=window // 2, **geo)
+    assert smaller.lsa_top_k > named.lsa_top_k
     assert predicted_ratio(named, 8192, 3, 64, 4, peak=True) == pytest.approx(0.125, rel=0.03)
