@@ -206,6 +206,17 @@ class FlashMemoryConfig(BaseModel):
         "the window). A block sealed since, or a forward of several tokens, selects again. On an "
         "accelerator the ranking is most of a step's operators (docs/accelerator.md); 1: every step",
     )
+    select_per_token_max: int = Field(
+        64,
+        ge=0,
+        le=4096,
+        description="after the prompt (the first one-token forward), a forward of at most this many "
+        "tokens that attends its selection (speculative decoding's verify forward, prompt lookup's, a "
+        "short follow-up turn) runs its attention one token at a time, each token with the selection a "
+        "one-token step makes, so assisted generation gives the tokens plain decoding gives; a longer "
+        "one, or a prompt chunk, selects once for all its tokens (their pooled mass); 0: every such "
+        "forward selects once",
+    )
     decode_step: DecodeStep = Field(
         "eager",
         description="how a decode step runs: eager (any config) or static: the steps between two seals "
