@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import tempfile
@@ -101,6 +102,7 @@ def measure(
     as_device: bool = False,
     question: str = QUESTION,
     live_bytes: bool = False,
+    variant: str = "default",
 ) -> dict[str, Any]:
     model, tok = _model(name, tokens)
     vocab = model.config.vocab_size
@@ -122,10 +124,10 @@ def measure(
     if as_device:  # the config an accelerator gets: codes and a page cache where the cap leaves room
         from flashmem.sizing.budget import budget_config, model_geometry
 
-        device_cfg = budget_config(budget, tokens + steps, **model_geometry(model), device_codes=True, **keys)
+        device_cfg = budget_config(budget, tokens + steps, variant, **model_geometry(model), device_codes=True, **keys)
         cache = flashmem.attach(model, device_cfg, tokenizer=tok)
     else:
-        cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, **keys)
+        cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, variant=variant, **keys)
     # the baseline after one forward of a prompt chunk with no cache: the model's own first forward
     # keeps about 0.5 GB (SmolLM2, 512 tokens: its activations and logits, held by the allocator),
     # which is not the cache's part
@@ -246,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--live-bytes", action="store_true", help="count every tensor alive at once (slower): live_peak_over_budget"
     )
+    p.add_argument(
+        "--variants", default="default", help="comma list: the recipe (default) or evaluation variants (wincap32, ...)"
+    )
     p.add_argument("--out", default=None, help="JSON lines of the rows")
     a = p.parse_args(argv)
     extra: dict[str, Any] = {}
@@ -262,13 +267,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     try:
         for n in (int(x) for x in a.lengths.split(",")):
-            for codec in a.codecs.split(","):
+            for codec, variant in itertools.product(a.codecs.split(","), a.variants.split(",")):
                 row = measure(
                     a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb,
-                    a.text, a.text_seed, extra, a.as_device, a.question, a.live_bytes,
+                    a.text, a.text_seed, extra, a.as_device, a.question, a.live_bytes, variant,
                 )  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row))
+                rows.append({**row, "variant": variant})
+                print(json.dumps(rows[-1]))
     finally:
         BlockReader.rank_on_host = was
     if a.out:
