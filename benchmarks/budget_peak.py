@@ -126,8 +126,11 @@ def measure(
 
         device_cfg = budget_config(budget, tokens + steps, variant, **model_geometry(model), device_codes=True, **keys)
         cache = flashmem.attach(model, device_cfg, tokenizer=tok)
+    elif variant != "default":
+        cfg = flashmem.FlashMemoryConfig.for_budget(budget, tokens + steps, model, variant=variant, **keys)
+        cache = flashmem.attach(model, cfg, tokenizer=tok)
     else:
-        cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, variant=variant, **keys)
+        cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, **keys)
     # the baseline after one forward of a prompt chunk with no cache: the model's own first forward
     # keeps about 0.5 GB (SmolLM2, 512 tokens: its activations and logits, held by the allocator),
     # which is not the cache's part

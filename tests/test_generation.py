@@ -297,22 +297,30 @@ def test_assisted_generation_with_the_recipe_unseals_past_a_short_window(monkeyp
     assert out.shape[1] == 720 and cache.flash_layers[0].num_sealed > 8  # blocks sealed while drafting
     assert min(crops) <= -16  # drafts were rejected whole or nearly, past the 8 tokens the window holds
     assert unseals and all(n % 64 == 0 for n in unseals)  # whole blocks came back
-    # each verified token selected as a one-token step does: plain decoding's tokens
+    # each verified token selected as a one-token step does: plain decoding's tokens (an end-to-end
+    # check; on this random model a shared selection gives them too: the verify test below tells
+    # the two apart)
     greedy = target.generate(ids, cache=flashmem.attach(target, budget=1 / 16, tokens=700), **GEN, max_new_tokens=120)
     assert torch.equal(out, greedy)
 
 
-def _recipe_after_prompt(model, prompt: torch.Tensor, **extra):
-    """The recipe at 1/16 with `prompt` and one decoded token fed (the exact prompt over)."""
+def _recipe_after_prompt(model, prompt: torch.Tensor, end: str, **extra):
+    """The recipe at 1/16 with `prompt` fed, then the prompt ended as decoding ends it: one
+    decoded token ("step") or, as assisted generation does after its first verify forward, a
+    crop of nothing ("crop")."""
     cache = flashmem.attach(model, budget=1 / 16, tokens=700, **extra)
     with torch.no_grad():
         model(prompt, cache=cache, use_cache=True)
-        model(prompt[:, -1:], cache=cache, use_cache=True)
+        if end == "step":
+            model(prompt[:, -1:], cache=cache, use_cache=True)
+        else:
+            cache.crop(0)  # what transformers calls after a verify forward that kept its draft
     return cache
 
 
+@pytest.mark.parametrize("end", ["step", "crop"])
 @pytest.mark.parametrize("per_token", [True, False])
-def test_a_verify_forward_selects_for_each_token_as_decoding_does(per_token):
+def test_a_verify_forward_selects_for_each_token_as_decoding_does(per_token, end):
     """A forward of 12 tokens after the prompt (a speculative verify) gives each token the
     logits of feeding the tokens one by one, selection included; with select_per_token_max 0
     the 12 share one selection and the logits differ (the check can tell the two apart)."""
@@ -320,8 +328,8 @@ def test_a_verify_forward_selects_for_each_token_as_decoding_does(per_token):
     model = tiny_llama(seed=0)
     prompt, draft = torch.randint(0, 128, (1, 600)), torch.randint(0, 128, (1, 12))
     extra = {} if per_token else {"select_per_token_max": 0}
-    one_by_one = _recipe_after_prompt(model, prompt)
-    verify = _recipe_after_prompt(model, prompt, **extra)
+    one_by_one = _recipe_after_prompt(model, prompt, end)
+    verify = _recipe_after_prompt(model, prompt, end, **extra)
     assert verify.flash_layers[0].num_sealed > 0 and verify.flash_layers[0].cfg.lsa_top_k < 8  # it selects
     with torch.no_grad():
         ref = torch.cat([model(draft[:, i : i + 1], cache=one_by_one, use_cache=True).logits for i in range(12)], 1)

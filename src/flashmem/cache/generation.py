@@ -19,7 +19,7 @@ before any layer changes. The cold tier keeps an unsealed block's old bytes unti
 seals again (`put` replaces them); nothing reads a block past `sealed`.
 Also cut: the validity of positions and tokens_seen. A crop (even of 0 tokens) ends an
 exact prompt (`end_exact_prompt`): the prompt and the first draft attend exactly, the
-later verify forwards select, as decode steps do. Not undone: the fusion rule's recent
+later verify forwards select for each token, as decode steps do. Not undone: the fusion rule's recent
 queries (`use_summaries` only) keep the rejected tokens' queries, so the HCA entries of
 blocks sealed again may differ from a fresh layer's; and the near band holds no CSA
 entries for unsealed blocks' predecessors that had aged out of it, until more blocks seal.
@@ -244,7 +244,9 @@ def end_exact_prompt(layer: FlashLayer) -> None:
     (`prefill_exact_tokens`) ends as at a one-token forward. Verify forwards carry several
     tokens and there may never be a one-token forward: kept open, every one of them would
     attend the whole context exactly (streamed: the cold tier read again per forward;
-    buffered: the prompt's K/V held on the device, growing with every accepted token)."""
+    buffered: the prompt's K/V held on the device, growing with every accepted token). The
+    verify forwards after it select per token (`select_per_token_max`), as decode steps do."""
+    layer.decoding = True
     exact = layer.exact
     exact.open = False
     exact.k = exact.v = None
