@@ -66,6 +66,17 @@ def _layer_step(
     scaling = d**-0.5 if scaling is None else scaling
     valid_new = _new_token_validity(attention_mask, b, q, query.device)
     exact = layer.exact_prompt(q)
+    layer.decoding |= q == 1
+    if not exact and layer.decoding and 1 < q <= layer.cfg.select_per_token_max:
+        # a verify forward after the prompt: each token selects, attends and appends as a
+        # one-token step would (copied out at once: a graph step's output is its buffer)
+        out = query.new_empty(query.shape)
+        for i in range(q):
+            one = slice(i, i + 1)
+            out[:, :, one] = layer.step(
+                query[:, :, one], k_new[:, :, one], v_new[:, :, one], valid_new[:, one], scaling
+            )
+        return out.transpose(1, 2).contiguous(), None
     outs = [
         layer.step(query[:, :, a:e], k_new[:, :, a:e], v_new[:, :, a:e], valid_new[:, a:e], scaling, exact)
         for a, e in query_chunks(q, layer.cfg.prefill_chunk, layer.cfg.prefill_split_tail and not layer.mid_prompt)

@@ -117,7 +117,7 @@ class FlashLayer(CacheLayerMixin):
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.scaling = 1.0  # the model's attention scale, set by each step (fusion reads it)
         self.peak_resident_bytes = 0
-        self.decoding = False  # a one-token forward has run: the prompt is over
+        self.decoding = False  # a one-token forward (or a crop) has run: the prompt is over
 
     # The cold tier's read path lives in self.reader; these name its switches.
     prefetcher = property(lambda self: self.reader.prefetcher, lambda self, pf: setattr(self.reader, "prefetcher", pf))
@@ -275,19 +275,9 @@ class FlashLayer(CacheLayerMixin):
         exact: bool = False,
     ) -> torch.Tensor:
         """One chunk of queries: attend over the tiers plus the chunk's own K/V (exact: over
-        every earlier token, `exact_prompt`), then append the chunk. After the prompt, a selecting
-        chunk of at most `select_per_token_max` tokens runs as that many one-token steps. query:
-        [b, Hq, m, d]; k, v: [b, Hkv, m, d]; valid: [b, m] -> out [b, Hq, m, d]."""
+        every earlier token, `exact_prompt`), then append the chunk. query: [b, Hq, m, d];
+        k, v: [b, Hkv, m, d]; valid: [b, m] -> out [b, Hq, m, d]."""
         self.scaling = scaling
-        m = k.shape[-2]
-        self.decoding |= m == 1
-        if not exact and self.decoding and 1 < m <= self.cfg.select_per_token_max:
-            # a verify forward: each token as a one-token step selects, attends and appends
-            out = query.new_empty(query.shape)
-            for i in range(m):  # copied out at once: a graph step's output is its buffer
-                one = slice(i, i + 1)
-                out[:, :, one] = self.step(query[:, :, one], k[:, :, one], v[:, :, one], valid[:, one], scaling)
-            return out
         group = query.shape[1] // k.shape[1]
         qg = group_queries(query, group)
         static = None if exact else self._static_step(k.shape[-2])

@@ -19,8 +19,8 @@ before any layer changes. The cold tier keeps an unsealed block's old bytes unti
 seals again (`put` replaces them); nothing reads a block past `sealed`.
 Also cut: the validity of positions and tokens_seen. A crop (even of 0 tokens) ends an
 exact prompt (`end_exact_prompt`): the prompt and the first draft attend exactly, the
-later verify forwards select for each token, as decode steps do. Not undone: the fusion rule's recent
-queries (`use_summaries` only) keep the rejected tokens' queries, so the HCA entries of
+later verify forwards select for each token, as decode steps do. Not undone: the fusion
+rule's recent queries (`use_summaries` only) keep the rejected tokens' queries, so the HCA entries of
 blocks sealed again may differ from a fresh layer's; and the near band holds no CSA
 entries for unsealed blocks' predecessors that had aged out of it, until more blocks seal.
 
