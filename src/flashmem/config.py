@@ -210,7 +210,7 @@ class FlashMemoryConfig(BaseModel):
         64,
         ge=0,
         le=4096,
-        description="after the prompt (the first one-token forward), a forward of at most this many "
+        description="after the prompt (the first one-token forward or crop), a forward of at most this many "
         "tokens that attends its selection (speculative decoding's verify forward, prompt lookup's, a "
         "short follow-up turn) runs its attention one token at a time, each token with the selection a "
         "one-token step makes, so assisted generation gives the tokens plain decoding gives; a longer "
