@@ -23,7 +23,7 @@
 4. `forward`: the plain model forward (a DynamicCache, no flashmem) of 1 token per row at
    batch 1 and at batch `--clients`, and of a `--clients` x 40-token prompt packed in one
    row: CPU ms, the bound batching meets on this CPU.
-Every engine's answers are compared (`answers_identical`).
+Every engine's answers are compared (`answers_identical`). `--ablation-only` runs part 3 alone.
 """
 
 from __future__ import annotations
@@ -243,6 +243,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--round-context", type=int, default=0, help="round: N-token documents as prompts (0: chat)")
+    ap.add_argument("--ablation-only", action="store_true", help="part 3 alone (a quick A/B of the round's cost)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -261,6 +262,13 @@ def main() -> None:
             chat_prompt_ids(tok, [{"role": "user", "content": haystack(tok, args.round_context, seed=i) + Q}])
             for i in range(args.clients)
         ]
+    if args.ablation_only:
+        out_a = {"command": "python benchmarks/diagnostics/batch_rounds.py " + " ".join(sys.argv[1:])}
+        out_a["ablation"] = ablation(model, tok, cfg, prompts, args)
+        print(json.dumps(out_a, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(out_a, indent=1) + "\n")
+        return
     timers = Timers()
     runs = {
         "unbatched": e2e(model, tok, cfg, prompts, args, timers, max_batch=1, restore_off_thread=False),
