@@ -50,6 +50,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from flashmem.cache import sdpa
+from flashmem.cache.assembly import copy_bytes
 from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.cache.flash_layer import FlashLayer
 from flashmem.cache.tiered_attention import group_queries
@@ -238,28 +239,23 @@ def _attend_short(
     q = torch.stack([query[0, :, ans.at : ans.at + 1] for ans in rows])
     o = sdpa.attention(q, K, V, mask, scaling, hq > hkv)
     valid = torch.ones(1, 1, dtype=torch.bool, device=dev)
-    row_bytes = hkv * d * K.element_size()  # one token's K (or V) in the buffer
     for i, (ans, layer, (k_new, v_new)) in enumerate(zip(rows, layers, pending)):
         try:  # FlashLayer.step's bookkeeping after its attention
             layer.scaling = scaling
             group = hq // hkv
             tiers = layer.resident_bytes()  # what FlashLayer._attended_bytes counts: every tier it reads
-            held = sum(tiers.values())
-            read = held - tiers.get("query_buffer", 0) - tiers["prefill_kv"]
+            read = sum(nb for name, nb in tiers.items() if name not in ("query_buffer", "prefill_kv"))
             layer.reader.traffic.add("device_read_bytes", read + 2 * k_new.nbytes)
             # the row's part of the K/V buffer, written and read back, as its step alone counts it
-            # (assembly.copy_bytes over plain parts: nothing when the new token is the only part)
+            # (assembly.copy_bytes: nothing when the new token is the only part)
             n = lengths[i]
-            if n > 1:
-                layer.reader.traffic.add("device_copy_bytes", 4 * n * row_bytes)
+            ks = [t for t in (layer.sink_k, layer.open_k, layer.win_k) if t.shape[-2]] + [k_new]
+            vs = [t for t in (layer.sink_v, layer.open_v, layer.win_v) if t.shape[-2]] + [v_new]
+            copied = copy_bytes(ks, K[i : i + 1, :, :n]) + copy_bytes(vs, V[i : i + 1, :, :n])
+            layer.reader.traffic.add("device_copy_bytes", copied)
             layer.working_set.end_step()
-            sealed = layer.num_sealed
             layer.append(k_new, v_new, valid, group_queries(query[:, :, ans.at : ans.at + 1], group), group)
-            if layer.num_sealed == sealed and not layer.cfg.use_summaries:
-                held += k_new.nbytes + v_new.nbytes  # the token joined a resident tier, nothing else moved
-            else:  # a seal (index, rest entry, cold tier) or the summaries' recent queries changed
-                held = sum(layer.resident_bytes().values())
-            layer.peak_resident_bytes = max(layer.peak_resident_bytes, held)
+            layer.peak_resident_bytes = max(layer.peak_resident_bytes, sum(layer.resident_bytes().values()))
         except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
             if layer.guard is not None:
                 layer.guard.fail(exc)

@@ -20,9 +20,9 @@ seals again (`put` replaces them); nothing reads a block past `sealed`.
 Also cut: the validity of positions and tokens_seen. A crop (even of 0 tokens) ends an
 exact prompt (`end_exact_prompt`): the prompt and the first draft attend exactly, the
 later verify forwards select for each token, as decode steps do. Not undone: the fusion
-rule's recent queries (`use_summaries` only) keep the rejected tokens' queries, so the HCA entries of
-blocks sealed again may differ from a fresh layer's; and the near band holds no CSA
-entries for unsealed blocks' predecessors that had aged out of it, until more blocks seal.
+rule's recent queries (`use_summaries` only) keep the rejected tokens' queries, so the HCA
+entries of blocks sealed again may differ from a fresh layer's; and the near band holds no
+CSA entries for unsealed blocks' predecessors that had aged out of it, until more blocks seal.
 
 Rows. Beam search reorders rows after every step (`reorder_cache(beam_idx)`), and
 `batch_repeat_interleave` / `batch_select_indices` repeat or drop them: each is
