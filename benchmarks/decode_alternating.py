@@ -3,7 +3,8 @@
     python benchmarks/decode_alternating.py [--lengths 32768,131072] [--steps 24]
                                             [--json results/decode_alternating_tiny.json]
                                             [--variants norerank] [--no-fixed] [--budget 0.125]
-                                            [--model smollm2] [--rebuild]
+                                            [--model smollm2] [--rebuild] [--ranked]
+                                            [--config configs/cpu-small.yaml]
 
 Model: the tiny random Llama of `flashmem_eval.benchkit.tiny_llama_long` (4 layers, 4 KV heads x 64,
 fp32) on random tokens, 1 torch thread; `--model smollm2`: SmolLM2-135M on the
@@ -12,11 +13,15 @@ side and decode in turn, the order rotating every step so machine noise hits
 them alike (as bench_target_8k.py does on SmolLM2):
 
 - `recipe`: `FlashMemoryConfig.for_budget(budget, n, model)` (budget 1/8 unless `--budget`) (16-token pages,
-  int8 mean-key index), memory cold tier;
+  int8 mean-key index), memory cold tier; `--config FILE`: that file's config instead
+  (a server's fixed config at the lengths of its chats);
 - `fixed`: bench_scale.py's config (window 1024, 16 blocks of 128, no summaries),
   memory cold tier: resident size independent of the length;
 - `recipe:rebuild` (`--rebuild`): the recipe with its working sets rebuilt every step the
   selection changes, as before 2026-12-03, not written in place (cache/working_set.py);
+- `recipe:ranked` (`--ranked`): the recipe with a layer whose pages the budget covers all
+  ranked and given a rest entry anyway, as before stop 48 (`tiered_attention.selects_every_page`
+  off for its steps);
 - `dynamic`: DynamicCache filled with random K/V of the length (its O(n^2)
   prefill would take hours here; decode cost does not depend on the values).
 
@@ -37,6 +42,13 @@ import torch
 from transformers import DynamicCache
 
 import flashmem
+from flashmem.cache import tiered_attention
+
+every_page = tiered_attention.selects_every_page
+
+
+def never(*_: object) -> bool:
+    return False
 
 
 def tiny(tokens: int):
@@ -65,7 +77,11 @@ def main() -> None:
     ap.add_argument("--no-fixed", action="store_true", help="leave out bench_scale's fixed config")
     ap.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
     ap.add_argument("--rebuild", action="store_true", help="add the recipe with its working sets rebuilt every step")
+    ap.add_argument("--ranked", action="store_true", help="add the recipe ranking pages it selects all of")
+    ap.add_argument("--config", default=None, help="a YAML config in place of the recipe (variants need the recipe)")
     args = ap.parse_args()
+    if args.config and args.variants:
+        ap.error("--variants are the recipe's; allowed: --config or --variants, not both")
     torch.set_num_threads(1)
     rows = []
     for n in map(int, args.lengths.split(",")):
@@ -77,11 +93,17 @@ def main() -> None:
 
             model, tok = flashmem.load_model(args.model)
             ids = tok(load_text("default")[: n * 8], return_tensors="pt").input_ids[:, :n]
-        configs = {"recipe": flashmem.FlashMemoryConfig.for_budget(args.budget, n, model)}
+        configs = {
+            "recipe": flashmem.FlashMemoryConfig.from_yaml(args.config)
+            if args.config
+            else flashmem.FlashMemoryConfig.for_budget(args.budget, n, model)
+        }
         for v in filter(None, args.variants.split(",")):
             configs[f"recipe:{v}"] = flashmem.FlashMemoryConfig.for_budget(args.budget, n, model, variant=v)
         if args.rebuild:
             configs["recipe:rebuild"] = configs["recipe"]
+        if args.ranked:
+            configs["recipe:ranked"] = configs["recipe"]
         if not args.no_fixed:
             configs["fixed"] = flashmem.FlashMemoryConfig(gpu_cache_limit=1024, lsa_top_k=16, use_summaries=False)
         caches: dict = {}
@@ -91,7 +113,10 @@ def main() -> None:
             for name, cfg in configs.items():
                 caches[name] = flashmem.attach(model, cfg)
                 t0 = time.perf_counter()
+                if name == "recipe:ranked":
+                    tiered_attention.selects_every_page = never
                 logits = flashmem.prefill(model, caches[name], ids, chunk=8192)
+                tiered_attention.selects_every_page = every_page
                 prefill_s[name] = time.perf_counter() - t0
                 if name == "recipe:rebuild":
                     for layer in caches[name].flash_layers:
@@ -104,9 +129,12 @@ def main() -> None:
             for step in range(args.steps + 1):
                 order = names[step % len(names) :] + names[: step % len(names)]
                 for name in order:
+                    if name == "recipe:ranked":
+                        tiered_attention.selects_every_page = never
                     t0 = time.perf_counter()
                     out = model(nxt[name], cache=caches[name], use_cache=True)
                     dt = time.perf_counter() - t0
+                    tiered_attention.selects_every_page = every_page
                     nxt[name] = out.logits[:, -1].argmax(-1, keepdim=True)
                     if step:  # the first step of each is a warm-up
                         times[name].append(dt)
@@ -147,6 +175,8 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         del caches
+    if args.config:
+        args.budget = None  # the file's
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 

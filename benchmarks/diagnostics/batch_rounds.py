@@ -24,6 +24,12 @@
    batch 1 and at batch `--clients`, and of a `--clients` x 40-token prompt packed in one
    row: CPU ms, the bound batching meets on this CPU.
 Every engine's answers are compared (`answers_identical`). `--ablation-only` runs part 3 alone.
+
+`--every-page-ab` alone: the `--round-context` documents (1000 tokens unless given) decoded
+batched and with max_batch 1, EOS ignored, in blocks of `--rounds` rounds that alternate
+(twice each) between layers that attend every sealed page unranked when the budget covers
+them (`tiered_attention.selects_every_page`, stop 48) and layers that rank them anyway (as
+before): CPU ms per round and per token, not profiled.
 """
 
 from __future__ import annotations
@@ -213,6 +219,51 @@ def ablation(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any
     return out
 
 
+def every_page_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any) -> dict:
+    from flashmem.cache import tiered_attention
+
+    shortcut = tiered_attention.selects_every_page
+    modes = {"every page unranked": shortcut, "ranked (as before)": lambda *a: False}
+    out: dict[str, Any] = {}
+    for max_batch in (len(prompts), 1):
+        eng = Engine(model, tok, cfg, max_concurrent=len(prompts), max_batch=max_batch, restore_off_thread=False)
+        eng.eos_ids = set()
+        seqs = [Sequence(p, Sampling(max_tokens=10_000, temperature=0), "t", None) for p in prompts]
+        for s in seqs:
+            eng.submit(s)
+        while not all(s.generated for s in seqs):
+            eng.step()
+        eng.step()
+        cpu: dict[str, list[float]] = {m: [] for m in modes}
+        tokens: dict[str, int] = {m: 0 for m in modes}
+        try:
+            for _ in range(2):
+                for name, fn in modes.items():
+                    tiered_attention.selects_every_page = fn
+                    n0 = sum(len(s.token_times) for s in seqs)
+                    t0 = time.thread_time()
+                    for _ in range(args.rounds):
+                        eng.step()
+                    cpu[name].append(time.thread_time() - t0)
+                    tokens[name] += sum(len(s.token_times) for s in seqs) - n0
+        finally:
+            tiered_attention.selects_every_page = shortcut
+        for s in seqs:
+            s.cancel()
+        eng.step()
+        out[f"max_batch {max_batch}"] = {
+            name: {
+                "ms_per_round_cpu": [1e3 * c / args.rounds for c in cpu[name]],
+                "ms_per_token_cpu": 1e3 * sum(cpu[name]) / tokens[name],
+            }
+            for name in modes
+        }
+    for name in modes:
+        b, u = out[f"max_batch {len(prompts)}"][name], out["max_batch 1"][name]
+        out[f"batched over unbatched, {name}"] = u["ms_per_token_cpu"] / b["ms_per_token_cpu"]
+    return out
+
+
 def forwards(model: Any, b: int) -> dict:
     from transformers import DynamicCache
 
@@ -244,8 +295,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--round-context", type=int, default=0, help="round: N-token documents as prompts (0: chat)")
     ap.add_argument("--ablation-only", action="store_true", help="part 3 alone (a quick A/B of the round's cost)")
+    ap.add_argument("--every-page-ab", action="store_true", help="long rows, every-page shortcut on/off")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.every_page_ab and not args.round_context:
+        args.round_context = 1000
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     model, tok = load_model(args.model)
@@ -262,6 +316,14 @@ def main() -> None:
             chat_prompt_ids(tok, [{"role": "user", "content": haystack(tok, args.round_context, seed=i) + Q}])
             for i in range(args.clients)
         ]
+    if args.every_page_ab:
+        out_e = {"command": "python benchmarks/diagnostics/batch_rounds.py " + " ".join(sys.argv[1:])}
+        out_e["round_prompt_tokens"] = [len(p) for p in long_prompts]
+        out_e["every_page_ab"] = every_page_ab(model, tok, cfg, long_prompts, args)
+        print(json.dumps(out_e, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(out_e, indent=1) + "\n")
+        return
     if args.ablation_only:
         out_a = {"command": "python benchmarks/diagnostics/batch_rounds.py " + " ".join(sys.argv[1:])}
         out_a["ablation"] = ablation(model, tok, cfg, prompts, args)

@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--budget", type=float, default=0.125)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--config", default=None, help="a YAML config (e.g. configs/cpu-small.yaml) instead of the recipe")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     from transformers import DynamicCache
@@ -88,7 +89,11 @@ def main() -> None:
     torch.set_num_threads(1)
     model, tokenizer = flashmem.load_model(a.model)
     ids = tokenizer(load_text("default")[: a.tokens * 8], return_tensors="pt").input_ids[:, : a.tokens]
-    cfg = flashmem.FlashMemoryConfig.for_budget(a.budget, a.tokens, model)
+    cfg = (
+        flashmem.FlashMemoryConfig.from_yaml(a.config)
+        if a.config
+        else flashmem.FlashMemoryConfig.for_budget(a.budget, a.tokens, model)
+    )
 
     def step(cache: Any, tok: torch.Tensor) -> torch.Tensor:
         return model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
@@ -114,7 +119,8 @@ def main() -> None:
     out = {
         "model": a.model,
         "tokens": a.tokens,
-        "budget": a.budget,
+        "budget": None if a.config else a.budget,
+        "config_file": a.config,
         "steps": a.steps,
         "flashmem_step_ms": 1e3 * statistics.median(t_f),
         "dynamic_step_ms": 1e3 * statistics.median(t_d),

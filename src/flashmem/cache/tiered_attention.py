@@ -68,14 +68,18 @@ def _add_history(
     selected = torch.zeros(b, hkv, n * ppb, dtype=torch.bool, device=qg.device)  # per page
     # lsa_select_every: a decode step between selections attends the last one's pages as held
     reuse = k_sel > 0 and m == 1 and layer.working_set.reusable(n, (b, hkv), cfg.lsa_select_every)
+    every = not reuse and selects_every_page(layer, k_sel, n * ppb)
     # The rest entry needs every query's scores; a selection pools them, so a sample will do.
     q_index = qg if cfg.keeps_rest_entry else sample_queries(qg, m, cfg.lsa_prefill_queries)
     scores = None
-    if cfg.keeps_rest_entry or (k_sel > 0 and not reuse and layer.selection_hook is not None):
+    if (cfg.keeps_rest_entry and not every) or (k_sel > 0 and not reuse and layer.selection_hook is not None):
         # held whole only for those that read them (a selection pools them in blocks)
         scores = layer.ranker.scores(q_index, scaling, layer.summaries.hca_k)
     if reuse:
         selected.scatter_(-1, layer.working_set.reuse(layer.reader), True)
+    elif every:
+        _gather_every_page(layer, page_tokens_valid, m == 1)
+        selected.fill_(True)
     elif k_sel > 0:
         page_valid = page_tokens_valid.any(-1)  # [b, pages]
 
@@ -92,11 +96,30 @@ def _add_history(
     layer.summaries.add_to(asm, selected, n)
     shown = _add_working_set(layer, asm) if k_sel > 0 else 0
     rest = None
-    if cfg.keeps_rest_entry:
+    if cfg.keeps_rest_entry and not every:  # every page attended: nothing is left out
         assert scores is not None
         ws_valid = layer.working_set.valid if asm.working_set_part is not None else None
         rest = rest_entry(scores, selected, page_tokens_valid, layer.v_sum, ws_valid, scaling, m)
     return shown, rest
+
+
+def selects_every_page(layer: FlashLayer, k_sel: int, n_pages: int) -> bool:
+    """Whether this step's selection is every sealed page (k_sel covers them: a context
+    shorter than the pages the budget buys, as most of a chat server's are): then nothing is
+    ranked, re-ranked or left out for a rest entry, which would only find what this knows.
+    A selection hook (a diagnostic) still sees the index's scores."""
+    return 0 < n_pages <= k_sel and layer.selection_hook is None
+
+
+def _gather_every_page(layer: FlashLayer, page_tokens_valid: torch.Tensor, decode: bool) -> None:
+    """The working set of every sealed page, in order (held pages kept, new ones read), as
+    `_select_and_gather` makes it when its ranking returns them all, without the ranking."""
+    b, n_pages = page_tokens_valid.shape[:2]
+    hkv = layer.sink_k.shape[1]
+    idx = torch.arange(n_pages, device=page_tokens_valid.device).expand(b, hkv, n_pages).contiguous()
+    layer.working_set.gather(idx, page_tokens_valid, layer.reader, None)
+    layer.working_set.selected(layer.num_sealed, decode)
+    layer.reader.look_ahead(idx // layer.cfg.pages_per_block, layer.num_sealed)
 
 
 def open_room_pages(layer: FlashLayer, m: int) -> int:
