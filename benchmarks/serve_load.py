@@ -23,7 +23,10 @@ engine before batching: one forward per sequence per round) and the default (eve
 decode step of a round in one forward); each serves 1, 4 and 8 concurrent clients
 (short chat prompts of different lengths, greedy, `--max-tokens` each,
 `--batch-requests` per client); aggregate generated tokens/s, TTFT and inter-token
-p50/p99 per point, and the answers of the two servers compared.
+p50/p99 per point, and the answers of the two servers compared. Beside the whole run's
+tokens/s, `busy_pieces_per_s`: streamed pieces (about one a token) per second while every
+client still had a request in flight (until the last request was sent; after it, clients
+whose work is done drop out and the batch thins, which a server under steady load does not see).
 
     python benchmarks/serve_load.py --mode batch --out results/serve_load_batch_smollm2.json
 
@@ -98,6 +101,7 @@ async def chat(client: httpx.AsyncClient, key: str, content: str, max_tokens: in
     }
     t0 = time.perf_counter()
     out: dict[str, Any] = {"ttft": None, "gaps": [], "text": "", "cached": 0, "tokens": 0, "error": None}
+    out["times"] = []  # when each streamed piece arrived (perf_counter)
     last = None
     try:
         async with client.stream(
@@ -126,6 +130,7 @@ async def chat(client: httpx.AsyncClient, key: str, content: str, max_tokens: in
                         elif last is not None:
                             out["gaps"].append(now - last)
                         last = now
+                        out["times"].append(now)
                         out["text"] += piece
     except Exception as exc:  # noqa: BLE001 - counted as an error of the run
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -315,17 +320,25 @@ SERVERS = {  # name -> extra serve flags
 }
 
 
-def summarize(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+def summarize(results: list[dict[str, Any]], wall: float, busy: tuple[float, float] | None = None) -> dict[str, Any]:
+    """busy: (start, end) of the time every client had a request in flight (the work queue
+    not yet empty): the streamed pieces (about one a token) that arrived in it, per second."""
     done = [r for r in results if r["error"] is None]
     gaps = [g for r in done for g in r["gaps"]]
     ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in done)
+    busy_rate = None
+    if busy is not None and busy[1] > busy[0]:
+        pieces = sum(1 for r in done for t in r["times"] if busy[0] <= t <= busy[1])
+        busy_rate = pieces / (busy[1] - busy[0])
     return {
         "requests": len(results),
         "completed": len(done),
         "wall_s": wall,
         "generated_tokens": tokens,
         "tokens_per_s": tokens / wall if wall else None,
+        "busy_s": None if busy is None else busy[1] - busy[0],
+        "busy_pieces_per_s": busy_rate,
         "ttft_s": {"p50": pct(ttfts, 50), "p99": pct(ttfts, 99)},
         "inter_token_s": {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": max(gaps, default=None)},
     }
@@ -338,16 +351,19 @@ async def batch_point(client: httpx.AsyncClient, clients: int, args: argparse.Na
     for i, w in enumerate(work):
         queue.put_nowait((i, w))
     results: list[dict[str, Any]] = []
+    drained: list[float] = []  # when the last request was taken: from then on clients drop out
 
     async def client_loop() -> None:
         while not queue.empty():
             i, content = queue.get_nowait()
+            if queue.empty():
+                drained.append(time.perf_counter())
             r = await chat(client, "key-main", content, args.max_tokens, args.timeout)
             results.append({**r, "i": i})
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(clients)))
-    point = summarize(results, time.perf_counter() - t0)
+    point = summarize(results, time.perf_counter() - t0, (t0, drained[0]) if drained else None)
     point["answers"] = {r["i"]: r["text"] for r in results}
     point["errors"] = [r["error"] for r in results if r["error"]]
     return point
@@ -381,6 +397,11 @@ async def batch_async(args: argparse.Namespace) -> dict[str, Any]:
         for k in levels
         if runs["unbatched"][str(k)]["tokens_per_s"]
     }
+    busy_speedup = {
+        str(k): runs["batched"][str(k)]["busy_pieces_per_s"] / runs["unbatched"][str(k)]["busy_pieces_per_s"]
+        for k in levels
+        if runs["unbatched"][str(k)]["busy_pieces_per_s"] and runs["batched"][str(k)]["busy_pieces_per_s"]
+    }
     top = str(max(levels))
     for run in runs.values():
         for p in run.values():
@@ -395,6 +416,8 @@ async def batch_async(args: argparse.Namespace) -> dict[str, Any]:
         "requests_per_client": args.batch_requests,
         "runs": runs,
         "batched_over_unbatched_tokens_per_s": speedup,
+        # the same while every client had a request in flight (no tail of clients done early)
+        "batched_over_unbatched_busy": busy_speedup,
         "p99_inter_token_batched_over_unbatched": {
             str(k): runs["batched"][str(k)]["inter_token_s"]["p99"] / runs["unbatched"][str(k)]["inter_token_s"]["p99"]
             for k in levels

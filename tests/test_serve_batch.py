@@ -163,6 +163,28 @@ def test_prefix_restore_runs_off_the_worker_while_others_decode(tmp_path) -> Non
     assert other.finish_reason == "cancelled" and engine.active == 0
 
 
+def test_without_a_prefix_store_a_request_joins_the_round_it_is_admitted_in() -> None:
+    """Nothing to restore: the admission (an attach) runs in the round, whose forward gives
+    the new sequence its first token beside the others' steps; no helper thread is started."""
+    model = tiny_model()
+    engine = _engine(model, EXACT)  # restore_off_thread is the default
+    other = _seq(_prompt(20, 8), 40)
+    engine.submit(other)
+    engine.step()
+    assert other.generated
+    new = _seq(_prompt(30, 9), 4)
+    engine.submit(new)
+    before = len(other.generated)
+    engine.step()
+    assert len(new.generated) == 1 and len(other.generated) == before + 1
+    assert engine._admitter is None
+    while not new.done.is_set():
+        engine.step()
+    _same(new, _alone(model, EXACT, _prompt(30, 9), 4))
+    other.cancel()
+    engine.step()
+
+
 def test_restore_on_the_worker_when_asked(tmp_path) -> None:
     model, cfg = tiny_model(), EXACT
     store = PrefixStore(tmp_path)

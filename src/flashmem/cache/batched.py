@@ -243,9 +243,6 @@ def _attend_short(
         try:  # FlashLayer.step's bookkeeping after its attention
             layer.scaling = scaling
             group = hq // hkv
-            tiers = layer.resident_bytes()  # what FlashLayer._attended_bytes counts: every tier it reads
-            read = sum(nb for name, nb in tiers.items() if name not in ("query_buffer", "prefill_kv"))
-            layer.reader.traffic.add("device_read_bytes", read + 2 * k_new.nbytes)
             # the row's part of the K/V buffer, written and read back, as its step alone counts it
             # (assembly.copy_bytes: nothing when the new token is the only part)
             n = lengths[i]
@@ -253,9 +250,8 @@ def _attend_short(
             vs = [t for t in (layer.sink_v, layer.open_v, layer.win_v) if t.shape[-2]] + [v_new]
             copied = copy_bytes(ks, K[i : i + 1, :, :n]) + copy_bytes(vs, V[i : i + 1, :, :n])
             layer.reader.traffic.add("device_copy_bytes", copied)
-            layer.working_set.end_step()
-            layer.append(k_new, v_new, valid, group_queries(query[:, :, ans.at : ans.at + 1], group), group)
-            layer.peak_resident_bytes = max(layer.peak_resident_bytes, sum(layer.resident_bytes().values()))
+            qg = group_queries(query[:, :, ans.at : ans.at + 1], group)
+            layer.finish_step(layer.attended_bytes() + 2 * k_new.nbytes, k_new, v_new, valid, qg, group)
         except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
             if layer.guard is not None:
                 layer.guard.fail(exc)

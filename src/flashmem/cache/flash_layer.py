@@ -291,16 +291,31 @@ class FlashLayer(CacheLayerMixin):
         elif static is not None:
             out = static.run(query, qg, k, v, valid, scaling)  # attends and appends the chunk
             self.static_steps += 1
-            read = self._attended_bytes() + 2 * k.nbytes
+            read = self.attended_bytes() + 2 * k.nbytes
         else:
             out = attend(self, query, qg, k, v, valid, scaling)
-            read = self._attended_bytes() + 2 * k.nbytes
+            read = self.attended_bytes() + 2 * k.nbytes
+        self.finish_step(read, k, v, valid, qg, group, append=static is None)
+        return out
+
+    def finish_step(
+        self,
+        read: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid: torch.Tensor,
+        qg: torch.Tensor,
+        group: int,
+        append: bool = True,
+    ) -> None:
+        """After a chunk's attention (`step`, or a batch's shared attention): count the device
+        bytes it read, drop the step's decoded working set, append the chunk (unless a static
+        segment did) and keep the peak. k, v: [b, h, m, d]; valid: [b, m]; qg: [b, h, m*group, d]."""
         self.reader.traffic.add("device_read_bytes", read)
         self.working_set.end_step()
-        if static is None:
+        if append:
             self.append(k, v, valid, qg, group)
         self.peak_resident_bytes = max(self.peak_resident_bytes, sum(self.resident_bytes().values()))
-        return out
 
     def _static_step(self, m: int) -> StaticStep | None:
         """The segment a decode step runs in with `decode_step: static` or `graph` (a new one when
@@ -331,7 +346,7 @@ class FlashLayer(CacheLayerMixin):
 
         self.exact.resume(self.validity.length, every_token)
 
-    def _attended_bytes(self) -> int:
+    def attended_bytes(self) -> int:
         """Device-resident bytes a selecting step reads (every tier but the query buffer and
         an exact prompt's K/V)."""
         tiers = self.resident_bytes()

@@ -156,8 +156,9 @@ class Engine:
         pack_prefill: bool = True,
     ) -> None:
         """max_batch: decode steps per model forward (default max_concurrent; 1: one forward
-        per sequence). restore_off_thread: admit (create the cache, restore a stored prefix)
-        on a helper thread, swapped in between rounds. end_records: with a prefix store, also
+        per sequence). restore_off_thread: with a prefix store, admit (create the cache,
+        restore a stored prefix) on a helper thread, swapped in between rounds (without one,
+        admissions are inline: nothing to restore). end_records: with a prefix store, also
         store each prompt's state END_TAIL tokens before its end (module docstring; False:
         full blocks only, as before, for benchmarks that measure the difference).
         pack_prefill: with max_batch > 1, a round's prompt chunks share the decode steps'
@@ -285,16 +286,20 @@ class Engine:
     def step(self) -> None:
         """One round: admit from the queue, take in the sequences admitted since, then one
         unit of every live sequence (a prefill chunk each; every decode step in one forward)."""
+        # Off the worker thread only where a restore may be slow: without a prefix store an
+        # admission is a cache's attach (about 1 ms), and admitted here its prompt joins this
+        # round instead of the next (a round of TTFT saved).
+        off_thread = self.restore_off_thread and self.prefix_store is not None
         with self._cv:
             admit: list[Sequence] = []
             while self._waiting and self._live() + len(admit) < self.max_concurrent:
                 admit.append(self._waiting.popleft())
             self.metrics.queued.set(len(self._waiting))
-            if self.restore_off_thread:
+            if off_thread:
                 self._admitting += len(admit)
         t0 = time.perf_counter()
         for seq in admit:
-            if self.restore_off_thread:
+            if off_thread:
                 if self._admitter is None:
                     self._admitter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flashmem-serve-admit")
                 self._admitter.submit(self._admit_off_thread, seq)
