@@ -117,9 +117,7 @@ def _gather_every_page(layer: FlashLayer, page_tokens_valid: torch.Tensor, decod
     b, n_pages = page_tokens_valid.shape[:2]
     hkv = layer.sink_k.shape[1]
     idx = torch.arange(n_pages, device=page_tokens_valid.device).expand(b, hkv, n_pages).contiguous()
-    layer.working_set.gather(idx, page_tokens_valid, layer.reader, None)
-    layer.working_set.selected(layer.num_sealed, decode)
-    layer.reader.look_ahead(idx // layer.cfg.pages_per_block, layer.num_sealed)
+    _hold(layer, ranking.Selection(idx), page_tokens_valid, decode)
 
 
 def open_room_pages(layer: FlashLayer, m: int) -> int:
@@ -164,12 +162,18 @@ def _select_and_gather(
     if layer.selection_hook is not None:
         assert scores is not None
         sel = ranking.Selection(layer.selection_hook(layer.layer_idx, sel.idx, scores), sel.candidates)
+    _hold(layer, sel, page_tokens_valid, decode)
+    return sel.idx
+
+
+def _hold(layer: FlashLayer, sel: ranking.Selection, page_tokens_valid: torch.Tensor, decode: bool) -> None:
+    """The selection's pages into the working set (held ones kept, the others read or cut from
+    the candidates), noted for `lsa_select_every`, and the next step's prefetch queued."""
     layer.working_set.gather(sel.idx, page_tokens_valid, layer.reader, sel.candidates)
     layer.working_set.selected(layer.num_sealed, decode)
     # prefetch for the next step (re-ranked: the candidates, which it reads again)
     ahead = sel.idx if sel.candidates is None else sel.candidates.ids
-    layer.reader.look_ahead(ahead // cfg.pages_per_block, layer.num_sealed)
-    return sel.idx
+    layer.reader.look_ahead(ahead // layer.cfg.pages_per_block, layer.num_sealed)
 
 
 def _add_working_set(layer: FlashLayer, asm: Assembly) -> int:
