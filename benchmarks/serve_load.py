@@ -147,6 +147,14 @@ def document(n_tokens: int) -> str:
 
 
 SERVER_MODEL = ["smollm2"]  # --model: what the server loads (it serves it as "smollm2")
+SERVER_DTYPE = ["float32"]  # --dtype: other than float32, the server sizes the recipe for it (no --config)
+
+
+def server_config() -> str:
+    """What config the servers run: the file for float32, else the recipe they size for the dtype."""
+    if SERVER_DTYPE[0] == "float32":
+        return "configs/cpu-small.yaml"
+    return f"the recipe at 1/8 of 8K for {SERVER_DTYPE[0]} (flashmem serve --dtype {SERVER_DTYPE[0]}, no --config)"
 
 
 def start_server(
@@ -154,7 +162,11 @@ def start_server(
 ) -> subprocess.Popen[bytes]:
     """`flashmem serve` on loopback; prefix_dir None: no prefix reuse; extra: more flags."""
     cmd = [sys.executable, "-m", "flashmem.cli.main", "serve", "--model", SERVER_MODEL[0], "--served-name", "smollm2"]
-    cmd += ["--config", str(ROOT / "configs" / "cpu-small.yaml"), "--port", str(port)]
+    if SERVER_DTYPE[0] == "float32":
+        cmd += ["--config", str(ROOT / "configs" / "cpu-small.yaml")]
+    else:  # configs/cpu-small.yaml is the recipe for float32; the server sizes it for the dtype's bytes
+        cmd += ["--dtype", SERVER_DTYPE[0]]
+    cmd += ["--port", str(port)]
     cmd += ["--prefix-dir", prefix_dir] if prefix_dir is not None else ["--no-prefix-cache"]
     cmd += ["--api-keys", keys_file, "--max-concurrent", str(max_concurrent), "--max-queue", "64"]
     cmd += ["--threads", str(threads), *extra]
@@ -266,12 +278,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     errors += [cold_first["error"]] if cold_first["error"] else []
     return {
         "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
-        "model": "smollm2 (SmolLM2-135M, fp32, CPU)",
-        "config": "configs/cpu-small.yaml",
+        "model": f"{args.model} ({args.dtype}, CPU)",
+        "config": server_config(),
         "doc_tokens_requested": args.doc_tokens,
         "prompt_tokens_with_question": cold_first.get("prompt_tokens"),
         "clients": args.clients,
         "server_torch_threads": args.threads,
+        "server_dtype": args.dtype,
         "max_tokens": args.max_tokens,
         "cold_first_request": {"ttft_s": cold_first["ttft"], "answer": cold_first["text"]},
         "load": {
@@ -392,6 +405,17 @@ async def batch_async(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     errors = [e for run in runs.values() for p in run.values() for e in p["errors"]]
     same = all(runs["batched"][str(k)]["answers"] == runs["unbatched"][str(k)]["answers"] for k in levels)
+    # per point: answers equal between the two servers, of those both gave (fp32 batches are
+    # bit-exact; bf16 GEMMs round differently by batch shape, so greedy answers can part)
+    same_count = {
+        str(k): [
+            sum(
+                a == runs["unbatched"][str(k)]["answers"].get(i) for i, a in runs["batched"][str(k)]["answers"].items()
+            ),
+            len(runs["batched"][str(k)]["answers"]),
+        ]
+        for k in levels
+    }
     speedup = {
         str(k): runs["batched"][str(k)]["tokens_per_s"] / runs["unbatched"][str(k)]["tokens_per_s"]
         for k in levels
@@ -408,10 +432,11 @@ async def batch_async(args: argparse.Namespace) -> dict[str, Any]:
             p.pop("answers")
     return {
         "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
-        "model": "smollm2 (SmolLM2-135M, fp32, CPU)",
-        "config": "configs/cpu-small.yaml",
+        "model": f"{args.model} ({args.dtype}, CPU)",
+        "config": server_config(),
         "servers": {name: " ".join(["flashmem serve --no-prefix-cache", *extra]) for name, extra in SERVERS.items()},
         "server_torch_threads": args.threads,
+        "server_dtype": args.dtype,
         "max_tokens": args.max_tokens,
         "requests_per_client": args.batch_requests,
         "runs": runs,
@@ -429,6 +454,7 @@ async def batch_async(args: argparse.Namespace) -> dict[str, Any]:
             <= (runs["unbatched"][top]["inter_token_s"]["p99"] or 0)
         ),
         "answers_identical": same,
+        "answers_same_of_all": same_count,
         "errors": errors,
         "error_count": len(errors),
         "cpu_count": os.cpu_count(),
@@ -471,10 +497,11 @@ async def restore_async(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     return {
         "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
-        "model": "smollm2 (SmolLM2-135M, fp32, CPU)",
-        "config": "configs/cpu-small.yaml",
+        "model": f"{args.model} ({args.dtype}, CPU)",
+        "config": server_config(),
         "doc_tokens_requested": args.doc_tokens,
         "server_torch_threads": args.threads,
+        "server_dtype": args.dtype,
         **out,
         "errors": errors,
         "error_count": len(errors),
@@ -553,12 +580,16 @@ def main() -> None:
     # One torch thread: on this shared 2-core machine two threads ran a 256-token
     # SmolLM2 chunk in ~35 s against ~4 s for one (oversubscribed OpenMP spinning).
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the servers' model dtype"
+    )
     ap.add_argument("--batch-clients", default="1,4,8", help="--mode batch: concurrent clients, comma-separated")
     ap.add_argument("--batch-requests", type=int, default=2, help="--mode batch: requests per client")
     ap.add_argument("--stream-tokens", type=int, default=96, help="--mode restore: tokens of the streaming answer")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     SERVER_MODEL[0] = args.model
+    SERVER_DTYPE[0] = args.dtype
     run = {"reuse": main_async, "batch": batch_async, "restore": restore_async}[args.mode]
     result = asyncio.run(run(args))
     text = json.dumps(result, indent=2)

@@ -133,6 +133,31 @@ def test_a_failing_row_fails_alone() -> None:
     assert out[2] is not None and (out[2] - expect).abs().max().item() <= TOL
 
 
+def test_a_row_failing_in_the_shared_short_attention_fails_alone() -> None:
+    """Rows with no sealed block attend in one SDPA (`batched._attend_short`); one whose step
+    bookkeeping raises after it fails alone, and the others' logits are their logits alone."""
+    model, cfg = tiny_model(), EXACT
+    prompts = _prompts(3)
+    rows = [flashmem.attach(model, cfg) for _ in prompts]
+    last = [_feed(model, c, p) for c, p in zip(rows, prompts)]
+    refs = [flashmem.attach(model, cfg) for _ in prompts]
+    for c, p in zip(refs, prompts):
+        _feed(model, c, p)
+    layer = rows[1].layers[1]
+    assert layer.num_sealed == 0  # the short path
+
+    def broken(*a, **k):
+        raise RuntimeError("bookkeeping failed")
+
+    layer.finish_step = broken
+    batch = BatchedCache(rows)
+    out = forward(model, batch, [[int(x.argmax())] for x in last])
+    assert out[1] is None and list(batch.failures) == [1] and "bookkeeping" in str(batch.failures[1])
+    for r in (0, 2):
+        expect = _feed(model, refs[r], [int(last[r].argmax())])
+        assert out[r] is not None and (out[r] - expect).abs().max().item() <= TOL
+
+
 def test_bad_batches_are_one_line_errors() -> None:
     model = tiny_model()
     with pytest.raises(FlashMemError, match="at least one row"):

@@ -3,6 +3,7 @@ length anew (60 ms a call on an H200); PyTorch's choice elsewhere; the same atte
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
@@ -23,3 +24,40 @@ def test_the_attention_is_sdpas():
     mask[..., 0] = 0.0
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
     assert torch.equal(sdpa.attention(q, k, v, mask, 0.3, True), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bool per head", "additive"])
+@pytest.mark.parametrize("heads", [(6, 2), (3, 3)])
+def test_a_half_decode_call_on_the_cpu_is_fp32_attention(dtype, mask_kind, heads):
+    """One query per head in bf16/fp16 on a CPU (where that SDPA is 6-8x slower than fp32) is
+    computed in fp32 and cast back: fp64 attention rounded once to the dtype, GQA heads paired as
+    enable_gqa pairs them, bool and additive masks alike."""
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(hq + len(mask_kind))
+    b, L, d = 2, 23, 16
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(dtype) for h, n in ((hq, 1), (hkv, L), (hkv, L)))
+    keep = torch.rand(b, hq if mask_kind == "bool per head" else 1, 1, L, generator=g) > 0.4
+    keep[..., 0] = True
+    mask = {
+        "none": None,
+        "bool": keep,
+        "bool per head": keep,
+        "additive": torch.zeros(keep.shape).masked_fill_(~keep, float("-inf")).to(dtype),
+    }[mask_kind]
+    got = sdpa.attention(q, k, v, mask, 0.3, hq > hkv)
+    m64 = None if mask is None else (keep if mask_kind != "additive" else mask.double())
+    want = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=m64, scale=0.3, enable_gqa=hq > hkv
+    )
+    assert got.dtype == dtype and got.shape == (b, hq, 1, d)
+    assert (
+        torch.equal(got, want.to(torch.float32).to(dtype))
+        or (got.double() - want).abs().max() <= 2 * torch.finfo(dtype).eps * want.abs().max()
+    )
+    # a query head paired with the wrong KV head (or a mask ignored) is far off
+    if hq > hkv:
+        wrong = F.scaled_dot_product_attention(
+            q.double(), k.double().flip(1), v.double().flip(1), attn_mask=m64, scale=0.3, enable_gqa=True
+        )
+        assert (got.double() - wrong).abs().max() > 0.05

@@ -246,6 +246,7 @@ def test_prefixes_survive_a_server_restart(tmp_path) -> None:
         (["--cold-quota", "lots"], "--cold-quota"),
         (["--port", "BUSY"], "cannot listen"),
         (["--prefix-codec", "zstd"], "--prefix-codec 'zstd': allowed: exact, int4, int8"),
+        (["--dtype", "int8"], "--dtype 'int8': allowed: float32, bfloat16, float16"),
     ],
 )
 def test_cli_user_mistakes_are_one_line_exit_2(tmp_path, capsys, args, message) -> None:

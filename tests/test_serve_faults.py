@@ -16,6 +16,7 @@ import os
 import stat
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 
 from flashmem.serve.engine import Sampling, Sequence, process_logits  # noqa: E402
 from flashmem.serve.prefix import MAGIC, SUFFIX, PrefixStore  # noqa: E402
-from serve_helpers import MODEL, make_engine, serving  # noqa: E402
+from serve_helpers import MODEL, make_engine, serving, tiny_model  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -509,3 +510,48 @@ def test_serve_passes_pack_prefill_to_the_engine(tmp_path, monkeypatch, flag, pa
     with pytest.raises(Stop):
         main(["serve", "--prefix-dir", str(tmp_path / "p"), *flag])
     assert seen["pack_prefill"] is packed
+
+
+@pytest.mark.parametrize(
+    "flags, dtype, sized",
+    [([], torch.float32, False), (["--dtype", "bfloat16"], torch.bfloat16, True),
+     (["--dtype", "bfloat16", "--config", "CFG"], torch.bfloat16, False)],
+)  # fmt: skip
+def test_serve_dtype_reaches_the_model_and_sizes_the_default_recipe(tmp_path, monkeypatch, flags, dtype, sized):
+    """`flashmem serve --dtype` loads the model in that dtype. Without --config a dtype other than
+    float32 gets the recipe sized for the loaded model's bytes (configs/cpu-small.yaml is the one
+    for float32); a --config given is served as it is."""
+    import flashmem
+    from flashmem.cli.main import main
+    from flashmem.config import FlashMemoryConfig
+
+    seen: dict = {}
+    small = Path(__file__).resolve().parents[1] / "configs" / "cpu-small.yaml"
+
+    class Stop(Exception):
+        pass
+
+    def load_model(name, dtype=None):
+        seen["dtype"] = dtype
+        return tiny_model().to(dtype), None
+
+    def engine(model, tok, cfg, **options):
+        seen["cfg"] = cfg
+        raise Stop
+
+    monkeypatch.setattr(flashmem, "load_model", load_model)
+    monkeypatch.setattr("flashmem.serve.engine.Engine", engine)
+    argv = [str(small) if f == "CFG" else f for f in flags]
+    with pytest.raises(Stop):
+        main(["serve", "--prefix-dir", str(tmp_path / "p"), *argv])
+    assert seen["dtype"] == dtype
+    if sized:
+        want = FlashMemoryConfig.for_budget(1 / 8, 8192, tiny_model().to(dtype), prefetch_threads=0)
+        assert seen["cfg"] == want
+        # float32's pages would be twice the share of a bf16 cache: sized for 2 bytes, fewer
+        assert (
+            seen["cfg"].lsa_top_k
+            < FlashMemoryConfig.for_budget(1 / 8, 8192, tiny_model(), prefetch_threads=0).lsa_top_k
+        )
+    else:
+        assert seen["cfg"] == FlashMemoryConfig.from_yaml(small)

@@ -24,6 +24,8 @@
    batch 1 and at batch `--clients`, and of a `--clients` x 40-token prompt packed in one
    row: CPU ms, the bound batching meets on this CPU.
 Every engine's answers are compared (`answers_identical`). `--ablation-only` runs part 3 alone.
+`--dtype bfloat16` (or float16): the model in that dtype and, without `--config`, the recipe
+sized for its bytes, as `flashmem serve --dtype` runs it.
 
 `--every-page-ab` alone: the `--round-context` documents (1000 tokens unless given) decoded
 batched and with max_batch 1, EOS ignored, in blocks of `--rounds` rounds that alternate
@@ -289,21 +291,28 @@ def forwards(model: Any, b: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--config", default=str(ROOT / "configs" / "cpu-small.yaml"))
+    ap.add_argument("--config", default=None, help="default: configs/cpu-small.yaml (float32)")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--round-context", type=int, default=0, help="round: N-token documents as prompts (0: chat)")
     ap.add_argument("--ablation-only", action="store_true", help="part 3 alone (a quick A/B of the round's cost)")
     ap.add_argument("--every-page-ab", action="store_true", help="long rows, every-page shortcut on/off")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="the model's dtype; other than float32 without --config, the recipe sized for its bytes",
+    )  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.every_page_ab and not args.round_context:
         args.round_context = 1000
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
-    model, tok = load_model(args.model)
-    cfg = FlashMemoryConfig.from_yaml(args.config)
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    if args.config is None and args.dtype != "float32":  # as `flashmem serve --dtype` sizes it
+        cfg = FlashMemoryConfig.for_budget(1 / 8, 8192, model, prefetch_threads=0)
+    else:
+        cfg = FlashMemoryConfig.from_yaml(args.config or ROOT / "configs" / "cpu-small.yaml")
     prompts = [
         chat_prompt_ids(tok, [{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)]}])
         for i in range(args.clients)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -220,44 +221,51 @@ def _attend_short(
     query over its sinks | open block | window | new token (its own padding hidden, the
     batch's padding to the longest row hidden), then each layer's bookkeeping and append,
     as `FlashLayer.step` does them. out[0, at] gets the output [Hq, d] of the row whose
-    token is at `at`."""
+    token is at `at`. Per row only what differs by row runs in Python (its keys and values
+    into the buffers, its bookkeeping); the queries, the mask and the outputs move for
+    all rows in one op each."""
     layers = [ans.k._flashmem_layer for ans in rows]  # type: ignore[attr-defined]
     pending = [layer.take_pending() for layer in layers]
     b, (hq, d), dev = len(rows), query.shape[1::2], query.device
     hkv = pending[0][0].shape[1]
+    group = hq // hkv
     lengths = [layer.valid.shape[-1] + 1 for layer in layers]
     L = max(lengths)
     K = query.new_zeros(b, hkv, L, d)
     V = query.new_zeros(b, hkv, L, d)
-    mask = torch.zeros(b, 1, 1, L, dtype=torch.bool, device=dev)
+    bufs = []
     for i, (layer, (k_new, v_new)) in enumerate(zip(layers, pending)):
         n = lengths[i]
-        torch.cat([layer.sink_k, layer.open_k, layer.win_k, k_new], dim=-2, out=K[i : i + 1, :, :n])
-        torch.cat([layer.sink_v, layer.open_v, layer.win_v, v_new], dim=-2, out=V[i : i + 1, :, :n])
-        mask[i, 0, 0, : n - 1] = layer.valid[0]
-        mask[i, 0, 0, n - 1] = True  # the new token sees itself
-    q = torch.stack([query[0, :, ans.at : ans.at + 1] for ans in rows])
-    o = sdpa.attention(q, K, V, mask, scaling, hq > hkv)
+        kb, vb = K[i : i + 1, :, :n], V[i : i + 1, :, :n]
+        torch.cat([layer.sink_k, layer.open_k, layer.win_k, k_new], dim=-2, out=kb)
+        torch.cat([layer.sink_v, layer.open_v, layer.win_v, v_new], dim=-2, out=vb)
+        bufs.append((kb, vb))
+    # [b, 1, 1, L]: each row's validity, then its new token (which sees itself), then the padding
+    mask = torch.zeros(b, L, dtype=torch.bool, device=dev)
+    mask[:, : L - 1] = pad_sequence([layer.valid[0] for layer in layers], batch_first=True)
+    last = torch.tensor(lengths, device=dev) - 1
+    mask[torch.arange(b, device=dev), last] = True
+    at = torch.tensor([ans.at for ans in rows], device=dev)
+    q = query[0].index_select(1, at).transpose(0, 1)[:, :, None].contiguous()  # [b, Hq, 1, d]
+    o = sdpa.attention(q, K, V, mask[:, None, None], scaling, hq > hkv)
+    out[0].index_copy_(0, at, o[:, :, 0])
+    qg = group_queries(q, group)  # [b, h, group, d]
     valid = torch.ones(1, 1, dtype=torch.bool, device=dev)
     for i, (ans, layer, (k_new, v_new)) in enumerate(zip(rows, layers, pending)):
         try:  # FlashLayer.step's bookkeeping after its attention
             layer.scaling = scaling
-            group = hq // hkv
             # the row's part of the K/V buffer, written and read back, as its step alone counts it
             # (assembly.copy_bytes: nothing when the new token is the only part)
-            n = lengths[i]
             ks = [t for t in (layer.sink_k, layer.open_k, layer.win_k) if t.shape[-2]] + [k_new]
             vs = [t for t in (layer.sink_v, layer.open_v, layer.win_v) if t.shape[-2]] + [v_new]
-            copied = copy_bytes(ks, K[i : i + 1, :, :n]) + copy_bytes(vs, V[i : i + 1, :, :n])
+            copied = copy_bytes(ks, bufs[i][0]) + copy_bytes(vs, bufs[i][1])
             layer.reader.traffic.add("device_copy_bytes", copied)
-            qg = group_queries(query[:, :, ans.at : ans.at + 1], group)
-            layer.finish_step(layer.attended_bytes() + 2 * k_new.nbytes, k_new, v_new, valid, qg, group)
+            layer.finish_step(layer.attended_bytes() + 2 * k_new.nbytes, k_new, v_new, valid, qg[i : i + 1], group)
         except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
             if layer.guard is not None:
                 layer.guard.fail(exc)
             batch.fail(ans.row, exc)
-            continue
-        out[0, ans.at] = o[i, :, 0]
+            out[0, ans.at] = 0.0  # a failed row's output is zeros, as for rows failed before
 
 
 def _plain_mask(layer: Any, n: int, kv: int, device: torch.device) -> torch.Tensor | None:

@@ -11,6 +11,13 @@ mask and GQA that is the math kernel, 0.48 ms a call at 8,192 keys in the same r
 `sdpa_kernel` sets PyTorch's process-wide backend flags for the call's duration: another
 thread's SDPA call meanwhile sees them too (the same attention, by another kernel).
 
+On a CPU a bf16 or fp16 SDPA with one query per head runs 6-8x slower than fp32 (PyTorch
+2.13, one thread of an AVX512-BF16 AMD EPYC, 9 query heads over 3 KV heads: 0.96 against 0.13
+ms at 1,024 keys, 7.9 against 1.0 ms at 8,192; from 16 queries up the two are even;
+benchmarks/diagnostics/half_sdpa.py). A decode step's call there is
+computed in fp32 instead (`_one_query_fp32`: two matmuls and a softmax, the result cast back),
+as accurate as the half SDPA or more.
+
 Shapes as F.scaled_dot_product_attention: q [b, Hq, m, d]; k, v [b, Hkv, L, d]; mask
 broadcastable to [b, Hq, m, L].
 """
@@ -40,8 +47,34 @@ def attention(
 ) -> torch.Tensor:
     """F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     under `backends_for(q.device)` -> [b, Hq, m, d]."""
+    if q.device.type == "cpu" and q.dtype in HALF and q.shape[2] == 1:
+        return _one_query_fp32(q, k, v, mask, scale)
     allowed = backends_for(q.device)
     if allowed is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     with sdpa_kernel(allowed):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _one_query_fp32(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+) -> torch.Tensor:
+    """`attention` for one query per head in fp32, cast back to q's dtype: q [b, Hq, 1, d], k, v
+    [b, Hkv, L, d] (query head j * group + g reads KV head j, as enable_gqa pairs them), mask
+    bool (True: attend) or additive, broadcastable to [b, Hq, 1, L] -> [b, Hq, 1, d]."""
+    b, hq, m, d = q.shape
+    hkv, L = k.shape[1], k.shape[2]
+    group = hq // hkv
+    logits = torch.matmul(q.float().reshape(b, hkv, group * m, d), k.float().transpose(-1, -2))  # [b, h, g, L]
+    logits.mul_(d**-0.5 if scale is None else scale)
+    if mask is not None:
+        mask = torch.broadcast_to(mask, (b, hq, m, L)).reshape(b, hkv, group * m, L)
+        if mask.dtype == torch.bool:
+            logits.masked_fill_(~mask, float("-inf"))
+        else:
+            logits.add_(mask)
+    out = torch.matmul(torch.softmax(logits, dim=-1), v.float())  # [b, h, g, d]
+    return out.view(b, hq, m, d).to(q.dtype)

@@ -80,6 +80,12 @@ def serve(
     max_tokens: int = typer.Option(16, "--default-max-tokens", min=1, help="max_tokens when a request gives none"),
     model_name: str | None = typer.Option(None, "--served-name", help="the model id clients send (default: --model)"),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads"),
+    dtype: str = typer.Option(
+        "float32",
+        "--dtype",
+        help="the model's weights and K/V: float32, bfloat16 or float16 (without --config, a non-float32"
+        " model gets the recipe sized for its bytes, as configs/cpu-small.yaml is for float32; docs/serving.md)",
+    ),
     max_request_bytes: str = typer.Option(
         "4M", "--max-request-bytes", help="largest request body (413 beyond it), e.g. 4M"
     ),
@@ -102,7 +108,9 @@ def serve(
     from flashmem.serve.auth import load_api_keys
 
     # every argument is checked before a minute of model loading, not after
+    torch_dtype = check_dtype(dtype)
     cfg = FlashMemoryConfig.from_yaml(config or _default_config())
+    size_recipe = config is None and dtype != "float32"  # the default file is sized for float32
     keys = load_api_keys(api_keys) if api_keys is not None else None
     quota = parse_bytes(cold_quota)
     _check_prefix_flags(prefix_store, prefix_dir)
@@ -113,7 +121,7 @@ def serve(
     engine = _load_engine(
         model, cfg, threads, store, model_name=model_name or model, max_concurrent=max_concurrent,
         max_queue=max_queue, max_context=max_context, max_batch=max_batch, restore_off_thread=not restore_on_worker,
-        pack_prefill=pack_prefill,
+        pack_prefill=pack_prefill, dtype=torch_dtype, size_recipe=size_recipe,
     )  # fmt: skip
     typer.echo(f"serving {engine.model_name!r} on http://{host}:{port}/v1; {where}", err=True)
     uvicorn.run(
@@ -135,6 +143,19 @@ def _server_modules() -> tuple[Any, Any]:
             f"flashmem serve needs the serve extra ({exc.name} is missing): pip install torch==2.13.0 -e '.[serve]'"
         ) from None
     return uvicorn, create_app
+
+
+# --dtype: the floating types a model loads in (flashmem.load_model)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(name: str) -> Any:
+    """The `--dtype` value as a torch dtype; a one-line FlashMemError naming the allowed ones otherwise."""
+    import torch
+
+    if name not in DTYPES:
+        raise FlashMemError(f"--dtype {name!r}: allowed: {', '.join(DTYPES)}")
+    return getattr(torch, name)
 
 
 def _check_prefix_flags(prefix_store: str | None, prefix_dir: Path | None) -> None:
@@ -173,18 +194,29 @@ def _prefix_backend(
 
 
 def _load_engine(
-    model: str, cfg: Any, threads: int | None, store: PrefixBackend | None, **engine_options: Any
+    model: str,
+    cfg: Any,
+    threads: int | None,
+    store: PrefixBackend | None,
+    dtype: Any = None,
+    size_recipe: bool = False,
+    **engine_options: Any,
 ) -> Engine:
-    """Load `model` (with `threads` torch threads) and its Engine; engine_options: Engine's keywords."""
+    """Load `model` in `dtype` (None: float32; with `threads` torch threads) and its Engine;
+    size_recipe: `cfg` replaced by the recipe that configs/cpu-small.yaml is for float32 (1/8
+    of 8K), sized for the loaded model's bytes and device. engine_options: Engine's keywords."""
     import torch
 
     import flashmem
+    from flashmem.config import FlashMemoryConfig
     from flashmem.serve.engine import Engine
 
     if threads:
         torch.set_num_threads(threads)
     typer.echo(f"loading {model}...", err=True)
-    mdl, tok = flashmem.load_model(model)
+    mdl, tok = flashmem.load_model(model, dtype=dtype)
+    if size_recipe:
+        cfg = FlashMemoryConfig.for_budget(1 / 8, 8192, mdl, prefetch_threads=0)
     return Engine(mdl, tok, cfg, prefix_store=store, **engine_options)
 
 
