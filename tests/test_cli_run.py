@@ -149,6 +149,7 @@ def test_run_ask_and_prompt_together_is_one_line_error(tiny_folder, tmp_path, ca
         (["--text", "kjv", "--context-tokens", "50"], "--context-tokens: 50"),
         (["--model", "no-such-model"], "unknown model"),
         (["--ask", "--prompt", "hi"], "--ask and --prompt"),
+        (["--dtype", "int8"], "--dtype 'int8': allowed: float32, bfloat16, float16"),
     ],
 )
 def test_bad_arguments_are_refused_before_a_model_loads(monkeypatch, capsys, args, message):
@@ -288,3 +289,21 @@ def test_layer_profile_reports_progress_per_layer(tiny_folder, monkeypatch, caps
     layers = model.config.num_hidden_layers
     assert len(seen) == 2 * layers and sum(seen) == pytest.approx(prof["tokens"])  # each layer of each sequence
     assert "layer profile (measured once per model): done, 512 tokens in" in capsys.readouterr().err
+
+
+def test_run_dtype_loads_the_model_in_it_with_the_recipe_sized_for_it(tiny_folder, tmp_path, capsys):
+    """`flashmem run --dtype bfloat16` without --config: the model in bf16, its cache in bf16, and
+    the recipe sized for 2-byte K/V (configs/cpu-small.yaml is the recipe for float32)."""
+    out = tmp_path / "run.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--model", str(tiny_folder), "--dtype", "bfloat16", "--text", "kjv", "--context-tokens", "300",
+              "--prompt", "And", "--max-new-tokens", "3", "--json-out", str(out)])  # fmt: skip
+    assert exc.value.code == 0
+    result = json.loads(out.read_text())
+    assert result["generated_tokens"] == 3
+    assert "the recipe at 1/8 of 8K for bfloat16" in capsys.readouterr().err
+    mem = result["memory"]
+    # 2 bytes a K/V element (float32's 4 would double it): the full cache of what was seen
+    c = json.loads((tiny_folder / "config.json").read_text())
+    per_token = c["num_hidden_layers"] * c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    assert mem["full_cache_bytes"] == mem["tokens_seen"] * 2 * 2 * per_token

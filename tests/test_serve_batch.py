@@ -276,3 +276,22 @@ def test_pack_prefill_off_runs_a_forward_per_chunk() -> None:
     assert engine.packed_chunks == 0 and engine.decode_rows > engine.decode_forwards
     for seq, (n, s) in zip(seqs, ((12, 31), (90, 32))):
         _same(seq, _alone(model, EXACT, _prompt(n, s), seq.sampling.max_tokens))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("codec", ["exact", "int8"])
+def test_a_half_model_stores_and_restores_its_prefixes(tmp_path, dtype, codec) -> None:
+    """`flashmem serve --dtype bfloat16|float16`: the prefix records hold the half K/V (coded or
+    not), and the same prompt again restores all but its end and answers as the first time."""
+    from flashmem_eval.tiny import tiny_tokenizer as tok
+
+    prompt = _prompt(300, seed=5)
+    runs = []
+    for _ in range(2):  # a new engine each time: a restarted server on the same folder
+        engine = Engine(
+            tiny_model().to(dtype), tok(), tiny_cfg(), model_name=MODEL, prefix_store=PrefixStore(tmp_path, codec=codec)
+        )
+        seq = engine.run_sync(Sequence(prompt, Sampling(max_tokens=6, temperature=0), "t", None))
+        runs.append(seq)
+    assert runs[0].reused_tokens == 0 and runs[1].reused_tokens >= 256
+    assert runs[1].generated == runs[0].generated

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import flashmem  # noqa: E402
 from flashmem.cache.batched import BatchedCache, forward  # noqa: E402
+from flashmem.cli.run_cmd import sized_default_config  # noqa: E402
 from flashmem.config import FlashMemoryConfig  # noqa: E402
 from flashmem.serve.app import chat_prompt_ids  # noqa: E402
 from serve_load import BATCH_PROMPTS  # noqa: E402
@@ -47,7 +48,7 @@ def config_for(model: Any, dtype: str) -> FlashMemoryConfig:
     """The config `flashmem serve` uses without --config (cli/serve_cmd.py)."""
     if dtype == "float32":
         return FlashMemoryConfig.from_yaml(ROOT / "configs" / "cpu-small.yaml")
-    return FlashMemoryConfig.for_budget(1 / 8, 8192, model, prefetch_threads=0)
+    return sized_default_config(model)
 
 
 def batched_vs_alone(model: Any, cfg: FlashMemoryConfig, prompts: list[list[int]], steps: int) -> dict[str, Any]:

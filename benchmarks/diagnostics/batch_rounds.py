@@ -51,6 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from flashmem.cli.run_cmd import sized_default_config  # noqa: E402
 from flashmem.config import FlashMemoryConfig  # noqa: E402
 from flashmem.models.loading import load_model  # noqa: E402
 from flashmem.serve import engine as engine_mod  # noqa: E402
@@ -310,7 +311,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.config is None and args.dtype != "float32":  # as `flashmem serve --dtype` sizes it
-        cfg = FlashMemoryConfig.for_budget(1 / 8, 8192, model, prefetch_threads=0)
+        cfg = sized_default_config(model)
     else:
         cfg = FlashMemoryConfig.from_yaml(args.config or ROOT / "configs" / "cpu-small.yaml")
     prompts = [

@@ -32,6 +32,19 @@ def check_output_path(path: Path | None, flag: str) -> None:
         raise FlashMemError(f"{flag} {path}: not writable; allowed: a file path you can write")
 
 
+# --dtype: the floating types a model loads in (flashmem.load_model)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(name: str) -> Any:
+    """The `--dtype` value as a torch dtype; a one-line FlashMemError naming the allowed ones otherwise."""
+    import torch
+
+    if name not in DTYPES:
+        raise FlashMemError(f"--dtype {name!r}: allowed: {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
 def read_input_text(path: Path) -> str:
     return read_user_text(path, "--input", MAX_INPUT_BYTES)
 

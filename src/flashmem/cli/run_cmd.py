@@ -56,17 +56,24 @@ def run(
     threads: int | None = typer.Option(
         None, "--threads", min=1, help="torch CPU threads (default: one per idle core, from the load average)"
     ),
+    dtype: str = typer.Option(
+        "float32",
+        "--dtype",
+        help="the model's weights and K/V: float32, bfloat16 or float16 (without --config, a non-float32"
+        " model gets the recipe sized for its bytes, as configs/cpu-small.yaml is for float32)",
+    ),
 ) -> None:
     """Generate with the FlashMemory cache and report memory, speed and (optionally) fidelity."""
     from rich.console import Console
 
-    from flashmem.cli.inputs import check_output_path
+    from flashmem.cli.inputs import check_dtype, check_output_path
     from flashmem.config import FlashMemoryConfig
 
     console = Console(stderr=True, soft_wrap=True)  # a log keeps whole lines
     # every argument is checked here, in a second, before a model loads (half a minute or more)
     check_output_path(json_out, "--json-out")
     ask = _resolve_ask(ask, input, prompt, context_tokens)
+    torch_dtype = check_dtype(dtype)
     cfg = FlashMemoryConfig.from_yaml(config or _default_config())
     source = _read_input(input, text)
     _check_model(model)
@@ -76,12 +83,16 @@ def run(
 
     _set_threads(threads, console)
     with progress.step(f"loading {model}"):
-        mdl, tok = flashmem.load_model(model)
+        mdl, tok = flashmem.load_model(model, dtype=torch_dtype)
+    shown: Path | str = config or _default_config()
+    if config is None and dtype != "float32":  # the default file is the recipe for float32
+        cfg = sized_default_config(mdl)
+        shown = f"the recipe at 1/8 of 8K for {dtype}"
     if ask:
         planted, ids = _plant(tok, source, context_tokens, fact_depth, console)
     else:
         planted, ids = None, _encode(tok, source, prompt, context_tokens)
-    console.print(f"[dim]context: {ids.shape[1]:,} tokens; config: {config or _default_config()}[/dim]")
+    console.print(f"[dim]context: {ids.shape[1]:,} tokens; config: {shown}[/dim]")
     result = _measure_attached(mdl, tok, ids, n_new, model, cfg, compare_full)
     if planted is not None:
         result["question"] = _question_result(planted, result, compare_full)
@@ -206,6 +217,15 @@ def _set_threads(threads: int | None, console: Any) -> None:
             f"[dim]torch threads: {n}, one per idle core (load average {load1:.1f} on {cores} cores; "
             "--threads N to choose)[/dim]"
         )
+
+
+def sized_default_config(model: Any) -> Any:
+    """The recipe `configs/cpu-small.yaml` is for a float32 model (1/8 of the full cache at 8K
+    tokens), sized for a loaded model's bytes and device: the default config of `flashmem run`
+    and `flashmem serve` for a model loaded in another dtype (`--dtype`)."""
+    from flashmem.config import FlashMemoryConfig
+
+    return FlashMemoryConfig.for_budget(1 / 8, 8192, model, prefetch_threads=0)
 
 
 def _default_config() -> Path:

@@ -103,6 +103,7 @@ def serve(
 ) -> None:
     """Serve the model through the FlashMemory cache with the OpenAI API (completions, chat, streaming)."""
     uvicorn, create_app = _server_modules()
+    from flashmem.cli.inputs import check_dtype
     from flashmem.cli.run_cmd import _default_config
     from flashmem.config import FlashMemoryConfig
     from flashmem.serve.auth import load_api_keys
@@ -143,19 +144,6 @@ def _server_modules() -> tuple[Any, Any]:
             f"flashmem serve needs the serve extra ({exc.name} is missing): pip install torch==2.13.0 -e '.[serve]'"
         ) from None
     return uvicorn, create_app
-
-
-# --dtype: the floating types a model loads in (flashmem.load_model)
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def check_dtype(name: str) -> Any:
-    """The `--dtype` value as a torch dtype; a one-line FlashMemError naming the allowed ones otherwise."""
-    import torch
-
-    if name not in DTYPES:
-        raise FlashMemError(f"--dtype {name!r}: allowed: {', '.join(DTYPES)}")
-    return getattr(torch, name)
 
 
 def _check_prefix_flags(prefix_store: str | None, prefix_dir: Path | None) -> None:
@@ -208,7 +196,7 @@ def _load_engine(
     import torch
 
     import flashmem
-    from flashmem.config import FlashMemoryConfig
+    from flashmem.cli.run_cmd import sized_default_config
     from flashmem.serve.engine import Engine
 
     if threads:
@@ -216,7 +204,7 @@ def _load_engine(
     typer.echo(f"loading {model}...", err=True)
     mdl, tok = flashmem.load_model(model, dtype=dtype)
     if size_recipe:
-        cfg = FlashMemoryConfig.for_budget(1 / 8, 8192, mdl, prefetch_threads=0)
+        cfg = sized_default_config(mdl)
     return Engine(mdl, tok, cfg, prefix_store=store, **engine_options)
 
 
