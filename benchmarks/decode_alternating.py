@@ -6,6 +6,8 @@
                                             [--model smollm2] [--rebuild] [--ranked]
                                             [--config configs/cpu-small.yaml]
 
+`--dtype bfloat16` (SmolLM2): the model, both caches and the recipe's sizing in that dtype.
+
 Model: the tiny random Llama of `flashmem_eval.benchkit.tiny_llama_long` (4 layers, 4 KV heads x 64,
 fp32) on random tokens, 1 torch thread; `--model smollm2`: SmolLM2-135M on the
 KJV text (trained to 8K, so lengths up to 8192). Per length, three caches live side by
@@ -63,7 +65,8 @@ def random_dynamic(model, n: int) -> DynamicCache:
     cache = DynamicCache(config=cfg)
     gen = torch.Generator().manual_seed(0)
     for i in range(cfg.num_hidden_layers):
-        cache.update(torch.randn(1, hkv, n, d, generator=gen), torch.randn(1, hkv, n, d, generator=gen), i)
+        k, v = torch.randn(1, hkv, n, d, generator=gen), torch.randn(1, hkv, n, d, generator=gen)
+        cache.update(k.to(model.dtype), v.to(model.dtype), i)
     return cache
 
 
@@ -79,6 +82,10 @@ def main() -> None:
     ap.add_argument("--rebuild", action="store_true", help="add the recipe with its working sets rebuilt every step")
     ap.add_argument("--ranked", action="store_true", help="add the recipe ranking pages it selects all of")
     ap.add_argument("--config", default=None, help="a YAML config in place of the recipe (variants need the recipe)")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="--model smollm2 loaded in this dtype (the recipe sized for its bytes; DynamicCache holds it too)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.config and args.variants:
         ap.error("--variants are the recipe's; allowed: --config or --variants, not both")
@@ -91,7 +98,7 @@ def main() -> None:
         else:
             from flashmem.texts import load_text
 
-            model, tok = flashmem.load_model(args.model)
+            model, tok = flashmem.load_model(args.model, dtype=getattr(torch, args.dtype))
             ids = tok(load_text("default")[: n * 8], return_tensors="pt").input_ids[:, :n]
         configs = {
             "recipe": flashmem.FlashMemoryConfig.from_yaml(args.config)
@@ -149,6 +156,7 @@ def main() -> None:
                 "speedup_vs_dynamic": dyn / med,
                 "load": os.getloadavg()[0],
                 "model": args.model,
+                "dtype": args.dtype,
             }
             if name != "dynamic":
                 rep = caches[name].memory_report()
