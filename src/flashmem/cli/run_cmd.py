@@ -14,12 +14,15 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from flashmem import progress
 from flashmem.errors import FlashMemError
+
+if TYPE_CHECKING:
+    from flashmem.config import FlashMemoryConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "cpu-small.yaml"
 MIN_ASK_TOKENS = 200  # --ask: the question, the fact and some text around it
@@ -219,7 +222,7 @@ def _set_threads(threads: int | None, console: Any) -> None:
         )
 
 
-def sized_default_config(model: Any) -> Any:
+def sized_default_config(model: Any) -> FlashMemoryConfig:
     """The recipe `configs/cpu-small.yaml` is for a float32 model (1/8 of the full cache at 8K
     tokens), sized for a loaded model's bytes and device: the default config of `flashmem run`
     and `flashmem serve` for a model loaded in another dtype (`--dtype`)."""
