@@ -4,7 +4,8 @@ from fp32's, on the serve load test's chat prompts (one torch thread):
     python benchmarks/diagnostics/batch_logits.py [--model smollm2] [--dtype bfloat16] [--rows 8]
         [--steps 12] [--out FILE]
 
-1. `batched_vs_alone`: `--rows` chat prompts (serve_load.py's --mode batch prompts) prefilled
+1. `batched_vs_alone`: `--rows` chat prompts (serve_load.py's --mode batch prompts; with
+   `--context N`, N-token documents of `--text` from seed `--seed` on, with a question) prefilled
    into their own caches, then `--steps` decode steps of all rows in one forward
    (`cache/batched.py`), each row's token also fed to a copy of its cache alone: the largest
    |logit difference| and how often the argmax differs (the same tokens fed to both).
@@ -93,15 +94,25 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument(
+        "--context", type=int, default=0,
+        help="N-token documents of --text (seeds --seed..) with a question as the prompts, not the chat prompts",
+    )  # fmt: skip
+    ap.add_argument("--text", default="stdlib-doc", help="--context: the packaged text (flashmem.texts)")
+    ap.add_argument("--seed", type=int, default=20, help="--context: the first document's seed")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = flashmem.load_model(args.model, dtype=getattr(torch, args.dtype))
     cfg = config_for(model, args.dtype)
-    prompts = [
-        chat_prompt_ids(tok, [{"role": "user", "content": BATCH_PROMPTS[i % len(BATCH_PROMPTS)]}])
-        for i in range(args.rows)
-    ]
+    if args.context:  # documents with sealed blocks: rows that select pages, each its own step
+        from flashmem.texts import haystack
+
+        ask = "\n\nWhat does the text above describe? Answer briefly."
+        contents = [haystack(tok, args.context, seed=args.seed + i, name=args.text) + ask for i in range(args.rows)]
+    else:
+        contents = [BATCH_PROMPTS[i % len(BATCH_PROMPTS)] for i in range(args.rows)]
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": c}]) for c in contents]
     result: dict[str, Any] = {
         "command": "python benchmarks/diagnostics/batch_logits.py " + " ".join(sys.argv[1:]),
         "model": args.model,

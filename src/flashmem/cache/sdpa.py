@@ -16,7 +16,8 @@ On a CPU a bf16 or fp16 SDPA with one query per head runs 6-8x slower than fp32 
 ms at 1,024 keys, 7.9 against 1.0 ms at 8,192; from 16 queries up the two are even;
 benchmarks/diagnostics/half_sdpa.py). A decode step's call there is
 computed in fp32 instead (`_one_query_fp32`: two matmuls and a softmax, the result cast back),
-as accurate as the half SDPA or more.
+as accurate as the half SDPA or more. Its transient is an fp32 copy of the call's K and V (twice
+their half bytes), freed when it returns; on an accelerator nothing changes.
 
 Shapes as F.scaled_dot_product_attention: q [b, Hq, m, d]; k, v [b, Hkv, L, d]; mask
 broadcastable to [b, Hq, m, L].
