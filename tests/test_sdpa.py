@@ -29,10 +29,11 @@ def test_the_attention_is_sdpas():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "bool per head", "additive"])
 @pytest.mark.parametrize("heads", [(6, 2), (3, 3)])
-def test_a_half_decode_call_on_the_cpu_is_fp32_attention(dtype, mask_kind, heads):
-    """One query per head in bf16/fp16 on a CPU (where that SDPA is 6-8x slower than fp32) is
-    computed in fp32 and cast back: fp64 attention rounded once to the dtype, GQA heads paired as
-    enable_gqa pairs them, bool and additive masks alike."""
+def test_a_half_decode_call_on_the_cpu_is_fp32_attention(dtype, mask_kind, heads, monkeypatch):
+    """One query per head in bf16/fp16 on a CPU without AMX for it (where that SDPA is 6-8x slower
+    than fp32) is computed in fp32 and cast back: fp64 attention rounded once to the dtype, GQA
+    heads paired as enable_gqa pairs them, bool and additive masks alike."""
+    monkeypatch.setattr(sdpa, "half_sdpa_is_slow", lambda dt: True)
     hq, hkv = heads
     g = torch.Generator().manual_seed(hq + len(mask_kind))
     b, L, d = 2, 23, 16
@@ -61,3 +62,29 @@ def test_a_half_decode_call_on_the_cpu_is_fp32_attention(dtype, mask_kind, heads
             q.double(), k.double().flip(1), v.double().flip(1), attn_mask=m64, scale=0.3, enable_gqa=True
         )
         assert (got.double() - wrong).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_with_amx_for_the_dtype_the_half_call_is_pytorchs(dtype, monkeypatch):
+    """Where the CPU has AMX for the dtype, PyTorch's half SDPA is the faster and is called as is."""
+    monkeypatch.setattr(sdpa, "half_sdpa_is_slow", lambda dt: False)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, n, 16, generator=g).to(dtype) for h, n in ((6, 1), (2, 40), (2, 40)))
+    keep = torch.rand(1, 1, 1, 40, generator=g) > 0.3
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.3, enable_gqa=True)
+    assert torch.equal(sdpa.attention(q, k, v, keep, 0.3, True), want)
+
+
+def test_the_amx_probe_decides_and_a_failing_probe_is_the_slow_path(monkeypatch):
+    sdpa.half_sdpa_is_slow.cache_clear()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: False, raising=False)
+    assert not sdpa.half_sdpa_is_slow(torch.bfloat16) and sdpa.half_sdpa_is_slow(torch.float16)
+    sdpa.half_sdpa_is_slow.cache_clear()
+
+    def broken() -> bool:
+        raise RuntimeError("no cpuinfo")
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", broken, raising=False)
+    assert sdpa.half_sdpa_is_slow(torch.bfloat16)
+    sdpa.half_sdpa_is_slow.cache_clear()

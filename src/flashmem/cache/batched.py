@@ -51,7 +51,6 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from flashmem.cache import sdpa
-from flashmem.cache.assembly import copy_bytes
 from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.cache.flash_layer import FlashLayer
 from flashmem.cache.tiered_attention import group_queries
@@ -229,17 +228,15 @@ def _attend_short(
     b, (hq, d), dev = len(rows), query.shape[1::2], query.device
     hkv = pending[0][0].shape[1]
     group = hq // hkv
-    lengths = [layer.valid.shape[-1] + 1 for layer in layers]
+    lengths = [layer.validity.length + 1 for layer in layers]
     L = max(lengths)
     K = query.new_zeros(b, hkv, L, d)
     V = query.new_zeros(b, hkv, L, d)
-    bufs = []
     for i, (layer, (k_new, v_new)) in enumerate(zip(layers, pending)):
         n = lengths[i]
-        kb, vb = K[i : i + 1, :, :n], V[i : i + 1, :, :n]
-        torch.cat([layer.sink_k, layer.open_k, layer.win_k, k_new], dim=-2, out=kb)
-        torch.cat([layer.sink_v, layer.open_v, layer.win_v, v_new], dim=-2, out=vb)
-        bufs.append((kb, vb))
+        ks, vs = layer.tail_parts()
+        torch.cat([layer.sink_k, *ks, k_new], dim=-2, out=K[i : i + 1, :, :n])
+        torch.cat([layer.sink_v, *vs, v_new], dim=-2, out=V[i : i + 1, :, :n])
     # [b, 1, 1, L]: each row's validity, then its new token (which sees itself), then the padding
     mask = torch.zeros(b, L, dtype=torch.bool, device=dev)
     mask[:, : L - 1] = pad_sequence([layer.valid[0] for layer in layers], batch_first=True)
@@ -256,10 +253,8 @@ def _attend_short(
             layer.scaling = scaling
             # the row's part of the K/V buffer, written and read back, as its step alone counts it
             # (assembly.copy_bytes: nothing when the new token is the only part)
-            ks = [t for t in (layer.sink_k, layer.open_k, layer.win_k) if t.shape[-2]] + [k_new]
-            vs = [t for t in (layer.sink_v, layer.open_v, layer.win_v) if t.shape[-2]] + [v_new]
-            copied = copy_bytes(ks, bufs[i][0]) + copy_bytes(vs, bufs[i][1])
-            layer.reader.traffic.add("device_copy_bytes", copied)
+            if lengths[i] > 1:
+                layer.reader.traffic.add("device_copy_bytes", 2 * lengths[i] * (k_new.nbytes + v_new.nbytes))
             layer.finish_step(layer.attended_bytes() + 2 * k_new.nbytes, k_new, v_new, valid, qg[i : i + 1], group)
         except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
             if layer.guard is not None:

@@ -14,6 +14,12 @@ open block is sealed: its CSA entries, HCA entry and index summary are computed,
 and its exact K/V go to the cold store. The newest `csa_band_tokens // B` sealed
 blocks keep their CSA entries resident.
 
+The open block and the window are held as one tensor (open | window) while appends are all
+that change them: an append is one cat per K and V, and a token leaving the window for the
+open block moves the boundary between them, not its bytes. `open_k`, `win_k`, .. are views
+of it; setting one (a crop, a restored state, a static segment's end, a row reorder) keeps
+the four apart until the next append joins them again.
+
 Positions are implicit and exact: sinks hold 0..S-1, sealed block j holds
 S + j*B .. S + (j+1)*B - 1, then the open block, then the window. With
 `position_mode: window` attention sees other ones (the stored keys keep their
@@ -144,8 +150,7 @@ class FlashLayer(CacheLayerMixin):
             self.prefetcher = None
         empty = lambda n: torch.zeros(b, h, n, d, dtype=dt, device=dev)  # noqa: E731
         self.sink_k, self.sink_v = empty(0), empty(0)
-        self.win_k, self.win_v = empty(0), empty(0)
-        self.open_k, self.open_v = empty(0), empty(0)
+        self._join(empty(0), empty(0), 0)
         self.sealed = 0
         self.summaries = SummaryTiers(self.cfg, self.rule, self.rotator, empty(0))
         width = self.scorer.width or d
@@ -173,6 +178,69 @@ class FlashLayer(CacheLayerMixin):
         # decode_step graph: its segments' CUDA graphs captured, replayed and failed to capture
         self.graph_counts = {"captures": 0, "replays": 0, "failures": 0}
         self.is_initialized = True
+
+    # ---------------------------------------------------------- open block and window
+    # Joined: _rk, _rv [b, h, open + window, d] with the first _open_n tokens the open block's,
+    # and _views their four views, made when first read. Apart: _apart holds the four tensors.
+    _rk: torch.Tensor | None = None
+    _rv: torch.Tensor | None = None
+    _open_n = 0
+    _views: dict[str, torch.Tensor] | None = None
+    _apart: dict[str, torch.Tensor] | None = None
+
+    def _join(self, rk: torch.Tensor, rv: torch.Tensor, open_n: int) -> None:
+        self._rk, self._rv, self._open_n = rk, rv, open_n
+        self._views = self._apart = None
+
+    def _tail(self, name: str) -> torch.Tensor:
+        if self._rk is None:
+            assert self._apart is not None
+            return self._apart[name]
+        views = self._views
+        if views is None:  # the same view objects until the tiers change (StaticStep.serves compares them)
+            o, rk, rv = self._open_n, self._rk, self._rv
+            assert rv is not None
+            views = self._views = {
+                "open_k": rk[:, :, :o],
+                "open_v": rv[:, :, :o],
+                "win_k": rk[:, :, o:],
+                "win_v": rv[:, :, o:],
+            }
+        return views[name]
+
+    def _set_tail(self, name: str, value: torch.Tensor) -> None:
+        if self._rk is not None:
+            self._apart = {n: self._tail(n) for n in ("open_k", "open_v", "win_k", "win_v")}
+            self._rk = self._rv = self._views = None
+        assert self._apart is not None
+        self._apart[name] = value
+
+    # [b, h, n, d] each: the open block's tokens, then the window's (the newest)
+    open_k = property(lambda self: self._tail("open_k"), lambda self, t: self._set_tail("open_k", t))
+    open_v = property(lambda self: self._tail("open_v"), lambda self, t: self._set_tail("open_v", t))
+    win_k = property(lambda self: self._tail("win_k"), lambda self, t: self._set_tail("win_k", t))
+    win_v = property(lambda self: self._tail("win_v"), lambda self, t: self._set_tail("win_v", t))
+
+    def tail_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The open block and the window in order, as few tensors as they are held in:
+        ([K], [V]) joined, ([open K, window K], [open V, window V]) apart."""
+        if self._rk is not None:
+            assert self._rv is not None
+            return [self._rk], [self._rv]
+        return [self.open_k, self.win_k], [self.open_v, self.win_v]
+
+    def _open_count(self) -> int:
+        return self._open_n if self._rk is not None else self.open_k.shape[-2]
+
+    def _tail_bytes(self) -> tuple[int, int]:
+        """(open block, window) bytes, K and V, without making views."""
+        if self._rk is None:
+            nb = tensor_bytes
+            return nb(self.open_k) + nb(self.open_v), nb(self.win_k) + nb(self.win_v)
+        assert self._rv is not None
+        both, n = self._rk.nbytes + self._rv.nbytes, self._rk.shape[-2]
+        opened = both * self._open_n // n if n else 0
+        return opened, both - opened
 
     # The working set's page ids [b, h, k], K/V [b, h, k*P, d] (model dtype) and validity.
     ws_idx = property(lambda self: self.working_set.idx)
@@ -388,24 +456,26 @@ class FlashLayer(CacheLayerMixin):
             k, v = k[:, :, take:], v[:, :, take:]
         if k.shape[-2] == 0:
             return
-        win_k = torch.cat([self.win_k, k], dim=-2)
-        win_v = torch.cat([self.win_v, v], dim=-2)
-        over = win_k.shape[-2] - cfg.gpu_cache_limit
-        if over > 0:
-            self.open_k = torch.cat([self.open_k, win_k[:, :, :over]], dim=-2)
-            self.open_v = torch.cat([self.open_v, win_v[:, :, :over]], dim=-2)
-            win_k, win_v = win_k[:, :, over:], win_v[:, :, over:]
-        self.win_k, self.win_v = win_k, win_v
+        opened = self._open_count()
+        ks, vs = self.tail_parts()
+        rk, rv = torch.cat([*ks, k], dim=-2), torch.cat([*vs, v], dim=-2)
+        # what the window cannot hold joins the open block: the boundary moves
+        self._join(rk, rv, max(opened, rk.shape[-2] - cfg.gpu_cache_limit))
         self.seal_full_blocks()
 
     def seal_full_blocks(self) -> None:
         """Seal the open block's full blocks (after an append, or a crop that unsealed blocks)."""
         B = self.cfg.hca_chunk_size
-        nb = self.open_k.shape[-2] // B
+        opened = self._open_count()
+        nb = opened // B
         if nb > 0:
             failure = self._seal(self.open_k[:, :, : nb * B], self.open_v[:, :, : nb * B])
-            self.open_k = self.open_k[:, :, nb * B :]
-            self.open_v = self.open_v[:, :, nb * B :]
+            if self._rk is not None:
+                assert self._rv is not None
+                self._join(self._rk[:, :, nb * B :], self._rv[:, :, nb * B :], opened - nb * B)
+            else:
+                self.open_k = self.open_k[:, :, nb * B :]
+                self.open_v = self.open_v[:, :, nb * B :]
             if failure is not None:
                 raise failure  # reported once every tier of the layer is consistent again
 
@@ -445,8 +515,7 @@ class FlashLayer(CacheLayerMixin):
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of every device-resident tensor of this layer, per tier."""
         nb = tensor_bytes
-        window = nb(self.win_k) + nb(self.win_v)
-        open_block = nb(self.open_k) + nb(self.open_v)
+        open_block, window = self._tail_bytes()
         if self.static is not None and self.static.serves(self):
             # a static segment holds the open block's whole room from its start (one buffer of
             # window + block), and its attention bias and slot ids beside it

@@ -11,19 +11,25 @@ mask and GQA that is the math kernel, 0.48 ms a call at 8,192 keys in the same r
 `sdpa_kernel` sets PyTorch's process-wide backend flags for the call's duration: another
 thread's SDPA call meanwhile sees them too (the same attention, by another kernel).
 
-On a CPU a bf16 or fp16 SDPA with one query per head runs 6-8x slower than fp32 (PyTorch
-2.13, one thread of an AVX512-BF16 AMD EPYC, 9 query heads over 3 KV heads: 0.96 against 0.13
-ms at 1,024 keys, 7.9 against 1.0 ms at 8,192; from 16 queries up the two are even;
-benchmarks/diagnostics/half_sdpa.py). A decode step's call there is
+On a CPU without AMX for the dtype, a bf16 or fp16 SDPA with one query per head runs 6-8x
+slower than fp32 (PyTorch 2.13, one thread of an AVX512-BF16 AMD EPYC, 9 query heads over 3
+KV heads: 0.96 against 0.13 ms at 1,024 keys, 7.9 against 1.0 ms at 8,192; from 16 queries up
+the two are even; benchmarks/diagnostics/half_sdpa.py). A decode step's call there is
 computed in fp32 instead (`_one_query_fp32`: two matmuls and a softmax, the result cast back),
 as accurate as the half SDPA or more. Its transient is an fp32 copy of the call's K and V (twice
-their half bytes), freed when it returns; on an accelerator nothing changes.
+their half bytes), freed when it returns. With AMX for the dtype (an Intel Xeon with AMX-BF16,
+bf16) PyTorch's own call is the faster: 0.15 and 1.25 ms there against the fp32 detour's 0.41
+and 2.77 (the same script, results/half_sdpa_xeon_bf16.json), so it stays; that CPU has no
+AMX-FP16, and its fp16 call is the slower (3.30 against 1.88 ms at 8,192 keys,
+results/half_sdpa_xeon_fp16.json). On an accelerator nothing changes.
 
 Shapes as F.scaled_dot_product_attention: q [b, Hq, m, d]; k, v [b, Hkv, L, d]; mask
 broadcastable to [b, Hq, m, L].
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +54,7 @@ def attention(
 ) -> torch.Tensor:
     """F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     under `backends_for(q.device)` -> [b, Hq, m, d]."""
-    if q.device.type == "cpu" and q.dtype in HALF and q.shape[2] == 1:
+    if q.device.type == "cpu" and q.dtype in HALF and q.shape[2] == 1 and half_sdpa_is_slow(q.dtype):
         return _one_query_fp32(q, k, v, mask, scale)
     allowed = backends_for(q.device)
     if allowed is None:
@@ -58,6 +64,19 @@ def attention(
 
 
 HALF = (torch.bfloat16, torch.float16)
+# PyTorch's probes of this CPU's AMX support for each half dtype (AMX-BF16 comes with the tiles)
+AMX_PROBES = {torch.bfloat16: "_is_amx_tile_supported", torch.float16: "_is_amx_fp16_supported"}
+
+
+@functools.cache
+def half_sdpa_is_slow(dtype: torch.dtype) -> bool:
+    """Whether this CPU's one-query SDPA in `dtype` takes the slow path: no AMX for it (or
+    no probe to ask, as in a PyTorch without one)."""
+    probe = getattr(torch.cpu, AMX_PROBES[dtype], None)
+    try:
+        return not (probe is not None and bool(probe()))
+    except Exception:  # noqa: BLE001 - a private probe that fails says nothing: take the safe path
+        return True
 
 
 def _one_query_fp32(

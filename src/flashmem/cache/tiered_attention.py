@@ -202,18 +202,19 @@ def _add_recent(
     included, keeps their relative positions)."""
     S = layer.block_start
     o0 = S + layer.num_sealed * layer.cfg.hca_chunk_size
-    o1 = o0 + layer.open_k.shape[-2]
-    w1 = o1 + layer.win_k.shape[-2]
-    open_k, win_k = layer.open_k, layer.win_k
+    ks, vs = layer.tail_parts()  # one tensor each while joined (FlashLayer.append)
     shift = S + shown - o0 if layer.cfg.position_mode == "window" else 0
     if shift:
         rope = _rope(layer)
         delta = torch.tensor(float(shift), device=q.device)
-        open_k, win_k = rope.rotate(open_k, delta), rope.rotate(win_k, delta)
+        ks = [rope.rotate(k, delta) for k in ks]
         q, k_new = rope.rotate(q, delta), rope.rotate(k_new, delta)
-    bias = bias_from_valid(layer.valid[:, o0:w1], asm.dtype)  # [b, 1, n]: both parts' in one op
-    asm.add(open_k, layer.open_v, bias[..., : o1 - o0])
-    asm.add(win_k, layer.win_v, bias[..., o1 - o0 :])
+    a = o0
+    bias = bias_from_valid(layer.valid[:, o0:], asm.dtype)  # [b, 1, n]: every part's in one op
+    for k, v in zip(ks, vs):
+        n = k.shape[-2]
+        asm.add(k, v, bias[..., a - o0 : a - o0 + n])
+        a += n
     return q, k_new
 
 
