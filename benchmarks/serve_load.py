@@ -387,21 +387,32 @@ async def batch_async(args: argparse.Namespace) -> dict[str, Any]:
     keys = Path(tmp) / "keys.txt"
     keys.write_text("key-main main\n")
     levels = [int(c) for c in args.batch_clients.split(",")]
-    runs: dict[str, Any] = {}
+    runs: dict[str, Any] = {name: {} for name in SERVERS}
+    # Both servers up at once, their points alternating (unbatched then batched at each level):
+    # the box's speed drifts over minutes, and a point is compared with its twin run next to it,
+    # not with one run minutes before. The idle server waits on a condition (no CPU).
+    servers: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        for name, extra in SERVERS.items():
-            server = start_server(args.port, None, str(keys), max(levels), args.threads, extra)
-            try:
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=args.timeout) as c:
-                    await wait_up(c, server, time.time() + args.deadline)
-                    await chat(c, "key-main", "Hello.", 2, args.timeout)  # first-forward costs, not counted
-                    runs[name] = {}
-                    for k in levels:
-                        print(f"{name}: {k} clients...", file=sys.stderr, flush=True)
-                        runs[name][str(k)] = await batch_point(c, k, args)
-            finally:
-                stop_server(server)
+        for j, (name, extra) in enumerate(SERVERS.items()):
+            servers[name] = start_server(args.port + j, None, str(keys), max(levels), args.threads, extra)
+        clients = {
+            name: httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port + j}", timeout=args.timeout)
+            for j, name in enumerate(SERVERS)
+        }
+        try:
+            for name, c in clients.items():
+                await wait_up(c, servers[name], time.time() + args.deadline)
+                await chat(c, "key-main", "Hello.", 2, args.timeout)  # first-forward costs, not counted
+            for k in levels:
+                for name, c in clients.items():
+                    print(f"{name}: {k} clients...", file=sys.stderr, flush=True)
+                    runs[name][str(k)] = await batch_point(c, k, args)
+        finally:
+            for c in clients.values():
+                await c.aclose()
     finally:
+        for server in servers.values():
+            stop_server(server)
         shutil.rmtree(tmp, ignore_errors=True)
     errors = [e for run in runs.values() for p in run.values() for e in p["errors"]]
     same = all(runs["batched"][str(k)]["answers"] == runs["unbatched"][str(k)]["answers"] for k in levels)
@@ -435,6 +446,7 @@ async def batch_async(args: argparse.Namespace) -> dict[str, Any]:
         "model": f"{args.model} ({args.dtype}, CPU)",
         "config": server_config(),
         "servers": {name: " ".join(["flashmem serve --no-prefix-cache", *extra]) for name, extra in SERVERS.items()},
+        "schedule": "both servers up at once (--port and --port + 1), points alternating: unbatched then batched at each level",
         "server_torch_threads": args.threads,
         "server_dtype": args.dtype,
         "max_tokens": args.max_tokens,

@@ -186,10 +186,10 @@ def attend_streamed(
     for j0, j1, k, v in layer.reader.stream_runs(layer.num_sealed, run_blocks):
         acc.add(k, v, valid[:, None, S + j0 * B : S + j1 * B])
         del k, v  # the run leaves the device before the next but one arrives
-    o0 = S + layer.num_sealed * B
-    o1 = o0 + layer.open_k.shape[-2]
-    acc.add(layer.open_k, layer.open_v, valid[:, None, o0:o1])
-    acc.add(layer.win_k, layer.win_v, valid[:, None, o1:])
+    a = S + layer.num_sealed * B
+    for k, v in zip(*layer.tail_parts()):  # the open block, then the window (one part while joined)
+        acc.add(k, v, valid[:, None, a : a + k.shape[-2]])
+        a += k.shape[-2]
     causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
     eye = torch.eye(m, dtype=torch.bool, device=q.device)  # each sees itself, so no row is empty
     cols = max(1, STREAM_SCORE_BYTES // per_token)  # the chunk's own keys, in parts as the runs
