@@ -117,6 +117,36 @@ def test_rows_join_and_leave_between_forwards() -> None:
             last[r] = x
 
 
+def test_short_rows_hide_their_own_padding_in_the_shared_attention() -> None:
+    """Rows with no sealed block and padding of their own (a left-padded prompt: positions that
+    are no token) attend in one SDPA: each hides its padding and the batch's, and gets its
+    logits alone."""
+    model, cfg = tiny_model(), EXACT
+    prompts = _prompts(4)
+    pads = [5, 0, 17]  # row r's first pads[r] positions are padding
+    masks = [torch.tensor([[0] * n + [1] * (len(p) - n)]) for p, n in zip(prompts, pads)]
+
+    def prefill(cache, p, mask) -> torch.Tensor:
+        with torch.inference_mode():
+            out = model(torch.tensor([p]), attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    rows = [flashmem.attach(model, cfg) for _ in prompts]
+    refs = [flashmem.attach(model, cfg) for _ in prompts]
+    last = [prefill(c, p, m) for c, p, m in zip(rows, prompts, masks)]
+    for c, p, m in zip(refs, prompts, masks):
+        prefill(c, p, m)
+    assert all(c.flash_layers[0].num_sealed == 0 for c in rows)  # the short path
+    assert not bool(rows[2].flash_layers[0].valid[0, :17].any())  # the padding is kept as such
+    for _ in range(3):
+        toks = [int(x.argmax()) for x in last]
+        out = forward(model, BatchedCache(rows), [[t] for t in toks])
+        for r, (t, x) in enumerate(zip(toks, out)):
+            expect = _feed(model, refs[r], [t])
+            assert x is not None and (x - expect).abs().max().item() <= TOL, r
+        last = [x for x in out if x is not None]
+
+
 def test_a_failing_row_fails_alone() -> None:
     model, cfg = tiny_model(), EXACT
     prompts = _prompts(3)

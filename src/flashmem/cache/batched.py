@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -220,9 +219,9 @@ def _attend_short(
     query over its sinks | open block | window | new token (its own padding hidden, the
     batch's padding to the longest row hidden), then each layer's bookkeeping and append,
     as `FlashLayer.step` does them. out[0, at] gets the output [Hq, d] of the row whose
-    token is at `at`. Per row only what differs by row runs in Python (its keys and values
-    into the buffers, its bookkeeping); the queries, the mask and the outputs move for
-    all rows in one op each."""
+    token is at `at`. Per row only what differs by row runs in Python (naming its parts, its
+    bookkeeping); the keys, values, mask, queries and outputs move for all rows in one op or
+    two each."""
     layers = [ans.k._flashmem_layer for ans in rows]  # type: ignore[attr-defined]
     pending = [layer.take_pending() for layer in layers]
     b, (hq, d), dev = len(rows), query.shape[1::2], query.device
@@ -230,24 +229,33 @@ def _attend_short(
     group = hq // hkv
     lengths = [layer.validity.length + 1 for layer in layers]
     L = max(lengths)
-    K = query.new_zeros(b, hkv, L, d)
-    V = query.new_zeros(b, hkv, L, d)
-    for i, (layer, (k_new, v_new)) in enumerate(zip(layers, pending)):
-        n = lengths[i]
-        ks, vs = layer.tail_parts()
-        torch.cat([layer.sink_k, *ks, k_new], dim=-2, out=K[i : i + 1, :, :n])
-        torch.cat([layer.sink_v, *vs, v_new], dim=-2, out=V[i : i + 1, :, :n])
-    # [b, 1, 1, L]: each row's validity, then its new token (which sees itself), then the padding
-    mask = torch.zeros(b, L, dtype=torch.bool, device=dev)
-    mask[:, : L - 1] = pad_sequence([layer.valid[0] for layer in layers], batch_first=True)
-    last = torch.tensor(lengths, device=dev) - 1
-    mask[torch.arange(b, device=dev), last] = True
+    # Every row's sinks | open block and window | new token, row after row, in one cat each
+    # (K, V and their validity; the new token sees itself) -> [hkv, N, d] and [N] ...
+    ks, vs, seen = [], [], []
+    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    for layer, (k_new, v_new) in zip(layers, pending):
+        tk, tv = layer.tail_parts()
+        ks += [layer.sink_k, *tk, k_new]
+        vs += [layer.sink_v, *tv, v_new]
+        seen += [layer.valid, one]
+    flat_k, flat_v = torch.cat(ks, dim=-2)[0], torch.cat(vs, dim=-2)[0]
+    flat_seen = torch.cat(seen, dim=-1)[0]
+    # ... then gathered into [b, hkv, L, d]: row r's position t is flat token starts[r] + t,
+    # and past the row's length its last token again, hidden by the mask
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    pos = torch.arange(L, device=dev)
+    length = torch.tensor(lengths, device=dev)[:, None]
+    idx = (torch.tensor(starts, device=dev)[:, None] + torch.minimum(pos, length - 1)).view(-1)  # [b*L]
+    K = flat_k.index_select(1, idx).view(hkv, b, L, d).transpose(0, 1)
+    V = flat_v.index_select(1, idx).view(hkv, b, L, d).transpose(0, 1)
+    mask = flat_seen[idx].view(b, L) & (pos < length)  # [b, L]
     at = torch.tensor([ans.at for ans in rows], device=dev)
     q = query[0].index_select(1, at).transpose(0, 1)[:, :, None].contiguous()  # [b, Hq, 1, d]
     o = sdpa.attention(q, K, V, mask[:, None, None], scaling, hq > hkv)
     out[0].index_copy_(0, at, o[:, :, 0])
     qg = group_queries(q, group)  # [b, h, group, d]
-    valid = torch.ones(1, 1, dtype=torch.bool, device=dev)
     for i, (ans, layer, (k_new, v_new)) in enumerate(zip(rows, layers, pending)):
         try:  # FlashLayer.step's bookkeeping after its attention
             layer.scaling = scaling
@@ -255,7 +263,7 @@ def _attend_short(
             # (assembly.copy_bytes: nothing when the new token is the only part)
             if lengths[i] > 1:
                 layer.reader.traffic.add("device_copy_bytes", 2 * lengths[i] * (k_new.nbytes + v_new.nbytes))
-            layer.finish_step(layer.attended_bytes() + 2 * k_new.nbytes, k_new, v_new, valid, qg[i : i + 1], group)
+            layer.finish_step(layer.attended_bytes() + 2 * k_new.nbytes, k_new, v_new, one, qg[i : i + 1], group)
         except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
             if layer.guard is not None:
                 layer.guard.fail(exc)
