@@ -48,7 +48,10 @@ def _check(layer, seen: int) -> None:
     o0 = S + sealed * B
     w0 = max(o0, seen - W)
     assert _positions(layer.open_k) == list(range(o0, w0))
-    assert _positions(layer.win_k) == list(range(w0, seen)) if seen > S else layer.win_k.shape[-2] == 0
+    if seen > S:
+        assert _positions(layer.win_k) == list(range(w0, seen))
+    else:
+        assert layer.win_k.shape[-2] == 0
     assert _positions(-layer.open_v) == list(range(o0, w0)) and _positions(-layer.win_v) == _positions(layer.win_k)
     for j in range(sealed):  # the cold tier holds each sealed block's exact K/V
         bk, bv = layer.store.get((layer.layer_idx, j))
@@ -56,9 +59,9 @@ def _check(layer, seen: int) -> None:
     tiers = layer.resident_bytes()  # counted without views: what the views hold
     assert tiers["open_block"] == layer.open_k.nbytes + layer.open_v.nbytes
     assert tiers["window"] == layer.win_k.nbytes + layer.win_v.nbytes
-    ks, vs = layer.tail_parts()
-    assert _positions(torch.cat(ks, dim=-2)) == list(range(o0, seen)) if seen > S else True
+    ks, vs = layer.tail_parts()  # the open block and the window in order, however held
     assert len(ks) == len(vs)
+    assert _positions(torch.cat(ks, dim=-2)) == list(range(o0, w0)) + _positions(layer.win_k)
 
 
 @pytest.mark.parametrize("chunks", [[1] * 90, [5] * 18, [37, 1, 1, 20, 1, 31], [90]])
