@@ -23,7 +23,25 @@ CONFIGS = [
     ("llama-selecting", tiny_model, tiny_cfg()),  # sealed blocks, pages selected per row
     ("llama-full-layer", tiny_model, tiny_cfg(keep_full_layers=[0])),  # a plain layer: SDPA per row
     ("gemma3-sliding", tiny_gemma3, tiny_cfg()),  # sliding layers: a windowed mask per row
+    # budgets that cover every sealed page: the rows' decode steps share one SDPA (their
+    # pages held as alone); summary entries (hidden, counted), then int8 pages and a rest entry
+    ("llama-every-page", tiny_model, tiny_cfg(lsa_top_k=64)),
+    (
+        "llama-every-page-int8",
+        tiny_model,
+        tiny_cfg(
+            lsa_top_k=64,
+            lsa_page_tokens=8,
+            working_set_codec="int8",
+            use_summaries=False,
+            csa_band_tokens=0,
+            rest_entry=True,
+            lsa_rerank=4,
+            lsa_open_room=True,
+        ),
+    ),
 ]
+EVERY_PAGE = {"llama-every-page", "llama-every-page-int8"}
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:
@@ -54,6 +72,10 @@ def test_batched_decode_gives_each_row_its_logits_alone(name, make, cfg) -> None
         alone_caches.append(cache)
     rows = [flashmem.attach(model, cfg) for _ in prompts]
     last = [_feed(model, c, p) for c, p in zip(rows, prompts)]
+    if name in EVERY_PAGE:  # no row's decode step runs its own layer step: it would fail the row
+        for row in rows:
+            for layer in row.flash_layers:
+                layer.step = _no_own_step
     for s in range(steps):
         batch = BatchedCache(rows)
         out = forward(model, batch, [[int(x.argmax())] for x in last])
@@ -68,10 +90,19 @@ def test_batched_decode_gives_each_row_its_logits_alone(name, make, cfg) -> None
             k: v for k, v in b.items() if k != "scratch_bytes"
         }
         assert row.traffic_report() == ref.traffic_report()
+    if name in EVERY_PAGE:  # the long rows held every sealed page (read from their cold tiers)
+        for row in (rows[0], rows[2]):
+            layer = row.flash_layers[0]
+            assert layer.num_sealed > 0 and layer.ws_idx.shape[-1] == layer.num_sealed * cfg.pages_per_block
+            assert row.traffic_report()["totals"]["h2d_bytes"] > 0
     if name == "llama-selecting":  # each long row selected pages from its own sealed blocks
         sealed = [c.flash_layers[0].num_sealed for c in rows]
         assert sealed[0] > sealed[2] > 0 == sealed[1]
         assert rows[0].flash_layers[0].ws_idx is not None and rows[2].flash_layers[0].ws_idx is not None
+
+
+def _no_own_step(*args, **kwargs):
+    raise AssertionError("a row that attends every page took its own layer step")
 
 
 @pytest.mark.parametrize("name,make,cfg", CONFIGS[:1] + CONFIGS[2:], ids=[c[0] for c in CONFIGS[:1] + CONFIGS[2:]])
@@ -117,13 +148,14 @@ def test_rows_join_and_leave_between_forwards() -> None:
             last[r] = x
 
 
-def test_short_rows_hide_their_own_padding_in_the_shared_attention() -> None:
-    """Rows with no sealed block and padding of their own (a left-padded prompt: positions that
-    are no token) attend in one SDPA: each hides its padding and the batch's, and gets its
-    logits alone."""
-    model, cfg = tiny_model(), EXACT
+@pytest.mark.parametrize("cfg", [EXACT, CONFIGS[4][2]], ids=["no-sealed-block", "every-page"])
+def test_short_rows_hide_their_own_padding_in_the_shared_attention(cfg) -> None:
+    """Rows that attend every token they hold and have padding of their own (a left-padded
+    prompt: positions that are no token; every-page: inside sealed pages too) attend in one
+    SDPA: each hides its padding and the batch's, and gets its logits alone."""
+    model = tiny_model()
     prompts = _prompts(4)
-    pads = [5, 0, 17]  # row r's first pads[r] positions are padding
+    pads = [5, 0, 37]  # row r's first pads[r] positions are padding
     masks = [torch.tensor([[0] * n + [1] * (len(p) - n)]) for p, n in zip(prompts, pads)]
 
     def prefill(cache, p, mask) -> torch.Tensor:
@@ -136,8 +168,14 @@ def test_short_rows_hide_their_own_padding_in_the_shared_attention() -> None:
     last = [prefill(c, p, m) for c, p, m in zip(rows, prompts, masks)]
     for c, p, m in zip(refs, prompts, masks):
         prefill(c, p, m)
-    assert all(c.flash_layers[0].num_sealed == 0 for c in rows)  # the short path
-    assert not bool(rows[2].flash_layers[0].valid[0, :17].any())  # the padding is kept as such
+    if cfg is EXACT:
+        assert all(c.flash_layers[0].num_sealed == 0 for c in rows)  # the short path
+    else:  # padding in row 2's first sealed pages; no row runs its own layer step
+        assert rows[2].flash_layers[0].num_sealed > 1
+        for row in rows:
+            for layer in row.flash_layers:
+                layer.step = _no_own_step
+    assert not bool(rows[2].flash_layers[0].valid[0, :37].any())  # the padding is kept as such
     for _ in range(3):
         toks = [int(x.argmax()) for x in last]
         out = forward(model, BatchedCache(rows), [[t] for t in toks])
@@ -163,10 +201,13 @@ def test_a_failing_row_fails_alone() -> None:
     assert out[2] is not None and (out[2] - expect).abs().max().item() <= TOL
 
 
-def test_a_row_failing_in_the_shared_short_attention_fails_alone() -> None:
-    """Rows with no sealed block attend in one SDPA (`batched._attend_short`); one whose step
-    bookkeeping raises after it fails alone, and the others' logits are their logits alone."""
-    model, cfg = tiny_model(), EXACT
+@pytest.mark.parametrize("where", ["bookkeeping", "pages"])
+def test_a_row_failing_in_the_shared_short_attention_fails_alone(where) -> None:
+    """Rows that attend every token they hold share one SDPA (`batched._attend_short`); one
+    whose step bookkeeping raises after it (no sealed block), or whose sealed pages cannot be
+    read before it (every page within the budget: a damaged cold block), fails alone, and the
+    others' logits are their logits alone."""
+    model, cfg = tiny_model(), (EXACT if where == "bookkeeping" else CONFIGS[4][2])
     prompts = _prompts(3)
     rows = [flashmem.attach(model, cfg) for _ in prompts]
     last = [_feed(model, c, p) for c, p in zip(rows, prompts)]
@@ -174,16 +215,24 @@ def test_a_row_failing_in_the_shared_short_attention_fails_alone() -> None:
     for c, p in zip(refs, prompts):
         _feed(model, c, p)
     layer = rows[1].layers[1]
-    assert layer.num_sealed == 0  # the short path
 
     def broken(*a, **k):
-        raise RuntimeError("bookkeeping failed")
+        raise RuntimeError(f"{where} failed")
 
-    layer.finish_step = broken
+    if where == "bookkeeping":
+        assert layer.num_sealed == 0  # the short path
+        layer.finish_step = broken
+    else:
+        assert rows[0].layers[1].num_sealed > 0 and layer.num_sealed == 0
+        layer = rows[0].layers[1]
+        layer.working_set.clear()  # its pages to be read again (held pages are not read)
+        layer.working_set.gather = broken
     batch = BatchedCache(rows)
     out = forward(model, batch, [[int(x.argmax())] for x in last])
-    assert out[1] is None and list(batch.failures) == [1] and "bookkeeping" in str(batch.failures[1])
-    for r in (0, 2):
+    bad = 1 if where == "bookkeeping" else 0
+    assert out[bad] is None and list(batch.failures) == [bad] and where in str(batch.failures[bad])
+    assert rows[bad].layers[1].guard.failure is not None  # the row's cache refuses further use
+    for r in {0, 1, 2} - {bad}:
         expect = _feed(model, refs[r], [int(last[r].argmax())])
         assert out[r] is not None and (out[r] - expect).abs().max().item() <= TOL
 

@@ -88,3 +88,36 @@ def test_the_amx_probe_decides_and_a_failing_probe_is_the_slow_path(monkeypatch)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", broken, raising=False)
     assert sdpa.half_sdpa_is_slow(torch.bfloat16)
     sdpa.half_sdpa_is_slow.cache_clear()
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bool per head", "additive per head"])
+@pytest.mark.parametrize("rows,length", [(1, 600), (3, 200)])
+def test_an_fp32_gqa_decode_call_groups_the_query_heads(mask_kind, rows, length, monkeypatch):
+    """One fp32 query per head with GQA on a CPU, from GROUPED_MIN_KEYS keys over the rows: each
+    KV head's query heads are its queries (one read of it, not one per query head), the same
+    attention as enable_gqa's, heads paired as it pairs them; below, PyTorch's call as it is."""
+    calls = []
+    grouped = sdpa._one_query_grouped
+    monkeypatch.setattr(sdpa, "_one_query_grouped", lambda *a: calls.append(1) or grouped(*a))
+    g = torch.Generator().manual_seed(rows + len(mask_kind))
+    hq, hkv, d = 6, 2, 16
+    q, k, v = (torch.randn(rows, h, n, d, generator=g) for h, n in ((hq, 1), (hkv, length), (hkv, length)))
+    keep = torch.rand(rows, 1 if mask_kind == "bool" else hq, 1, length, generator=g) > 0.4
+    keep[..., 0] = True
+    mask = {
+        "none": None,
+        "bool": keep,
+        "bool per head": keep,
+        "additive per head": torch.zeros(keep.shape).masked_fill_(~keep, float("-inf")),
+    }[mask_kind]
+    got = sdpa.attention(q, k, v, mask, 0.3, True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    assert calls and got.shape == (rows, hq, 1, d)
+    assert (got - want).abs().max() <= 1e-5
+    # a query head paired with the wrong KV head (or a mask ignored) is far off
+    wrong = F.scaled_dot_product_attention(q, k.flip(1), v.flip(1), attn_mask=mask, scale=0.3, enable_gqa=True)
+    assert (got - wrong).abs().max() > 0.05
+    calls.clear()
+    short = k[:, :, : sdpa.GROUPED_MIN_KEYS // rows - 1]
+    sdpa.attention(q, short, short, None, 0.3, True)
+    assert not calls

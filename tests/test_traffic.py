@@ -45,10 +45,16 @@ def test_decode_traffic_matches_bytes_worked_out_by_hand():
     with torch.no_grad():
         model(ids[:, :100], cache=cache, use_cache=True)
         model(ids[:, 100:101], cache=cache, use_cache=True)  # selects every page: reads them all
-        before = cache.traffic_report()["totals"]
+        report = cache.traffic_report()
+        before, pages_before = report["totals"], report["page_cache"]
         model(ids[:, 101:102], cache=cache, use_cache=True)  # the same pages: held, nothing copied
     after = cache.traffic_report()
     layers = cache.flash_layers
+    # the last step found every page of every layer and KV head held, and missed none
+    held = sum(layer.ws_idx.numel() for layer in layers)
+    assert held == sum(layer.num_sealed * cfg.pages_per_block * layer.sink_k.shape[1] for layer in layers) > 0
+    assert after["page_cache"]["hits"] - pages_before["hits"] == held
+    assert after["page_cache"]["misses"] == pages_before["misses"]
     h, d = layers[0].sink_k.shape[1], layers[0].sink_k.shape[-1]
     per_token = 2 * h * d * 4  # K and V, fp32, one layer
     resident = sum(sum(n for k, n in layer.resident_bytes().items() if k != "prefill_kv") for layer in layers)

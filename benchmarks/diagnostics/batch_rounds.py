@@ -27,6 +27,10 @@ Every engine's answers are compared (`answers_identical`). `--ablation-only` run
 `--dtype bfloat16` (or float16): the model in that dtype and, without `--config`, the recipe
 sized for its bytes, as `flashmem serve --dtype` runs it.
 
+`--shared-ab` alone: the same alternation (after `--warm-rounds` rounds, so that chat rows pass
+their first sealed block) between rows that attend every sealed page joining the batch's shared
+SDPA (`batched._short_decode`) and such rows running their own layer steps (before stop 51).
+
 `--every-page-ab` alone: the `--round-context` documents (1000 tokens unless given) decoded
 batched and with max_batch 1, EOS ignored, in blocks of `--rounds` rounds that alternate
 (twice each) between layers that attend every sealed page unranked when the budget covers
@@ -227,6 +231,28 @@ def every_page_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args
 
     shortcut = tiered_attention.selects_every_page
     modes = {"every page unranked": shortcut, "ranked (as before)": lambda *a: False}
+    return alternating_ab(model, tok, cfg, prompts, args, tiered_attention, "selects_every_page", modes)
+
+
+def shared_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any) -> dict:
+    from flashmem.cache import batched
+
+    shared = batched._short_decode
+
+    def before(ans: Any) -> bool:  # stop 50: only rows with no sealed block shared the SDPA
+        return shared(ans) and ans.k._flashmem_layer.num_sealed == 0
+
+    modes = {"every-page rows in the shared SDPA": shared, "every-page rows' own steps (as before)": before}
+    return alternating_ab(model, tok, cfg, prompts, args, batched, "_short_decode", modes)
+
+
+def alternating_ab(
+    model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any, module: Any, name: str, modes: dict
+) -> dict:
+    """The prompts decoded batched and with max_batch 1, EOS ignored, after `--warm-rounds`
+    rounds, in blocks of `--rounds` rounds that alternate (twice each) between the modes
+    (`module.name` set to each function): CPU ms per round and per token, not profiled."""
+    keep = getattr(module, name)
     out: dict[str, Any] = {}
     for max_batch in (len(prompts), 1):
         eng = Engine(model, tok, cfg, max_concurrent=len(prompts), max_batch=max_batch, restore_off_thread=False)
@@ -236,35 +262,49 @@ def every_page_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args
             eng.submit(s)
         while not all(s.generated for s in seqs):
             eng.step()
-        eng.step()
+        for _ in range(1 + args.warm_rounds):
+            eng.step()
         cpu: dict[str, list[float]] = {m: [] for m in modes}
         tokens: dict[str, int] = {m: 0 for m in modes}
         try:
             for _ in range(2):
-                for name, fn in modes.items():
-                    tiered_attention.selects_every_page = fn
+                for mode, fn in modes.items():
+                    setattr(module, name, fn)
                     n0 = sum(len(s.token_times) for s in seqs)
                     t0 = time.thread_time()
                     for _ in range(args.rounds):
                         eng.step()
-                    cpu[name].append(time.thread_time() - t0)
-                    tokens[name] += sum(len(s.token_times) for s in seqs) - n0
+                    cpu[mode].append(time.thread_time() - t0)
+                    tokens[mode] += sum(len(s.token_times) for s in seqs) - n0
         finally:
-            tiered_attention.selects_every_page = shortcut
+            setattr(module, name, keep)
+        sealed = [s.cache.flash_layers[0].num_sealed for s in seqs if s.cache is not None]
         for s in seqs:
             s.cancel()
         eng.step()
         out[f"max_batch {max_batch}"] = {
-            name: {
-                "ms_per_round_cpu": [1e3 * c / args.rounds for c in cpu[name]],
-                "ms_per_token_cpu": 1e3 * sum(cpu[name]) / tokens[name],
-            }
-            for name in modes
+            "sealed_blocks_layer0_at_end": sealed,
+            **{
+                mode: {
+                    "ms_per_round_cpu": [1e3 * c / args.rounds for c in cpu[mode]],
+                    "ms_per_token_cpu": 1e3 * sum(cpu[mode]) / tokens[mode],
+                }
+                for mode in modes
+            },
         }
-    for name in modes:
-        b, u = out[f"max_batch {len(prompts)}"][name], out["max_batch 1"][name]
-        out[f"batched over unbatched, {name}"] = u["ms_per_token_cpu"] / b["ms_per_token_cpu"]
+    for mode in modes:
+        b, u = out[f"max_batch {len(prompts)}"][mode], out["max_batch 1"][mode]
+        out[f"batched over unbatched, {mode}"] = u["ms_per_token_cpu"] / b["ms_per_token_cpu"]
     return out
+
+
+def cpu_name() -> str:
+    """The CPU's model name (timings compare only within one machine)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return ""
 
 
 def forwards(model: Any, b: int) -> dict:
@@ -300,6 +340,11 @@ def main() -> None:
     ap.add_argument("--ablation-only", action="store_true", help="part 3 alone (a quick A/B of the round's cost)")
     ap.add_argument("--every-page-ab", action="store_true", help="long rows, every-page shortcut on/off")
     ap.add_argument(
+        "--shared-ab", action="store_true",
+        help="rows that attend every sealed page: in the batch's shared SDPA or their own steps (alternating)",
+    )  # fmt: skip
+    ap.add_argument("--warm-rounds", type=int, default=0, help="A/Bs: rounds decoded before measuring")
+    ap.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
         help="the model's dtype; other than float32 without --config, the recipe sized for its bytes",
     )  # fmt: skip
@@ -326,10 +371,12 @@ def main() -> None:
             chat_prompt_ids(tok, [{"role": "user", "content": haystack(tok, args.round_context, seed=i) + Q}])
             for i in range(args.clients)
         ]
-    if args.every_page_ab:
+    if args.every_page_ab or args.shared_ab:
         out_e = {"command": "python benchmarks/diagnostics/batch_rounds.py " + " ".join(sys.argv[1:])}
         out_e["round_prompt_tokens"] = [len(p) for p in long_prompts]
-        out_e["every_page_ab"] = every_page_ab(model, tok, cfg, long_prompts, args)
+        out_e["cpu"] = cpu_name()
+        ab, key = (every_page_ab, "every_page_ab") if args.every_page_ab else (shared_ab, "shared_ab")
+        out_e[key] = ab(model, tok, cfg, long_prompts, args)
         print(json.dumps(out_e, indent=1))
         if args.out:
             Path(args.out).write_text(json.dumps(out_e, indent=1) + "\n")

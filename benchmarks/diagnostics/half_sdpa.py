@@ -8,6 +8,13 @@ boolean causal mask: ms per call of F.scaled_dot_product_attention in fp32 and i
 and of `flashmem.cache.sdpa.attention` in the dtype (one query per head: computed in fp32 and
 cast back, docs/serving.md, stop 49), the median of `--reps` calls after warm-up. And the
 largest difference of each half result from fp64 attention.
+
+    python benchmarks/diagnostics/half_sdpa.py --grouped [--dtypes float32,bfloat16]
+        [--keys 100,1100,4000] [--rows 1,8] [--out FILE]
+
+One query per head, `--rows` rows, an additive mask per query head hiding 5 keys: ms per
+call of the enable_gqa call and of the grouped one (each KV head's 3 query heads as its
+queries, `sdpa._one_query_grouped`), their ratio, and the largest difference between the two.
 """
 
 from __future__ import annotations
@@ -63,6 +70,31 @@ def shape_row(m: int, L: int, half: torch.dtype, reps: int, g: torch.Generator) 
     }
 
 
+def grouped_row(b: int, L: int, dtype: torch.dtype, reps: int, g: torch.Generator) -> dict[str, float | int | str]:
+    """b rows of one query, 9 heads over L keys of 3 KV heads (d 64): enable_gqa against grouped."""
+    q = torch.randn(b, 9, 1, 64, generator=g).to(dtype)
+    k, v = torch.randn(b, 3, L, 64, generator=g).to(dtype), torch.randn(b, 3, L, 64, generator=g).to(dtype)
+    mask = torch.zeros(b, 9, 1, L, dtype=dtype)
+    mask[..., -5:] = float("-inf")
+
+    def gqa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+
+    def grouped() -> torch.Tensor:
+        return sdpa._one_query_grouped(q, k, v, mask, 0.125)
+
+    a, b_ms = ms(gqa, reps), ms(grouped, reps)
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "rows": b,
+        "keys": L,
+        "enable_gqa_ms": a,
+        "grouped_ms": b_ms,
+        "grouped_over_enable_gqa": b_ms / a,
+        "max_diff": (gqa().double() - grouped().double()).abs().max().item(),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -70,11 +102,21 @@ def main() -> None:
     ap.add_argument("--queries", default="1,16,512")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--grouped", action="store_true", help="one query: enable_gqa against grouped query heads")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="--grouped: the dtypes")
+    ap.add_argument("--rows", default="1,8", help="--grouped: the batch sizes")
     args = ap.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     rows = []
-    for m in map(int, args.queries.split(",")):
+    if args.grouped:
+        for dt in args.dtypes.split(","):
+            for b in map(int, args.rows.split(",")):
+                for L in map(int, args.keys.split(",")):
+                    rows.append(grouped_row(b, L, getattr(torch, dt), args.reps, g))
+                    print(json.dumps(rows[-1]), flush=True)
+        args.queries = ""
+    for m in (int(x) for x in args.queries.split(",") if x):
         for L in map(int, args.keys.split(",")):
             rows.append(shape_row(m, L, getattr(torch, args.dtype), max(3, args.reps // max(1, m // 16)), g))
             print(json.dumps(rows[-1]), flush=True)

@@ -26,13 +26,16 @@ little more than the round):
 Attention is the only place tokens meet, and there each row sees only its own
 tokens; each row's logits are taken at its last token.
 
-Decode steps of rows whose managed layer holds no sealed block yet (a short chat:
-sinks, open block and window only; nothing to select) attend in one SDPA over the
-rows' padded keys (`_attend_short`): with one query each, a row's attention is then
-just its sinks | open block | window | new token, and a per-row step would cost
-more in Python than the attention itself (at SmolLM2's size, 8 rows x 30 layers of
-it took about as long as the batched linear layers). Other rows take the layer's
-own step (`FlashLayer.step` through `flashmem_attention`).
+Decode steps of rows whose managed layer attends every token it holds attend in one
+SDPA over the rows' padded keys (`_attend_short`): a row with no sealed block yet (a
+short chat: sinks, open block and window only; nothing to select), or one whose budget
+covers every sealed page (most chats past their first block: nothing is ranked, the
+working set holds every page, `tiered_attention.decode_attends_every_page`). With one
+query each, a row's attention is then its sinks | sealed pages | open block | window |
+new token, and a per-row step would cost more in Python than the attention itself (at
+SmolLM2's size, 8 rows x 30 layers of it took about as long as the batched linear
+layers). Other rows (pages ranked, a prompt chunk) take the layer's own step
+(`FlashLayer.step` through `flashmem_attention`).
 
 A row whose step raises (a damaged cold block, a closed cache) is marked failed
 and skipped for the rest of the forward; the others finish the step
@@ -42,6 +45,7 @@ light wrapper, built per forward over the live sequences' caches.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +53,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from flashmem.cache import sdpa
+from flashmem.cache import sdpa, tiered_attention
+from flashmem.cache.assembly import concat, one_pass_decode, step_scratch
 from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.cache.flash_layer import FlashLayer
 from flashmem.cache.tiered_attention import group_queries
+from flashmem.cache.working_set import Part
 from flashmem.errors import FlashMemError
 
 
@@ -200,15 +206,57 @@ def rows_attention(
 
 
 def _short_decode(ans: RowKV) -> bool:
-    """Whether row `ans` is a one-token step of a FlashLayer with no sealed block (what
-    `_attend_short` computes as the layer's step would), not a prompt attended exactly."""
+    """Whether row `ans` is a one-token step of a FlashLayer that attends every token it holds
+    (no sealed block yet, or every sealed page within the budget:
+    `tiered_attention.decode_attends_every_page`), what `_attend_short` computes as the
+    layer's step would; not a prompt attended exactly."""
     layer = getattr(ans.k, "_flashmem_layer", None)
     return (
         isinstance(layer, FlashLayer)
         and ans.n == 1
-        and layer.num_sealed == 0
         and layer.selection_hook is None
         and not layer.exact_prompt(1)  # as _layer_step asks: it ends an exact prompt's buffer
+        and (layer.num_sealed == 0 or tiered_attention.decode_attends_every_page(layer))
+    )
+
+
+@dataclass
+class _RowParts:
+    """One row's keys, values and validity for the shared attention: parts [1, h, n_i, d] and
+    [h, n_i] (bool), with the bytes its step alone would have copied beyond assembling them."""
+
+    k: list[Part]
+    v: list[Part]
+    seen: list[torch.Tensor]
+    length: int
+    extra_copy: int
+
+
+def _row_parts(layer: FlashLayer, k_new: torch.Tensor, v_new: torch.Tensor) -> _RowParts:
+    """sinks | every sealed page (the working set, held as the row's step holds it: read,
+    counted and prefetched; int8 decoded) | open block and window | the new token."""
+    hkv, dev = k_new.shape[1], k_new.device
+    tk, tv = layer.tail_parts()
+    valid = layer.valid[0]  # [tokens seen]
+    one = torch.ones(hkv, 1, dtype=torch.bool, device=dev)  # the new token sees itself
+    if layer.num_sealed == 0:
+        return _RowParts(
+            [layer.sink_k, *tk, k_new], [layer.sink_v, *tv, v_new], [valid.expand(hkv, -1), one],
+            valid.shape[0] + 1, 0,
+        )  # fmt: skip
+    tiered_attention.hold_every_page(layer)
+    ws, S = layer.working_set, layer.block_start
+    assert ws.valid is not None
+    o0 = S + layer.num_sealed * layer.cfg.hca_chunk_size
+    # the row's step alone decodes int8 pages into its buffer in two passes on a CPU (assembly.copy_bytes)
+    coded = [isinstance(ws.part(j), tuple) and not one_pass_decode(dev) for j in (0, 1)]
+    n_ws = ws.valid.shape[-1]
+    return _RowParts(
+        [layer.sink_k, ws.part(0), *tk, k_new],
+        [layer.sink_v, ws.part(1), *tv, v_new],
+        [valid[:S].expand(hkv, -1), ws.valid[0], valid[o0:].expand(hkv, -1), one],
+        valid.shape[0] - (o0 - S) + n_ws + 1,
+        2 * n_ws * (coded[0] * k_new.nbytes + coded[1] * v_new.nbytes),
     )
 
 
@@ -216,59 +264,94 @@ def _attend_short(
     batch: BatchedCache, query: torch.Tensor, rows: list[RowKV], scaling: float, out: torch.Tensor
 ) -> None:
     """One decode step of every row in `rows` (see `_short_decode`) in one SDPA: row r's
-    query over its sinks | open block | window | new token (its own padding hidden, the
-    batch's padding to the longest row hidden), then each layer's bookkeeping and append,
-    as `FlashLayer.step` does them. out[0, at] gets the output [Hq, d] of the row whose
-    token is at `at`. Per row only what differs by row runs in Python (naming its parts, its
-    bookkeeping); the keys, values, mask, queries and outputs move for all rows in one op or
-    two each."""
-    layers = [ans.k._flashmem_layer for ans in rows]  # type: ignore[attr-defined]
-    pending = [layer.take_pending() for layer in layers]
-    b, (hq, d), dev = len(rows), query.shape[1::2], query.device
-    hkv = pending[0][0].shape[1]
+    query over its `_row_parts` (its own padding hidden, the batch's padding to the longest
+    row hidden), then each layer's bookkeeping and append, as `FlashLayer.step` does them.
+    out[0, at] gets the output [Hq, d] of the row whose token is at `at`. Per row: naming its
+    parts, holding its pages, writing them into the padded keys and values (`_padded_kv`), its
+    bookkeeping; the mask, queries, attention and outputs are one op or two for all rows."""
+    hq, dev = query.shape[1], query.device
+    live: list[tuple[RowKV, FlashLayer, tuple[torch.Tensor, torch.Tensor], _RowParts]] = []
+    for ans in rows:
+        layer = ans.k._flashmem_layer  # type: ignore[attr-defined]
+        pending = layer.take_pending()
+        try:
+            live.append((ans, layer, pending, _row_parts(layer, *pending)))
+        except Exception as exc:  # noqa: BLE001 - a damaged cold block: the row fails alone
+            _fail_row(batch, ans, layer, exc, out)
+    if not live:
+        return
+    b = len(live)
+    hkv = live[0][2][0].shape[1]
     group = hq // hkv
-    lengths = [layer.validity.length + 1 for layer in layers]
+    lengths = [parts.length for *_, parts in live]
     L = max(lengths)
-    # Every row's sinks | open block and window | new token, row after row, in one cat each
-    # (K, V and their validity; the new token sees itself) -> [hkv, N, d] and [N] ...
-    ks, vs, seen = [], [], []
-    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
-    for layer, (k_new, v_new) in zip(layers, pending):
-        tk, tv = layer.tail_parts()
-        ks += [layer.sink_k, *tk, k_new]
-        vs += [layer.sink_v, *tv, v_new]
-        seen += [layer.valid, one]
-    flat_k, flat_v = torch.cat(ks, dim=-2)[0], torch.cat(vs, dim=-2)[0]
-    flat_seen = torch.cat(seen, dim=-1)[0]
-    # ... then gathered into [b, hkv, L, d]: row r's position t is flat token starts[r] + t,
-    # and past the row's length its last token again, hidden by the mask
+    # Every row's validity, row after row, in one cat -> [hkv, N], then gathered into [b, hkv, L]:
+    # row r's position t is flat token starts[r] + t, and past the row's length its last token
+    # again, hidden by the mask
+    flat_seen = torch.cat([t for *_, parts in live for t in parts.seen], dim=-1)
     starts = [0]
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)
     pos = torch.arange(L, device=dev)
     length = torch.tensor(lengths, device=dev)[:, None]
     idx = (torch.tensor(starts, device=dev)[:, None] + torch.minimum(pos, length - 1)).view(-1)  # [b*L]
-    K = flat_k.index_select(1, idx).view(hkv, b, L, d).transpose(0, 1)
-    V = flat_v.index_select(1, idx).view(hkv, b, L, d).transpose(0, 1)
-    mask = flat_seen[idx].view(b, L) & (pos < length)  # [b, L]
-    at = torch.tensor([ans.at for ans in rows], device=dev)
+    seen = flat_seen.index_select(1, idx).view(hkv, b, L).transpose(0, 1) & (pos < length)[:, None]  # [b, hkv, L]
+    K, V = _padded_kv([parts for *_, parts in live], L)
+    mask = seen[:, :, None, None].expand(b, hkv, group, 1, L).reshape(b, hq, 1, L)  # query head h*group + g
+    at = torch.tensor([ans.at for ans, *_ in live], device=dev)
     q = query[0].index_select(1, at).transpose(0, 1)[:, :, None].contiguous()  # [b, Hq, 1, d]
-    o = sdpa.attention(q, K, V, mask[:, None, None], scaling, hq > hkv)
+    o = sdpa.attention(q, K, V, mask, scaling, hq > hkv)
     out[0].index_copy_(0, at, o[:, :, 0])
     qg = group_queries(q, group)  # [b, h, group, d]
-    for i, (ans, layer, (k_new, v_new)) in enumerate(zip(rows, layers, pending)):
+    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    for i, (ans, layer, (k_new, v_new), parts) in enumerate(live):
         try:  # FlashLayer.step's bookkeeping after its attention
             layer.scaling = scaling
-            # the row's part of the K/V buffer, written and read back, as its step alone counts it
-            # (assembly.copy_bytes: nothing when the new token is the only part)
-            if lengths[i] > 1:
-                layer.reader.traffic.add("device_copy_bytes", 2 * lengths[i] * (k_new.nbytes + v_new.nbytes))
+            # the buffer the row's step alone assembles (its summaries' entries too, hidden), written
+            # and read back (assembly.copy_bytes: nothing when the new token is the only part)
+            n = parts.length + tiered_attention.summary_entries(layer)
+            if n > 1:
+                copied = 2 * n * (k_new.nbytes + v_new.nbytes) + parts.extra_copy
+                layer.reader.traffic.add("device_copy_bytes", copied)
             layer.finish_step(layer.attended_bytes() + 2 * k_new.nbytes, k_new, v_new, one, qg[i : i + 1], group)
         except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
-            if layer.guard is not None:
-                layer.guard.fail(exc)
-            batch.fail(ans.row, exc)
-            out[0, ans.at] = 0.0  # a failed row's output is zeros, as for rows failed before
+            _fail_row(batch, ans, layer, exc, out)
+
+
+def _padded_kv(rows: list[_RowParts], L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' keys and values padded to L: each row's parts written into its place in reused
+    buffers [b, hkv, L, d] (int8 pages decoded there; padding zeros). One copy of the bytes and no
+    fresh pages to fault in (gathering all rows' parts with one cat and one index_select, three
+    fresh copies, measured slower at 1K-token rows)."""
+    scratch = step_scratch()  # fresh buffers under autograd
+    new = rows[0].k[-1]  # the new token's keys [1, hkv, 1, d]
+    assert isinstance(new, torch.Tensor)
+    _, hkv, _, d = new.shape
+    out = []
+    for slot in ("k", "v"):
+        buf = scratch.take(f"rows_{slot}", (len(rows), hkv, L, d), new.dtype, new.device)
+        for i, r in enumerate(rows):
+            view = buf[i : i + 1, :, : r.length]
+            got = concat(getattr(r, slot), functools.partial(_same, view))
+            if got is not view:  # autograd: concat made its own tensor
+                view.copy_(got)
+            if r.length < L:
+                buf[i, :, r.length :] = 0.0  # hidden, but finite: a masked key's value still meets a 0 weight
+        out.append(buf)
+    return out[0], out[1]
+
+
+def _same(view: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`concat`'s buffer: the row's place in the padded batch (shape: its parts' total)."""
+    return view
+
+
+def _fail_row(batch: BatchedCache, ans: RowKV, layer: FlashLayer, exc: BaseException, out: torch.Tensor) -> None:
+    """Row `ans` fails for the rest of the forward: its guard holds the error, its output is zeros."""
+    if layer.guard is not None:
+        layer.guard.fail(exc)
+    batch.fail(ans.row, exc)
+    out[0, ans.at] = 0.0
 
 
 def _plain_mask(layer: Any, n: int, kv: int, device: torch.device) -> torch.Tensor | None:

@@ -23,6 +23,15 @@ and 2.77 (the same script, results/half_sdpa_xeon_bf16.json), so it stays; that 
 AMX-FP16, and its fp16 call is the slower (3.30 against 1.88 ms at 8,192 keys,
 results/half_sdpa_xeon_fp16.json). On an accelerator nothing changes.
 
+With GQA, PyTorch's CPU fp32 call reads a KV head once per query head. One query per head is
+the common decode call, and there each KV head's group of query heads is passed as that head's
+queries instead (`_one_query_grouped`: the same attention, each KV head read once), from
+GROUPED_MIN_KEYS keys over the call's rows. On the Xeon of stop 51, 9 query heads over 3 KV heads
+(SmolLM2), one row: 0.79x the time at 1,100 keys, 0.65x at 4,000; 8 rows: 0.76x at 100 keys,
+0.74x at 1,100, 0.63x at 4,000 (`python benchmarks/diagnostics/half_sdpa.py --grouped --keys
+100,1100,4000 --reps 100`, results/grouped_sdpa_xeon.json). In bf16 with AMX the grouped call is
+the slower (1.3-1.5x), so half dtypes keep their paths above.
+
 Shapes as F.scaled_dot_product_attention: q [b, Hq, m, d]; k, v [b, Hkv, L, d]; mask
 broadcastable to [b, Hq, m, L].
 """
@@ -56,6 +65,9 @@ def attention(
     under `backends_for(q.device)` -> [b, Hq, m, d]."""
     if q.device.type == "cpu" and q.dtype in HALF and q.shape[2] == 1 and half_sdpa_is_slow(q.dtype):
         return _one_query_fp32(q, k, v, mask, scale)
+    if q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[2] == 1 and gqa:
+        if k.shape[0] * k.shape[2] >= GROUPED_MIN_KEYS:
+            return _one_query_grouped(q, k, v, mask, scale)
     allowed = backends_for(q.device)
     if allowed is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -64,6 +76,9 @@ def attention(
 
 
 HALF = (torch.bfloat16, torch.float16)
+# Keys (rows x length) from which the grouped one-query call is the faster: below, its reshapes
+# cost what it saves (one row of 100 keys: 40 against 34 us; 8 rows of 100: 0.76x the time)
+GROUPED_MIN_KEYS = 512
 # PyTorch's probes of this CPU's AMX support for each half dtype (AMX-BF16 comes with the tiles)
 AMX_PROBES = {torch.bfloat16: "_is_amx_tile_supported", torch.float16: "_is_amx_fp16_supported"}
 
@@ -77,6 +92,23 @@ def half_sdpa_is_slow(dtype: torch.dtype) -> bool:
         return not (probe is not None and bool(probe()))
     except Exception:  # noqa: BLE001 - a private probe that fails says nothing: take the safe path
         return True
+
+
+def _one_query_grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+) -> torch.Tensor:
+    """`attention` for one query per head with GQA, each KV head's group of query heads as
+    its queries: q [b, Hq, 1, d] -> [b, Hkv, group, d] over k, v [b, Hkv, L, d] (query head
+    j * group + g reads KV head j, as enable_gqa pairs them), mask broadcastable to
+    [b, Hq, 1, L] -> [b, Hq, 1, d]. The same attention as enable_gqa's, read once per KV head."""
+    b, hq, _, d = q.shape
+    hkv, L = k.shape[1], k.shape[2]
+    group = hq // hkv
+    if mask is not None:
+        full = mask.shape == (b, hq, 1, L)
+        mask = (mask if full else torch.broadcast_to(mask, (b, hq, 1, L))).reshape(b, hkv, group, L)
+    out = F.scaled_dot_product_attention(q.reshape(b, hkv, group, d), k, v, attn_mask=mask, scale=scale)
+    return out.view(b, hq, 1, d)
 
 
 def _one_query_fp32(

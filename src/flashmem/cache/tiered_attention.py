@@ -62,12 +62,9 @@ def _add_history(
     b, hkv = asm.b, asm.hkv
     n, ppb = layer.num_sealed, cfg.pages_per_block
     page_tokens_valid = layer.block_valid_tokens().reshape(b, n * ppb, cfg.page_tokens)  # [b, pages, P]
-    k_sel = cfg.blocks_to_select(n * ppb)
-    if cfg.lsa_open_room and k_sel > 0:
-        k_sel = min(n * ppb, k_sel + open_room_pages(layer, m))
+    k_sel = selection_size(layer, m)
     selected = torch.zeros(b, hkv, n * ppb, dtype=torch.bool, device=qg.device)  # per page
-    # lsa_select_every: a decode step between selections attends the last one's pages as held
-    reuse = k_sel > 0 and m == 1 and layer.working_set.reusable(n, (b, hkv), cfg.lsa_select_every)
+    reuse = _reuses_selection(layer, k_sel, m)
     every = not reuse and selects_every_page(layer, k_sel, n * ppb)
     # The rest entry needs every query's scores; a selection pools them, so a sample will do.
     q_index = qg if cfg.keeps_rest_entry else sample_queries(qg, m, cfg.lsa_prefill_queries)
@@ -103,6 +100,54 @@ def _add_history(
     return shown, rest
 
 
+def selection_size(layer: FlashLayer, m: int) -> int:
+    """Pages per row and KV head a chunk of m queries attends exactly: the budget's
+    (`blocks_to_select`), plus what the open block's unused room buys (`lsa_open_room`)."""
+    cfg = layer.cfg
+    n_pages = layer.num_sealed * cfg.pages_per_block
+    k_sel = cfg.blocks_to_select(n_pages)
+    if cfg.lsa_open_room and k_sel > 0:
+        k_sel = min(n_pages, k_sel + open_room_pages(layer, m))
+    return k_sel
+
+
+def _reuses_selection(layer: FlashLayer, k_sel: int, m: int) -> bool:
+    """lsa_select_every: a decode step between selections attends the last one's pages as held."""
+    b, hkv = layer.sink_k.shape[:2]
+    rows = (int(b), int(hkv))
+    return k_sel > 0 and m == 1 and layer.working_set.reusable(layer.num_sealed, rows, layer.cfg.lsa_select_every)
+
+
+def decode_attends_every_page(layer: FlashLayer) -> bool:
+    """Whether this layer's next one-token step, with blocks sealed, attends every sealed page
+    exactly and nothing else of them (`selects_every_page`; not the last selection reused, an
+    eager step at true positions): its keys are then sinks | every sealed token (the working set
+    `hold_every_page` makes) | open block | window | the token, all valid ones seen, which a
+    batch's shared attention computes for several rows at once (`cache/batched.py`)."""
+    cfg = layer.cfg
+    if layer.num_sealed == 0 or cfg.decode_step != "eager" or cfg.position_mode == "window":
+        return False
+    k_sel = selection_size(layer, 1)
+    return not _reuses_selection(layer, k_sel, 1) and selects_every_page(
+        layer, k_sel, layer.num_sealed * cfg.pages_per_block
+    )
+
+
+def hold_every_page(layer: FlashLayer) -> None:
+    """A decode step's working set of every sealed page (`decode_attends_every_page`), read,
+    counted and prefetched as `attend` does it."""
+    cfg = layer.cfg
+    b, n_pages = layer.sink_k.shape[0], layer.num_sealed * cfg.pages_per_block
+    _gather_every_page(layer, layer.block_valid_tokens().reshape(b, n_pages, cfg.page_tokens), True)
+
+
+def summary_entries(layer: FlashLayer) -> int:
+    """Fused entries a selecting step's attention assembles (`SummaryTiers.add_to`; hidden
+    where their blocks are attended exactly, but written into its buffers all the same)."""
+    s = layer.summaries
+    return s.hca_k.shape[-2] + s.csa_k.shape[-2] if layer.cfg.use_summaries else 0
+
+
 def selects_every_page(layer: FlashLayer, k_sel: int, n_pages: int) -> bool:
     """Whether this step's selection is every sealed page (k_sel covers them: a context
     shorter than the pages the budget buys, as most of a chat server's are): then nothing is
@@ -116,6 +161,15 @@ def _gather_every_page(layer: FlashLayer, page_tokens_valid: torch.Tensor, decod
     `_select_and_gather` makes it when its ranking returns them all, without the ranking."""
     b, n_pages = page_tokens_valid.shape[:2]
     hkv = layer.sink_k.shape[1]
+    ws = layer.working_set
+    if ws.idx is not None and tuple(ws.idx.shape) == (b, hkv, n_pages):
+        # held already: a selection's ids are distinct and made over these blocks or fewer (a crop
+        # of sealed blocks clears the set), so n_pages of them are every page; what `gather` finds
+        # comparing them, without its sort and compare (most steps of a chat between two seals)
+        layer.reader.traffic.pages(ws.idx.numel(), 0, layer.reader.page_bytes())
+        ws.selected(layer.num_sealed, decode)
+        layer.reader.look_ahead(ws.idx // layer.cfg.pages_per_block, layer.num_sealed)
+        return
     idx = torch.arange(n_pages, device=page_tokens_valid.device).expand(b, hkv, n_pages).contiguous()
     _hold(layer, ranking.Selection(idx), page_tokens_valid, decode)
 
