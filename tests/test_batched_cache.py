@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import flashmem
+from flashmem.cache import batched
 from flashmem.cache.batched import BatchedCache, forward
+from flashmem.cache.scratch import thread_scratch
 from flashmem.errors import FlashMemError
 from serve_helpers import tiny_cfg, tiny_model
 from tiny_models import tiny_gemma3
@@ -101,6 +103,21 @@ def test_batched_decode_gives_each_row_its_logits_alone(name, make, cfg) -> None
         assert rows[0].flash_layers[0].ws_idx is not None and rows[2].flash_layers[0].ws_idx is not None
 
 
+@pytest.mark.parametrize("name,make,cfg", [c for c in CONFIGS if c[0] in EVERY_PAGE], ids=sorted(EVERY_PAGE))
+def test_rows_written_into_the_padded_batch_give_their_logits_alone(name, make, cfg, monkeypatch) -> None:
+    """From WRITE_MIN_TOKENS padded tokens each row's parts are written into reused buffers
+    (int8 pages decoded there, padding zeroed) instead of gathered: the same logits and reports."""
+    monkeypatch.setattr(batched, "WRITE_MIN_TOKENS", 0)
+    with torch.inference_mode():  # reused buffers that hold NaN: the padding must not read them
+        for slot in ("rows_k", "rows_v"):
+            thread_scratch().take(slot, (1 << 16,), torch.float32, torch.device("cpu")).fill_(float("nan"))
+    written = []
+    real = batched._written_kv
+    monkeypatch.setattr(batched, "_written_kv", lambda *a: written.append(1) or real(*a))
+    test_batched_decode_gives_each_row_its_logits_alone(name, make, cfg)
+    assert written
+
+
 def _no_own_step(*args, **kwargs):
     raise AssertionError("a row that attends every page took its own layer step")
 
@@ -148,11 +165,14 @@ def test_rows_join_and_leave_between_forwards() -> None:
             last[r] = x
 
 
+@pytest.mark.parametrize("write_min", [None, 0], ids=["gathered", "written"])
 @pytest.mark.parametrize("cfg", [EXACT, CONFIGS[4][2]], ids=["no-sealed-block", "every-page"])
-def test_short_rows_hide_their_own_padding_in_the_shared_attention(cfg) -> None:
+def test_short_rows_hide_their_own_padding_in_the_shared_attention(cfg, write_min, monkeypatch) -> None:
     """Rows that attend every token they hold and have padding of their own (a left-padded
     prompt: positions that are no token; every-page: inside sealed pages too) attend in one
     SDPA: each hides its padding and the batch's, and gets its logits alone."""
+    if write_min is not None:
+        monkeypatch.setattr(batched, "WRITE_MIN_TOKENS", write_min)
     model = tiny_model()
     prompts = _prompts(4)
     pads = [5, 0, 37]  # row r's first pads[r] positions are padding

@@ -59,6 +59,7 @@ from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.cache.flash_layer import FlashLayer
 from flashmem.cache.tiered_attention import group_queries
 from flashmem.cache.working_set import Part
+from flashmem.compress import page_code
 from flashmem.errors import FlashMemError
 
 
@@ -223,7 +224,7 @@ def _short_decode(ans: RowKV) -> bool:
 @dataclass
 class _RowParts:
     """One row's keys, values and validity for the shared attention: parts [1, h, n_i, d] and
-    [h, n_i] (bool), with the bytes its step alone would have copied beyond assembling them."""
+    [1 or h, n_i] (bool), with the bytes its step alone would have copied beyond assembling them."""
 
     k: list[Part]
     v: list[Part]
@@ -237,13 +238,10 @@ def _row_parts(layer: FlashLayer, k_new: torch.Tensor, v_new: torch.Tensor) -> _
     counted and prefetched; int8 decoded) | open block and window | the new token."""
     hkv, dev = k_new.shape[1], k_new.device
     tk, tv = layer.tail_parts()
-    valid = layer.valid[0]  # [tokens seen]
-    one = torch.ones(hkv, 1, dtype=torch.bool, device=dev)  # the new token sees itself
-    if layer.num_sealed == 0:
-        return _RowParts(
-            [layer.sink_k, *tk, k_new], [layer.sink_v, *tv, v_new], [valid.expand(hkv, -1), one],
-            valid.shape[0] + 1, 0,
-        )  # fmt: skip
+    valid = layer.valid  # [1, tokens seen]
+    one = torch.ones(1, 1, dtype=torch.bool, device=dev)  # the new token sees itself
+    if layer.num_sealed == 0:  # the same validity in every head: one row of it
+        return _RowParts([layer.sink_k, *tk, k_new], [layer.sink_v, *tv, v_new], [valid, one], valid.shape[-1] + 1, 0)
     tiered_attention.hold_every_page(layer)
     ws, S = layer.working_set, layer.block_start
     assert ws.valid is not None
@@ -254,8 +252,8 @@ def _row_parts(layer: FlashLayer, k_new: torch.Tensor, v_new: torch.Tensor) -> _
     return _RowParts(
         [layer.sink_k, ws.part(0), *tk, k_new],
         [layer.sink_v, ws.part(1), *tv, v_new],
-        [valid[:S].expand(hkv, -1), ws.valid[0], valid[o0:].expand(hkv, -1), one],
-        valid.shape[0] - (o0 - S) + n_ws + 1,
+        [valid[:, :S].expand(hkv, -1), ws.valid[0], valid[:, o0:].expand(hkv, -1), one.expand(hkv, 1)],
+        valid.shape[-1] - (o0 - S) + n_ws + 1,
         2 * n_ws * (coded[0] * k_new.nbytes + coded[1] * v_new.nbytes),
     )
 
@@ -285,19 +283,22 @@ def _attend_short(
     group = hq // hkv
     lengths = [parts.length for *_, parts in live]
     L = max(lengths)
-    # Every row's validity, row after row, in one cat -> [hkv, N], then gathered into [b, hkv, L]:
-    # row r's position t is flat token starts[r] + t, and past the row's length its last token
-    # again, hidden by the mask
-    flat_seen = torch.cat([t for *_, parts in live for t in parts.seen], dim=-1)
+    # Every row's validity, row after row, in one cat -> [H, N] (H: 1, or hkv where a row's pages
+    # may differ by head), then gathered into [b, H, L]: row r's position t is flat token
+    # starts[r] + t, and past the row's length its last token again, hidden by the mask
+    heads = max(t.shape[0] for *_, parts in live for t in parts.seen)
+    flat_seen = torch.cat([t.expand(heads, -1) for *_, parts in live for t in parts.seen], dim=-1)
     starts = [0]
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)
     pos = torch.arange(L, device=dev)
     length = torch.tensor(lengths, device=dev)[:, None]
     idx = (torch.tensor(starts, device=dev)[:, None] + torch.minimum(pos, length - 1)).view(-1)  # [b*L]
-    seen = flat_seen.index_select(1, idx).view(hkv, b, L).transpose(0, 1) & (pos < length)[:, None]  # [b, hkv, L]
-    K, V = _padded_kv([parts for *_, parts in live], L)
-    mask = seen[:, :, None, None].expand(b, hkv, group, 1, L).reshape(b, hq, 1, L)  # query head h*group + g
+    seen = flat_seen.index_select(1, idx).view(heads, b, L).transpose(0, 1) & (pos < length)[:, None]  # [b, H, L]
+    K, V = _padded_kv([parts for *_, parts in live], idx, L)
+    mask = seen[:, :, None]  # [b, 1, 1, L], or per query head h*group + g:
+    if heads > 1:
+        mask = seen[:, :, None, None].expand(b, hkv, group, 1, L).reshape(b, hq, 1, L)
     at = torch.tensor([ans.at for ans, *_ in live], device=dev)
     q = query[0].index_select(1, at).transpose(0, 1)[:, :, None].contiguous()  # [b, Hq, 1, d]
     o = sdpa.attention(q, K, V, mask, scaling, hq > hkv)
@@ -318,11 +319,38 @@ def _attend_short(
             _fail_row(batch, ans, layer, exc, out)
 
 
-def _padded_kv(rows: list[_RowParts], L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' keys and values padded to L: each row's parts written into its place in reused
-    buffers [b, hkv, L, d] (int8 pages decoded there; padding zeros). One copy of the bytes and no
-    fresh pages to fault in (gathering all rows' parts with one cat and one index_select, three
-    fresh copies, measured slower at 1K-token rows)."""
+# Padded tokens (rows x the longest row) from which each row's parts are written into reused
+# buffers: below, one cat and one index for all rows cost fewer ops than a few writes per row
+# (8 short chat rows in bf16: 0.82x the round's time); above, their three fresh copies lose to
+# one copy (8 rows of 1K tokens).
+WRITE_MIN_TOKENS = 2048
+
+
+def _padded_kv(rows: list[_RowParts], idx: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' keys and values padded to L -> [b, hkv, L, d] each: gathered (`_gathered_kv`)
+    for a small batch, written row by row (`_written_kv`) from WRITE_MIN_TOKENS padded tokens.
+    idx [b*L]: row r's position t is flat token idx[r*L + t] of the rows' parts in a row."""
+    if len(rows) * L < WRITE_MIN_TOKENS:
+        return _gathered_kv(rows, idx, L)
+    return _written_kv(rows, L)
+
+
+def _gathered_kv(rows: list[_RowParts], idx: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's parts in one cat (int8 pages decoded first) -> [hkv, N, d], gathered by idx."""
+    new = rows[0].k[-1]
+    assert isinstance(new, torch.Tensor)
+    out = []
+    for slot in ("k", "v"):
+        parts = [p if isinstance(p, torch.Tensor) else page_code.decode(p[0], p[1], new.dtype)
+                 for r in rows for p in getattr(r, slot)]  # fmt: skip
+        flat = torch.cat(parts, dim=-2)[0]
+        out.append(flat.index_select(1, idx).view(flat.shape[0], len(rows), L, -1).transpose(0, 1))
+    return out[0], out[1]
+
+
+def _written_kv(rows: list[_RowParts], L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's parts written into its place in reused buffers [b, hkv, L, d] (int8 pages
+    decoded there; padding zeros): one copy of the bytes and no fresh pages to fault in."""
     scratch = step_scratch()  # fresh buffers under autograd
     new = rows[0].k[-1]  # the new token's keys [1, hkv, 1, d]
     assert isinstance(new, torch.Tensor)

@@ -27,10 +27,11 @@ With GQA, PyTorch's CPU fp32 call reads a KV head once per query head. One query
 the common decode call, and there each KV head's group of query heads is passed as that head's
 queries instead (`_one_query_grouped`: the same attention, each KV head read once), from
 GROUPED_MIN_KEYS keys over the call's rows. On the Xeon of stop 51, 9 query heads over 3 KV heads
-(SmolLM2), one row: 0.79x the time at 1,100 keys, 0.65x at 4,000; 8 rows: 0.76x at 100 keys,
-0.74x at 1,100, 0.63x at 4,000 (`python benchmarks/diagnostics/half_sdpa.py --grouped --keys
-100,1100,4000 --reps 100`, results/grouped_sdpa_xeon.json). In bf16 with AMX the grouped call is
-the slower (1.3-1.5x), so half dtypes keep their paths above.
+(SmolLM2), one row: 0.78x the time at 1,100 keys, 0.59x at 4,000 (1.17x at 100: below the floor);
+8 rows: 0.81x at 100 keys, 0.59x at 1,100, 0.55x at 4,000 (`python
+benchmarks/diagnostics/half_sdpa.py --grouped --keys 100,1100,4000 --reps 100`,
+results/grouped_sdpa_xeon.json). In bf16 with AMX the grouped call is mostly the slower
+(0.97-2.27x), so half dtypes keep their paths above.
 
 Shapes as F.scaled_dot_product_attention: q [b, Hq, m, d]; k, v [b, Hkv, L, d]; mask
 broadcastable to [b, Hq, m, L].
@@ -77,7 +78,7 @@ def attention(
 
 HALF = (torch.bfloat16, torch.float16)
 # Keys (rows x length) from which the grouped one-query call is the faster: below, its reshapes
-# cost what it saves (one row of 100 keys: 40 against 34 us; 8 rows of 100: 0.76x the time)
+# cost what it saves (one row of 100 keys: 1.17x the time; 8 rows of 100: 0.81x)
 GROUPED_MIN_KEYS = 512
 # PyTorch's probes of this CPU's AMX support for each half dtype (AMX-BF16 comes with the tiles)
 AMX_PROBES = {torch.bfloat16: "_is_amx_tile_supported", torch.float16: "_is_amx_fp16_supported"}
