@@ -115,11 +115,11 @@ def main() -> None:
                 for L in map(int, args.keys.split(",")):
                     rows.append(grouped_row(b, L, getattr(torch, dt), args.reps, g))
                     print(json.dumps(rows[-1]), flush=True)
-        args.queries = ""
-    for m in (int(x) for x in args.queries.split(",") if x):
-        for L in map(int, args.keys.split(",")):
-            rows.append(shape_row(m, L, getattr(torch, args.dtype), max(3, args.reps // max(1, m // 16)), g))
-            print(json.dumps(rows[-1]), flush=True)
+    else:
+        for m in map(int, args.queries.split(",")):
+            for L in map(int, args.keys.split(",")):
+                rows.append(shape_row(m, L, getattr(torch, args.dtype), max(3, args.reps // max(1, m // 16)), g))
+                print(json.dumps(rows[-1]), flush=True)
     if args.out:
         out = {"command": "python benchmarks/diagnostics/half_sdpa.py " + " ".join(sys.argv[1:]), "rows": rows}
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -246,12 +246,13 @@ def _row_parts(layer: FlashLayer, k_new: torch.Tensor, v_new: torch.Tensor) -> _
     ws, S = layer.working_set, layer.block_start
     assert ws.valid is not None
     o0 = S + layer.num_sealed * layer.cfg.hca_chunk_size
+    pk, pv = ws.part(0), ws.part(1)
     # the row's step alone decodes int8 pages into its buffer in two passes on a CPU (assembly.copy_bytes)
-    coded = [isinstance(ws.part(j), tuple) and not one_pass_decode(dev) for j in (0, 1)]
+    coded = [isinstance(p, tuple) and not one_pass_decode(dev) for p in (pk, pv)]
     n_ws = ws.valid.shape[-1]
     return _RowParts(
-        [layer.sink_k, ws.part(0), *tk, k_new],
-        [layer.sink_v, ws.part(1), *tv, v_new],
+        [layer.sink_k, pk, *tk, k_new],
+        [layer.sink_v, pv, *tv, v_new],
         [valid[:, :S].expand(hkv, -1), ws.valid[0], valid[:, o0:].expand(hkv, -1), one.expand(hkv, 1)],
         valid.shape[-1] - (o0 - S) + n_ws + 1,
         2 * n_ws * (coded[0] * k_new.nbytes + coded[1] * v_new.nbytes),
@@ -310,7 +311,7 @@ def _attend_short(
             layer.scaling = scaling
             # the buffer the row's step alone assembles (its summaries' entries too, hidden), written
             # and read back (assembly.copy_bytes: nothing when the new token is the only part)
-            n = parts.length + tiered_attention.summary_entries(layer)
+            n = parts.length + layer.summaries.entries()
             if n > 1:
                 copied = 2 * n * (k_new.nbytes + v_new.nbytes) + parts.extra_copy
                 layer.reader.traffic.add("device_copy_bytes", copied)

@@ -112,6 +112,11 @@ class SummaryTiers:
             use = ~selected.gather(-1, self.csa_page_ids.expand(asm.b, asm.hkv, -1))
             asm.add(self.csa_k, self.csa_v, entry_bias(self.csa_cnt, use, cfg.summary_bias, asm.dtype))
 
+    def entries(self) -> int:
+        """Fused entries `add_to` assembles (hidden where their blocks are attended exactly, but
+        written into attention's buffers all the same)."""
+        return self.hca_k.shape[-2] + self.csa_k.shape[-2] if self.cfg.use_summaries else 0
+
     def nbytes(self) -> dict[str, int]:
         return {
             "csa_entries": self.csa_k.nbytes + self.csa_v.nbytes,

@@ -141,13 +141,6 @@ def hold_every_page(layer: FlashLayer) -> None:
     _gather_every_page(layer, layer.block_valid_tokens().reshape(b, n_pages, cfg.page_tokens), True)
 
 
-def summary_entries(layer: FlashLayer) -> int:
-    """Fused entries a selecting step's attention assembles (`SummaryTiers.add_to`; hidden
-    where their blocks are attended exactly, but written into its buffers all the same)."""
-    s = layer.summaries
-    return s.hca_k.shape[-2] + s.csa_k.shape[-2] if layer.cfg.use_summaries else 0
-
-
 def selects_every_page(layer: FlashLayer, k_sel: int, n_pages: int) -> bool:
     """Whether this step's selection is every sealed page (k_sel covers them: a context
     shorter than the pages the budget buys, as most of a chat server's are): then nothing is
