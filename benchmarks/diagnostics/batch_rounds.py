@@ -31,6 +31,9 @@ sized for its bytes, as `flashmem serve --dtype` runs it.
 their first sealed block) between rows that attend every sealed page joining the batch's shared
 SDPA (`batched._short_decode`) and such rows running their own layer steps (before stop 51).
 
+`--layout-ab` alone: the same alternation between the linear weights stored [in, out] and
+[out, in] (`flashmem.models.weight_layout`): the batched round and the unbatched token.
+
 `--every-page-ab` alone: the `--round-context` documents (1000 tokens unless given) decoded
 batched and with max_batch 1, EOS ignored, in blocks of `--rounds` rounds that alternate
 (twice each) between layers that attend every sealed page unranked when the budget covers
@@ -231,7 +234,7 @@ def every_page_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args
 
     shortcut = tiered_attention.selects_every_page
     modes = {"every page unranked": shortcut, "ranked (as before)": lambda *a: False}
-    return alternating_ab(model, tok, cfg, prompts, args, tiered_attention, "selects_every_page", modes)
+    return alternating_ab(model, tok, cfg, prompts, args, *_swaps(tiered_attention, "selects_every_page", modes))
 
 
 def shared_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any) -> dict:
@@ -243,16 +246,31 @@ def shared_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: An
         return shared(ans) and ans.k._flashmem_layer.num_sealed == 0
 
     modes = {"every-page rows in the shared SDPA": shared, "every-page rows' own steps (as before)": before}
-    return alternating_ab(model, tok, cfg, prompts, args, batched, "_short_decode", modes)
+    return alternating_ab(model, tok, cfg, prompts, args, *_swaps(batched, "_short_decode", modes))
+
+
+def layout_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any) -> dict:
+    from flashmem.models.weight_layout import linear_layout, set_linear_layout
+
+    keep = linear_layout(model)
+    modes = {f"weights {lay}": (lambda lay=lay: set_linear_layout(model, lay)) for lay in ("in_major", "out_major")}
+    return alternating_ab(model, tok, cfg, prompts, args, modes, lambda: set_linear_layout(model, keep))
+
+
+def _swaps(module: Any, name: str, fns: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """Modes that set `module.name` to each function, and the reset that puts it back."""
+    keep = getattr(module, name)
+    modes = {mode: (lambda fn=fn: setattr(module, name, fn)) for mode, fn in fns.items()}
+    return modes, lambda: setattr(module, name, keep)
 
 
 def alternating_ab(
-    model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any, module: Any, name: str, modes: dict
+    model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any, modes: dict[str, Any], reset: Any
 ) -> dict:
     """The prompts decoded batched and with max_batch 1, EOS ignored, after `--warm-rounds`
     rounds, in blocks of `--rounds` rounds that alternate (twice each) between the modes
-    (`module.name` set to each function): CPU ms per round and per token, not profiled."""
-    keep = getattr(module, name)
+    (each a function that puts the process in that mode; `reset` undoes them): CPU ms per
+    round and per token, not profiled."""
     out: dict[str, Any] = {}
     for max_batch in (len(prompts), 1):
         eng = Engine(model, tok, cfg, max_concurrent=len(prompts), max_batch=max_batch, restore_off_thread=False)
@@ -268,8 +286,8 @@ def alternating_ab(
         tokens: dict[str, int] = {m: 0 for m in modes}
         try:
             for _ in range(2):
-                for mode, fn in modes.items():
-                    setattr(module, name, fn)
+                for mode, apply in modes.items():
+                    apply()
                     n0 = sum(len(s.token_times) for s in seqs)
                     t0 = time.thread_time()
                     for _ in range(args.rounds):
@@ -277,7 +295,7 @@ def alternating_ab(
                     cpu[mode].append(time.thread_time() - t0)
                     tokens[mode] += sum(len(s.token_times) for s in seqs) - n0
         finally:
-            setattr(module, name, keep)
+            reset()
         sealed = [s.cache.flash_layers[0].num_sealed for s in seqs if s.cache is not None]
         for s in seqs:
             s.cancel()
@@ -343,6 +361,10 @@ def main() -> None:
         "--shared-ab", action="store_true",
         help="rows that attend every sealed page: in the batch's shared SDPA or their own steps (alternating)",
     )  # fmt: skip
+    ap.add_argument(
+        "--layout-ab", action="store_true",
+        help="the linear weights stored [in, out] or [out, in] (flashmem.models.weight_layout), alternating",
+    )  # fmt: skip
     ap.add_argument("--warm-rounds", type=int, default=0, help="A/Bs: rounds decoded before measuring")
     ap.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -371,11 +393,15 @@ def main() -> None:
             chat_prompt_ids(tok, [{"role": "user", "content": haystack(tok, args.round_context, seed=i) + Q}])
             for i in range(args.clients)
         ]
-    if args.every_page_ab or args.shared_ab:
+    if args.every_page_ab or args.shared_ab or args.layout_ab:
         out_e = {"command": "python benchmarks/diagnostics/batch_rounds.py " + " ".join(sys.argv[1:])}
         out_e["round_prompt_tokens"] = [len(p) for p in long_prompts]
         out_e["cpu"] = cpu_name()
-        ab, key = (every_page_ab, "every_page_ab") if args.every_page_ab else (shared_ab, "shared_ab")
+        ab, key = (
+            (every_page_ab, "every_page_ab") if args.every_page_ab
+            else (shared_ab, "shared_ab") if args.shared_ab
+            else (layout_ab, "layout_ab")
+        )  # fmt: skip
         out_e[key] = ab(model, tok, cfg, long_prompts, args)
         print(json.dumps(out_e, indent=1))
         if args.out:

@@ -45,6 +45,17 @@ def check_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
+# --weight-layout: how the linear weights lie in memory (flashmem.models.weight_layout)
+WEIGHT_LAYOUTS = ("auto", "out_major", "in_major")
+
+
+def check_weight_layout(name: str) -> str:
+    """The `--weight-layout` value; a one-line FlashMemError naming the allowed ones otherwise."""
+    if name not in WEIGHT_LAYOUTS:
+        raise FlashMemError(f"--weight-layout {name!r}: allowed: {', '.join(WEIGHT_LAYOUTS)}")
+    return name
+
+
 def read_input_text(path: Path) -> str:
     return read_user_text(path, "--input", MAX_INPUT_BYTES)
 

@@ -86,6 +86,12 @@ def serve(
         help="the model's weights and K/V: float32, bfloat16 or float16 (without --config, a non-float32"
         " model gets the recipe sized for its bytes, as configs/cpu-small.yaml is for float32; docs/serving.md)",
     ),
+    weight_layout: str = typer.Option(
+        "auto",
+        "--weight-layout",
+        help="the linear weights' memory order: auto (stored [in, out] for float32 on an x86 CPU with MKL, where"
+        " a batched round's few rows run as one GEMM), out_major (PyTorch's) or in_major; docs/serving.md",
+    ),
     max_request_bytes: str = typer.Option(
         "4M", "--max-request-bytes", help="largest request body (413 beyond it), e.g. 4M"
     ),
@@ -103,13 +109,14 @@ def serve(
 ) -> None:
     """Serve the model through the FlashMemory cache with the OpenAI API (completions, chat, streaming)."""
     uvicorn, create_app = _server_modules()
-    from flashmem.cli.inputs import check_dtype
+    from flashmem.cli.inputs import check_dtype, check_weight_layout
     from flashmem.cli.run_cmd import _default_config
     from flashmem.config import FlashMemoryConfig
     from flashmem.serve.auth import load_api_keys
 
     # every argument is checked before a minute of model loading, not after
     torch_dtype = check_dtype(dtype)
+    check_weight_layout(weight_layout)
     cfg = FlashMemoryConfig.from_yaml(config or _default_config())
     size_recipe = config is None and dtype != "float32"  # the default file is sized for float32
     keys = load_api_keys(api_keys) if api_keys is not None else None
@@ -122,7 +129,7 @@ def serve(
     engine = _load_engine(
         model, cfg, threads, store, model_name=model_name or model, max_concurrent=max_concurrent,
         max_queue=max_queue, max_context=max_context, max_batch=max_batch, restore_off_thread=not restore_on_worker,
-        pack_prefill=pack_prefill, dtype=torch_dtype, size_recipe=size_recipe,
+        pack_prefill=pack_prefill, dtype=torch_dtype, size_recipe=size_recipe, weight_layout=weight_layout,
     )  # fmt: skip
     typer.echo(f"serving {engine.model_name!r} on http://{host}:{port}/v1; {where}", err=True)
     uvicorn.run(
@@ -188,9 +195,11 @@ def _load_engine(
     store: PrefixBackend | None,
     dtype: Any = None,
     size_recipe: bool = False,
+    weight_layout: str = "auto",
     **engine_options: Any,
 ) -> Engine:
-    """Load `model` in `dtype` (None: float32; with `threads` torch threads) and its Engine;
+    """Load `model` in `dtype` (None: float32; with `threads` torch threads; its linear weights laid
+    out as `weight_layout`, flashmem.models.weight_layout) and its Engine;
     size_recipe: `cfg` replaced by the recipe that configs/cpu-small.yaml is for float32 (1/8
     of 8K), sized for the loaded model's bytes and device. engine_options: Engine's keywords."""
     import torch
@@ -202,7 +211,7 @@ def _load_engine(
     if threads:
         torch.set_num_threads(threads)
     typer.echo(f"loading {model}...", err=True)
-    mdl, tok = flashmem.load_model(model, dtype=dtype)
+    mdl, tok = flashmem.load_model(model, dtype=dtype, weight_layout=weight_layout)
     if size_recipe:
         cfg = sized_default_config(mdl)
     return Engine(mdl, tok, cfg, prefix_store=store, **engine_options)

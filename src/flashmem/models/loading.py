@@ -37,6 +37,7 @@ from flashmem.models.registry import (  # noqa: E402
     BuiltinModel,
     cache_root,
 )
+from flashmem.models.weight_layout import LAYOUTS, auto_layout, set_linear_layout  # noqa: E402
 
 __all__ = ["load_model", "model_info", "ModelInfo", "resolve", "MARKER"]
 
@@ -241,11 +242,12 @@ def _load_folder(folder: Path, dtype: Any, device: Any) -> tuple[Any, Any]:
     return model, tok
 
 
-def _finish(model: Any, device: Any, tok: Any) -> Any:
+def _finish(model: Any, device: Any, tok: Any, weight_layout: str) -> Any:
     from flashmem.calibration.layer_profile import remember_tokenizer
 
     model = model.to(device)
     model.eval()
+    set_linear_layout(model, auto_layout(model) if weight_layout == "auto" else weight_layout)
     if getattr(model.config, "_attn_implementation", None) not in ("eager", "sdpa"):
         model.set_attn_implementation("sdpa")
     remember_tokenizer(model, tok)  # attach measures a missing layer profile with it
@@ -293,17 +295,23 @@ def load_model(
     *,
     dtype: Any = None,
     device: Any = "cpu",
+    weight_layout: str = "auto",
 ) -> tuple[Any, Any]:
     """Return ``(model, tokenizer)`` for a built-in name, an HF folder or a .gguf file.
 
     dtype defaults to torch.float32. GGUF sources are converted once and cached
     (see module docstring); the model is in eval mode with "sdpa" or "eager" attention.
+    weight_layout: how the linear weights lie in memory (``flashmem.models.weight_layout``):
+    ``auto`` (stored [in, out] for fp32 on an x86 CPU with MKL, where a batched decode
+    round's few rows run as one GEMM), ``out_major`` (PyTorch's) or ``in_major``.
     """
     import torch
 
     if dtype is None:
         dtype = torch.float32
     device = _check_dtype_device(dtype, device)
+    if weight_layout != "auto" and weight_layout not in LAYOUTS:
+        raise FlashMemError(f"weight_layout must be auto, {', '.join(LAYOUTS)}; got {weight_layout!r}")
     src = resolve(name_or_path)
     _warn_if_threads_spin(device)
     if src.kind == "folder":
@@ -312,7 +320,7 @@ def load_model(
         if not has_weights:
             raise FlashMemError(f"{src.path} has a config.json but no weights (*.safetensors or *.bin)")
         model, tok = _load_folder(src.path, dtype, device)
-        return _finish(model, device, tok), tok
+        return _finish(model, device, tok, weight_layout), tok
 
     target = src.cache_dir()
     if cache_is_complete(target):
@@ -324,14 +332,14 @@ def load_model(
             log.warning("cached model %s failed to load (%s); rebuilding", target, e)
             _discard(target)
         else:
-            return _finish(model, device, tok), tok
+            return _finish(model, device, tok, weight_layout), tok
     elif target.exists():
         log.warning("cached model %s is incomplete; rebuilding", target)
     _build_cache(src, target)
     if not cache_is_complete(target):  # pragma: no cover - defensive
         raise FlashMemError(f"could not write a complete model cache in {target}")
     model, tok = _load_folder(target, dtype, device)
-    return _finish(model, device, tok), tok
+    return _finish(model, device, tok, weight_layout), tok
 
 
 # ------------------------------------------------------------------------------ info

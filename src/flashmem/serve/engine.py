@@ -54,6 +54,7 @@ import torch
 from flashmem.cache import batched
 from flashmem.config import FlashMemoryConfig
 from flashmem.errors import FlashMemError
+from flashmem.models.weight_layout import linear_layout
 from flashmem.serve import state
 from flashmem.serve.metrics import ServeMetrics
 from flashmem.serve.prefix import PrefixBackend, chain, end_key, end_point
@@ -669,6 +670,7 @@ def _fingerprint(model: Any, cfg: FlashMemoryConfig, name: str, block_tokens: in
     h.update(name.encode())
     h.update(model.config.to_json_string(use_diff=False).encode())
     h.update(str(model.dtype).encode())
+    h.update(linear_layout(model).encode())  # another layout rounds the prefix's K/V otherwise
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):  # a sample of the weights, not all of them
             if i % 7 == 0:

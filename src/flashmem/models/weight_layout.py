@@ -1,0 +1,72 @@
+"""How a loaded model's linear weights lie in memory, for the CPU's matrix products.
+
+``nn.Linear`` keeps W as [out, in] and computes x @ W.T. With MKL on an x86 CPU, an
+fp32 x @ W.T of a few rows runs as one pass over W per three rows (1-3 rows cost one
+pass, 4-6 two, 7-9 three); a batched decode round has one row per sequence. The
+same product with W held as [in, out] (W.T made contiguous and seen through a
+transposed view, so the module's weight keeps its [out, in] shape and values) is one
+GEMM over W. ``benchmarks/diagnostics/linear_layout.py`` measures both on a model.
+
+Only the memory order changes: no weight is copied twice (one matrix at a time is
+re-laid), tied weights stay tied, and a product's result differs from the default
+layout's by rounding only (another summation order).
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+__all__ = ["LAYOUTS", "auto_layout", "linear_layout", "set_linear_layout"]
+
+LAYOUTS = ("out_major", "in_major")  # out_major: PyTorch's [out, in]; in_major: stored [in, out]
+
+
+def auto_layout(model: Any) -> str:
+    """``in_major`` for an fp32 model on an x86 CPU whose torch uses MKL, else ``out_major``.
+
+    bf16 products go to oneDNN (AMX where the CPU has it), which is faster with the
+    default layout; CUDA and other BLAS libraries are left as PyTorch lays them out.
+    """
+    import torch
+
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu" or p.dtype != torch.float32:
+        return "out_major"
+    if not torch.backends.mkl.is_available() or platform.machine().lower() not in ("x86_64", "amd64"):
+        return "out_major"
+    return "in_major"
+
+
+def linear_layout(model: Any) -> str:
+    """The layout of the model's linear weights: ``in_major`` if every one is, else ``out_major``."""
+    import torch
+
+    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return "in_major" if ws and all(_is_in_major(w) for w in ws) else "out_major"
+
+
+def set_linear_layout(model: Any, layout: str) -> int:
+    """Lay every ``nn.Linear`` weight of ``model`` out as ``layout``; returns how many changed."""
+    import torch
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"weight layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    seen: set[int] = set()
+    changed = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if not isinstance(m, torch.nn.Linear) or id(m.weight) in seen:
+                continue
+            seen.add(id(m.weight))  # a tied weight (lm_head / embeddings) is one Parameter
+            w = m.weight.data
+            if w.dim() != 2 or _is_in_major(w) == (layout == "in_major"):
+                continue
+            m.weight.data = w.t().contiguous().t() if layout == "in_major" else w.contiguous()
+            changed += 1
+    return changed
+
+
+def _is_in_major(w: Any) -> bool:
+    # [out, in] seen through a transpose of a contiguous [in, out]
+    return w.dim() == 2 and w.stride() == (1, w.shape[0]) and w.shape[0] > 1
