@@ -148,6 +148,7 @@ def document(n_tokens: int) -> str:
 
 SERVER_MODEL = ["smollm2"]  # --model: what the server loads (it serves it as "smollm2")
 SERVER_DTYPE = ["float32"]  # --dtype: other than float32, the server sizes the recipe for it (no --config)
+SERVER_LAYOUT = ["auto"]  # --weight-layout: the servers' linear weights (flashmem.models.weight_layout)
 
 
 def server_config() -> str:
@@ -169,7 +170,7 @@ def start_server(
     cmd += ["--port", str(port)]
     cmd += ["--prefix-dir", prefix_dir] if prefix_dir is not None else ["--no-prefix-cache"]
     cmd += ["--api-keys", keys_file, "--max-concurrent", str(max_concurrent), "--max-queue", "64"]
-    cmd += ["--threads", str(threads), *extra]
+    cmd += ["--threads", str(threads), "--weight-layout", SERVER_LAYOUT[0], *extra]
     return subprocess.Popen(cmd, cwd=ROOT)
 
 
@@ -285,6 +286,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "clients": args.clients,
         "server_torch_threads": args.threads,
         "server_dtype": args.dtype,
+        "server_weight_layout": args.weight_layout,
         "max_tokens": args.max_tokens,
         "cold_first_request": {"ttft_s": cold_first["ttft"], "answer": cold_first["text"]},
         "load": {
@@ -449,6 +451,7 @@ async def batch_async(args: argparse.Namespace) -> dict[str, Any]:
         "schedule": "both servers up at once (--port and --port + 1), points alternating: unbatched then batched at each level",
         "server_torch_threads": args.threads,
         "server_dtype": args.dtype,
+        "server_weight_layout": args.weight_layout,
         "max_tokens": args.max_tokens,
         "requests_per_client": args.batch_requests,
         "runs": runs,
@@ -514,6 +517,7 @@ async def restore_async(args: argparse.Namespace) -> dict[str, Any]:
         "doc_tokens_requested": args.doc_tokens,
         "server_torch_threads": args.threads,
         "server_dtype": args.dtype,
+        "server_weight_layout": args.weight_layout,
         **out,
         "errors": errors,
         "error_count": len(errors),
@@ -595,6 +599,10 @@ def main() -> None:
     ap.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the servers' model dtype"
     )
+    ap.add_argument(
+        "--weight-layout", default="auto", choices=["auto", "out_major", "in_major"],
+        help="the servers' linear weights in memory (flashmem serve --weight-layout)",
+    )  # fmt: skip
     ap.add_argument("--batch-clients", default="1,4,8", help="--mode batch: concurrent clients, comma-separated")
     ap.add_argument("--batch-requests", type=int, default=2, help="--mode batch: requests per client")
     ap.add_argument("--stream-tokens", type=int, default=96, help="--mode restore: tokens of the streaming answer")
@@ -602,6 +610,7 @@ def main() -> None:
     args = ap.parse_args()
     SERVER_MODEL[0] = args.model
     SERVER_DTYPE[0] = args.dtype
+    SERVER_LAYOUT[0] = args.weight_layout
     run = {"reuse": main_async, "batch": batch_async, "restore": restore_async}[args.mode]
     result = asyncio.run(run(args))
     text = json.dumps(result, indent=2)
