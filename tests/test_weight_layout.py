@@ -86,9 +86,8 @@ def test_load_model_lays_out_a_folder(tmp_path):
 
 def test_served_prefixes_are_keyed_by_the_layout():
     """A prefix stored by a server with the other layout holds K/V rounded another way: not reused."""
-    from serve_helpers import tiny_cfg, tiny_model
-
     from flashmem.serve.engine import _fingerprint
+    from serve_helpers import tiny_cfg, tiny_model
 
     model, cfg = tiny_model(), tiny_cfg()
     prints = {}
