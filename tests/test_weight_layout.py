@@ -95,3 +95,15 @@ def test_served_prefixes_are_keyed_by_the_layout():
         set_linear_layout(model, layout)
         prints.setdefault(layout, set()).add(_fingerprint(model, cfg, "tiny", 32))
     assert len(prints["out_major"]) == 1 and prints["out_major"] != prints["in_major"]
+
+
+def test_quantized_or_integer_linears_are_left_alone():
+    class QuantLinear(torch.nn.Linear):  # a quantizing library's subclass computes from its own layout
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), QuantLinear(4, 6), torch.nn.Linear(4, 6))
+    model[2].weight = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.int8), requires_grad=False)
+    assert set_linear_layout(model, "in_major") == 1
+    assert model[0].weight.stride() == (1, 6)
+    assert model[1].weight.is_contiguous() and model[2].weight.is_contiguous()
+    assert linear_layout(model) == "in_major"  # every weight it lays out is

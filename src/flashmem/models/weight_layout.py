@@ -40,9 +40,8 @@ def auto_layout(model: Any) -> str:
 
 def linear_layout(model: Any) -> str:
     """The layout of the model's linear weights: ``in_major`` if every one is, else ``out_major``."""
-    import torch
 
-    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ws = [m.weight for m in model.modules() if _plain(m)]
     return "in_major" if ws and all(_is_in_major(w) for w in ws) else "out_major"
 
 
@@ -56,7 +55,7 @@ def set_linear_layout(model: Any, layout: str) -> int:
     changed = 0
     with torch.no_grad():
         for m in model.modules():
-            if not isinstance(m, torch.nn.Linear) or id(m.weight) in seen:
+            if not _plain(m) or id(m.weight) in seen:
                 continue
             seen.add(id(m.weight))  # a tied weight (lm_head / embeddings) is one Parameter
             w = m.weight.data
@@ -65,6 +64,15 @@ def set_linear_layout(model: Any, layout: str) -> int:
             m.weight.data = w.t().contiguous().t() if layout == "in_major" else w.contiguous()
             changed += 1
     return changed
+
+
+def _plain(m: Any) -> bool:
+    """A plain ``nn.Linear`` with a floating weight: quantized linears (subclasses, packed or
+    integer weights) compute from their own layouts and are left alone."""
+    import torch
+
+    w = getattr(m, "weight", None)
+    return type(m) is torch.nn.Linear and type(w) is torch.nn.Parameter and w.is_floating_point()
 
 
 def _is_in_major(w: Any) -> bool:
