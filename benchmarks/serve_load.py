@@ -376,9 +376,12 @@ async def batch_point(client: httpx.AsyncClient, clients: int, args: argparse.Na
             r = await chat(client, "key-main", content, args.max_tokens, args.timeout)
             results.append({**r, "i": i})
 
+    before = (await client.get("/metrics")).text
     t0 = time.perf_counter()
     await asyncio.gather(*(client_loop() for _ in range(clients)))
-    point = summarize(results, time.perf_counter() - t0, (t0, drained[0]) if drained else None)
+    wall = time.perf_counter() - t0
+    point = summarize(results, wall, (t0, drained[0]) if drained else None)
+    point["worker"] = worker_counts(before, (await client.get("/metrics")).text, wall)
     point["answers"] = {r["i"]: r["text"] for r in results}
     point["errors"] = [r["error"] for r in results if r["error"]]
     return point
@@ -571,6 +574,20 @@ async def restore_point(c: httpx.AsyncClient, prompt: str, args: argparse.Namesp
         "stream_max_gap_during_restore_s": max(during, default=None),
         "stream_gaps_during_restore_s": during,
         "errors": [reused["error"]] if reused["error"] else [],
+    }
+
+
+def worker_counts(before: str, after: str, wall: float) -> dict[str, float | None]:
+    """The server worker's rounds over a point, from its /metrics before and after: decode
+    rows per forward, ms per such forward, and the share of the point's wall time in rounds."""
+    d = {n: _metric(after, f"flashmem_{n}_total") - _metric(before, f"flashmem_{n}_total")
+         for n in ("decode_forwards", "decode_rows", "decode_forward_seconds", "worker_busy_seconds")}  # fmt: skip
+    forwards = d["decode_forwards"]
+    return {
+        "decode_forwards": forwards,
+        "rows_per_forward": d["decode_rows"] / forwards if forwards else None,
+        "ms_per_decode_forward": 1e3 * d["decode_forward_seconds"] / forwards if forwards else None,
+        "worker_busy_share": d["worker_busy_seconds"] / wall if wall else None,
     }
 
 

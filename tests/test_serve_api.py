@@ -119,6 +119,10 @@ def test_metrics_exposition(server) -> None:
         "flashmem_inter_token_latency_seconds_bucket",
         "flashmem_tokens_per_second",
         "flashmem_active_sequences",
+        "flashmem_decode_forwards_total",
+        "flashmem_decode_rows_total",
+        "flashmem_decode_forward_seconds_total",
+        "flashmem_worker_busy_seconds_total",
     ):
         assert name in text, name
     count = [ln for ln in text.splitlines() if ln.startswith("flashmem_time_to_first_token_seconds_count")]

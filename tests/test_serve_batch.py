@@ -79,6 +79,16 @@ def test_sequences_join_and_leave_a_batch_and_answer_as_alone(cfg) -> None:
         _same(seq, _alone(model, cfg, _prompt(n, s), m))
     assert engine.decode_rows > engine.decode_forwards  # decode steps shared forwards
     assert engine.active == 0
+    # /metrics says how full the rounds ran and how long they took
+    m = _metrics(engine)
+    assert m["flashmem_decode_forwards_total"] == engine.decode_forwards
+    assert m["flashmem_decode_rows_total"] == engine.decode_rows
+    assert 0 < m["flashmem_decode_forward_seconds_total"] < m["flashmem_worker_busy_seconds_total"]
+
+
+def _metrics(engine: Engine) -> dict[str, float]:
+    lines = engine.metrics.render().decode().splitlines()
+    return {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln.startswith("flashmem_") and " " in ln}
 
 
 def test_max_batch_1_is_one_forward_per_sequence() -> None:
@@ -89,6 +99,7 @@ def test_max_batch_1_is_one_forward_per_sequence() -> None:
         engine.submit(s)
     _until_done(engine, seqs)
     assert engine.decode_rows == engine.decode_forwards > 0
+    assert _metrics(engine)["flashmem_decode_rows_total"] == engine.decode_rows
     for i, s in enumerate(seqs):
         _same(s, _alone(model, EXACT, _prompt(20 + 10 * i, i), 4))
 

@@ -287,6 +287,13 @@ class Engine:
     def step(self) -> None:
         """One round: admit from the queue, take in the sequences admitted since, then one
         unit of every live sequence (a prefill chunk each; every decode step in one forward)."""
+        t_round = time.perf_counter()
+        try:
+            self._round()
+        finally:
+            self.metrics.busy_seconds.inc(time.perf_counter() - t_round)
+
+    def _round(self) -> None:
         # Off the worker thread only where a restore may be slow: without a prefix store an
         # admission is a cache's attach (about 1 ms), and admitted here its prompt joins this
         # round instead of the next (a round of TTFT saved).
@@ -470,13 +477,17 @@ class Engine:
         for a in range(0, len(live), self.max_batch):
             group = live[a : a + self.max_batch]
             decoding = sum(1 for s in group if s.pos >= s.prompt_tokens)
+            t0 = time.perf_counter()
+            if len(group) == 1:
+                self._unit(group[0])  # the plain path: no batch to build
+            else:
+                self._decode_batch(group)
             if decoding:
                 self.decode_forwards += 1
                 self.decode_rows += decoding
-            if len(group) == 1:
-                self._unit(group[0])  # the plain path: no batch to build
-                continue
-            self._decode_batch(group)
+                self.metrics.decode_forwards.inc()
+                self.metrics.decode_rows.inc(decoding)
+                self.metrics.decode_seconds.inc(time.perf_counter() - t0)
 
     def _decode_batch(self, group: list[Sequence]) -> None:
         """One forward of the group's next tokens (a prompt chunk or a decode step each);

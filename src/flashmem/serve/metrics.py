@@ -53,6 +53,19 @@ class ServeMetrics:
             "flashmem_inter_token_latency_seconds", "time between streamed tokens", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.generated = Counter("flashmem_generated_tokens", "tokens generated", registry=r)
+        # how full the batched rounds run: rows per forward = decode_rows / decode_forwards
+        self.decode_forwards = Counter(
+            "flashmem_decode_forwards", "model forwards that carried decode steps", registry=r
+        )
+        self.decode_rows = Counter("flashmem_decode_rows", "decode steps in those forwards", registry=r)
+        self.decode_seconds = Counter(
+            "flashmem_decode_forward_seconds",
+            "worker seconds in those forwards (packed prompt chunks, sampling and streaming included)",
+            registry=r,
+        )
+        self.busy_seconds = Counter(
+            "flashmem_worker_busy_seconds", "worker seconds in rounds (admission, prompts, decode steps)", registry=r
+        )
         self.tokens_per_s = Gauge("flashmem_tokens_per_second", "generated tokens/s over the last 10 s", registry=r)
         self.active = Gauge("flashmem_active_sequences", "sequences being prefilled or decoded", registry=r)
         self.queued = Gauge("flashmem_queued_requests", "requests waiting for a slot", registry=r)
