@@ -515,10 +515,11 @@ def test_serve_passes_pack_prefill_to_the_engine(tmp_path, monkeypatch, flag, pa
 @pytest.mark.parametrize(
     "flags, dtype, sized",
     [([], torch.float32, False), (["--dtype", "bfloat16"], torch.bfloat16, True),
-     (["--dtype", "bfloat16", "--config", "CFG"], torch.bfloat16, False)],
+     (["--dtype", "bfloat16", "--config", "CFG"], torch.bfloat16, False),
+     (["--weight-layout", "out_major"], torch.float32, False)],
 )  # fmt: skip
-def test_serve_dtype_reaches_the_model_and_sizes_the_default_recipe(tmp_path, monkeypatch, flags, dtype, sized):
-    """`flashmem serve --dtype` loads the model in that dtype. Without --config a dtype other than
+def test_serve_dtype_and_layout_reach_the_model_and_size_the_default_recipe(tmp_path, monkeypatch, flags, dtype, sized):
+    """`flashmem serve --dtype` loads the model in that dtype (and --weight-layout in that layout). Without --config a dtype other than
     float32 gets the recipe sized for the loaded model's bytes (configs/cpu-small.yaml is the one
     for float32); a --config given is served as it is."""
     import flashmem
@@ -531,8 +532,8 @@ def test_serve_dtype_reaches_the_model_and_sizes_the_default_recipe(tmp_path, mo
     class Stop(Exception):
         pass
 
-    def load_model(name, dtype=None):
-        seen["dtype"] = dtype
+    def load_model(name, dtype=None, weight_layout="auto"):
+        seen["dtype"], seen["layout"] = dtype, weight_layout
         return tiny_model().to(dtype), None
 
     def engine(model, tok, cfg, **options):
@@ -545,6 +546,7 @@ def test_serve_dtype_reaches_the_model_and_sizes_the_default_recipe(tmp_path, mo
     with pytest.raises(Stop):
         main(["serve", "--prefix-dir", str(tmp_path / "p"), *argv])
     assert seen["dtype"] == dtype
+    assert seen["layout"] == ("out_major" if "--weight-layout" in flags else "auto")
     if sized:
         want = FlashMemoryConfig.for_budget(1 / 8, 8192, tiny_model().to(dtype), prefetch_threads=0)
         assert seen["cfg"] == want
