@@ -40,13 +40,12 @@ def auto_layout(model: Any) -> str:
 
 def linear_layout(model: Any) -> str:
     """The layout of the model's linear weights: ``in_major`` if every one is, else ``out_major``."""
-
     ws = [m.weight for m in model.modules() if _plain(m)]
     return "in_major" if ws and all(_is_in_major(w) for w in ws) else "out_major"
 
 
 def set_linear_layout(model: Any, layout: str) -> int:
-    """Lay every ``nn.Linear`` weight of ``model`` out as ``layout``; returns how many changed."""
+    """Lay every plain ``nn.Linear`` weight of ``model`` out as ``layout``; returns how many changed."""
     import torch
 
     if layout not in LAYOUTS:
