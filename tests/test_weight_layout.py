@@ -25,8 +25,11 @@ def test_in_major_keeps_values_shapes_and_ties(build):
     with torch.no_grad():
         ref = model(ids).logits
     n_weights = len({id(m.weight) for m in _linears(model)})
+    storages = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
 
     assert set_linear_layout(model, "in_major") == n_weights
+    # nothing keeps pointing at the loaded storage (a file mapping, when safetensors loaded it)
+    assert all(p.untyped_storage().data_ptr() != storages[n] for n, p in model.named_parameters())
     assert linear_layout(model) == "in_major"
     for m in _linears(model):
         w = m.weight

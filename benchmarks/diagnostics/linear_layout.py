@@ -9,6 +9,11 @@ with the weights as PyTorch lays them out (`out_major`) and as `flashmem.models.
 lays them out for MKL (`in_major`), the two layouts alternating rep by rep in this one process
 (the box's speed moves; only this run's figures are compared), the median of `--reps`. Also one
 `--prefill`-token chunk each way (0: skip), and the largest difference of the last logits.
+
+    python benchmarks/diagnostics/linear_layout.py --memory [--model smollm2]
+
+Linux: the process's resident memory (/proc/self/status: anonymous, file-backed, and the peak)
+after `load_model` in each layout and after one forward, each layout in a fresh process.
 """
 
 from __future__ import annotations
@@ -37,6 +42,36 @@ def forward_ms(model: torch.nn.Module, ids: torch.Tensor, context: int, new: int
         return (time.perf_counter() - t0) * 1e3, out.logits[:, -1].float()
 
 
+def resident_mb() -> dict[str, int]:
+    """RssAnon, RssFile, VmRSS and VmHWM (the peak) of this process, MB."""
+    keys = ("RssAnon", "RssFile", "VmRSS", "VmHWM")
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return {k: int(ln.split()[1]) >> 10 for ln in lines for k in keys if ln.startswith(k + ":")}
+
+
+def memory_child(model_name: str, layout: str) -> None:
+    """In a fresh process: load in `layout`, print the resident memory after loading and after a forward."""
+    model, _ = load_model(model_name, weight_layout=layout)
+    after_load = resident_mb()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    print(json.dumps({"layout": layout, "after_load_mb": after_load, "after_forward_mb": resident_mb()}))
+
+
+def memory(args: argparse.Namespace) -> None:
+    import subprocess
+    import sys
+
+    rows = []
+    for layout in ("out_major", "in_major"):
+        cmd = [sys.executable, __file__, "--model", args.model, "--memory-child", layout]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"model": args.model, "memory": rows}, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -45,8 +80,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--out")
+    ap.add_argument("--memory", action="store_true", help="resident memory after loading, each layout")
+    ap.add_argument("--memory-child", choices=["out_major", "in_major"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.memory_child:
+        return memory_child(args.model, args.memory_child)
+    if args.memory:
+        return memory(args)
     model, _ = load_model(args.model, weight_layout="out_major")
     vocab = model.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(0)

@@ -62,6 +62,14 @@ def set_linear_layout(model: Any, layout: str) -> int:
                 continue
             m.weight.data = w.t().contiguous().t() if layout == "in_major" else w.contiguous()
             changed += 1
+        if changed:
+            # The weights may be views of one file mapping (safetensors loads zero-copy): while any
+            # parameter still points into it, the mapping, and every page of it the re-layout
+            # read, stays in the process (SmolLM2: 1.5 GB resident instead of 1.0). So the rest
+            # (norms, and weights left alone) get their own memory too, and the mapping goes.
+            for q in model.parameters():
+                if id(q) not in seen:
+                    q.data = q.data.clone()
     return changed
 
 
