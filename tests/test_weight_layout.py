@@ -110,3 +110,16 @@ def test_quantized_or_integer_linears_are_left_alone():
     assert model[0].weight.stride() == (1, 6)
     assert model[1].weight.is_contiguous() and model[2].weight.is_contiguous()
     assert linear_layout(model) == "in_major"  # every weight it lays out is
+
+
+def test_a_re_laid_model_saves_and_reloads_equal(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama()
+    set_linear_layout(model, "in_major")
+    model.save_pretrained(tmp_path / "m")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    want = model.state_dict()
+    got = again.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
