@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flashmem.errors import FlashMemError
+from flashmem.models.weight_layout import LAYOUTS
 from flashmem.user_files import MiB, read_user_text
 
 MAX_INPUT_BYTES = 256 * MiB  # --input text: far beyond any context the models take
@@ -45,8 +46,8 @@ def check_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
-# --weight-layout: how the linear weights lie in memory (flashmem.models.weight_layout)
-WEIGHT_LAYOUTS = ("auto", "out_major", "in_major")
+# --weight-layout: how the linear weights lie in memory, or auto (flashmem.models.weight_layout)
+WEIGHT_LAYOUTS = ("auto", *LAYOUTS)
 
 
 def check_weight_layout(name: str) -> str:

@@ -58,7 +58,7 @@ def set_linear_layout(model: Any, layout: str) -> int:
                 continue
             seen.add(id(m.weight))  # a tied weight (lm_head / embeddings) is one Parameter
             w = m.weight.data
-            if w.dim() != 2 or _is_in_major(w) == (layout == "in_major"):
+            if _is_in_major(w) == (layout == "in_major"):
                 continue
             m.weight.data = w.t().contiguous().t() if layout == "in_major" else w.contiguous()
             changed += 1
