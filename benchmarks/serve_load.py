@@ -22,7 +22,9 @@ Two servers in turn (no prefix reuse): `--max-batch 1 --restore-on-worker` (the
 engine before batching: one forward per sequence per round) and the default (every
 decode step of a round in one forward); each serves 1, 4 and 8 concurrent clients
 (short chat prompts of different lengths, greedy, `--max-tokens` each,
-`--batch-requests` per client); aggregate generated tokens/s, TTFT and inter-token
+`--batch-requests` per client; with `--ignore-eos` every answer runs to `--max-tokens`, the
+fixed answer lengths of vLLM's `vllm bench serve --ignore-eos`, instead of ending at the
+model's EOS); aggregate generated tokens/s, TTFT and inter-token
 p50/p99 per point, and the answers of the two servers compared. Beside the whole run's
 tokens/s, `busy_pieces_per_s`: streamed pieces (about one a token) per second while every
 client still had a request in flight (until the last request was sent; after it, clients
@@ -89,8 +91,11 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-async def chat(client: httpx.AsyncClient, key: str, content: str, max_tokens: int, timeout: float) -> dict[str, Any]:
-    """One streaming chat request: TTFT, inter-token gaps, text, cached tokens, error."""
+async def chat(
+    client: httpx.AsyncClient, key: str, content: str, max_tokens: int, timeout: float, **extra: Any
+) -> dict[str, Any]:
+    """One streaming chat request: TTFT, inter-token gaps, text, cached tokens, error. `extra`:
+    more request fields (ignore_eos)."""
     body = {
         "model": "smollm2",
         "messages": [{"role": "user", "content": content}],
@@ -98,6 +103,7 @@ async def chat(client: httpx.AsyncClient, key: str, content: str, max_tokens: in
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **extra,
     }
     t0 = time.perf_counter()
     out: dict[str, Any] = {"ttft": None, "gaps": [], "text": "", "cached": 0, "tokens": 0, "error": None}
@@ -373,7 +379,8 @@ async def batch_point(client: httpx.AsyncClient, clients: int, args: argparse.Na
             i, content = queue.get_nowait()
             if queue.empty():
                 drained.append(time.perf_counter())
-            r = await chat(client, "key-main", content, args.max_tokens, args.timeout)
+            extra = {"ignore_eos": True} if args.ignore_eos else {}
+            r = await chat(client, "key-main", content, args.max_tokens, args.timeout, **extra)
             results.append({**r, "i": i})
 
     before = (await client.get("/metrics")).text
@@ -456,6 +463,7 @@ async def batch_async(args: argparse.Namespace) -> dict[str, Any]:
         "server_dtype": args.dtype,
         "server_weight_layout": args.weight_layout,
         "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
         "requests_per_client": args.batch_requests,
         "runs": runs,
         "batched_over_unbatched_tokens_per_s": speedup,
@@ -622,6 +630,10 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--batch-clients", default="1,4,8", help="--mode batch: concurrent clients, comma-separated")
     ap.add_argument("--batch-requests", type=int, default=2, help="--mode batch: requests per client")
+    ap.add_argument(
+        "--ignore-eos", action="store_true",
+        help="--mode batch: every answer runs to --max-tokens (the server's ignore_eos, as vLLM's load generators send it)",
+    )  # fmt: skip
     ap.add_argument("--stream-tokens", type=int, default=96, help="--mode restore: tokens of the streaming answer")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

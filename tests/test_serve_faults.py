@@ -370,6 +370,56 @@ def test_penalties_change_a_repetitive_answer(server) -> None:
         assert r.status_code == 200 and r.json()["choices"][0]["text"] != plain, extra
 
 
+def test_min_tokens_holds_eos_and_process_logits_rules_it_out() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.5, 1.0])  # id 1: EOS here
+    s = Sampling(min_tokens=2)
+    assert int(process_logits(logits, s, [0], {1}).argmax()) == 2  # 1 token so far: EOS ruled out
+    assert int(process_logits(logits, s, [0, 0], {1}).argmax()) == 1  # 2: allowed again
+    assert int(process_logits(logits, s, [], set()).argmax()) == 1  # no EOS known: nothing to rule out
+    assert torch.equal(logits, torch.tensor([0.0, 3.0, 2.5, 1.0]))  # not in place
+
+
+def _answer(url: str, body: dict) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a b c", "temperature": 0, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_ignore_eos_and_min_tokens_set_the_answer_length(server) -> None:
+    """vLLM's extensions, with EOS made the model's choice at every step (logit_bias)."""
+    engine, url = server
+    eos = min(engine.eos_ids)
+    bias = {"logit_bias": {str(eos): 100}, "max_tokens": 7}
+    plain = _answer(url, bias)
+    assert plain["usage"]["completion_tokens"] == 0 and plain["choices"][0]["finish_reason"] == "stop"
+    forced = _answer(url, {**bias, "ignore_eos": True})  # EOS after EOS, to the length
+    assert forced["usage"]["completion_tokens"] == 7 and forced["choices"][0]["finish_reason"] == "length"
+    held = _answer(url, {**bias, "min_tokens": 4})  # 4 other tokens, then EOS ends it
+    assert held["usage"]["completion_tokens"] == 4 and held["choices"][0]["finish_reason"] == "stop"
+    # streamed, the same lengths
+    with httpx.stream(
+        "POST", url + "/v1/completions", timeout=60,
+        json={"model": MODEL, "prompt": "a b c", "temperature": 0, **bias, "min_tokens": 4, "stream": True,
+              "stream_options": {"include_usage": True}},
+    ) as r:  # fmt: skip
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_min_tokens_defers_stop_strings(server) -> None:
+    """A stop string counts only once it ends past the first min_tokens tokens' text."""
+    _, url = server
+    plain = _answer(url, {"max_tokens": 16})["choices"][0]["text"]
+    stop = next(ch for ch in plain if not ch.isspace())  # its first occurrence is in the first token's text
+    cut = _answer(url, {"max_tokens": 16, "stop": stop})
+    late = _answer(url, {"max_tokens": 16, "stop": stop, "min_tokens": 6})
+    text = late["choices"][0]["text"]
+    assert plain.startswith(text) and len(text) > len(cut["choices"][0]["text"])
+    assert late["usage"]["completion_tokens"] >= 6
+    if late["choices"][0]["finish_reason"] == "stop":  # cut at a later occurrence, never an earlier one
+        assert plain[len(text) :].startswith(stop)
+
+
 @pytest.mark.parametrize(
     "path,extra,param",
     [
@@ -383,6 +433,9 @@ def test_penalties_change_a_repetitive_answer(server) -> None:
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/completions", {"top_k": 5}, "top_k"),
+        ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
+        ("/v1/completions", {"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
+        ("/v1/completions", {"ignore_eos": "maybe"}, "ignore_eos"),
         ("/v1/completions", {"seed": 2**70}, "seed"),
         ("/v1/completions", {"seed": -(2**64)}, "seed"),
         ("/v1/completions", {"presence_penalty": 3}, "presence_penalty"),
@@ -411,6 +464,7 @@ def test_parameters_not_implemented_or_invalid_are_400_naming_them(server, path,
         ("/v1/completions", {"echo": False, "logprobs": None, "best_of": 1, "suffix": "", "user": "u"}),
         ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}}),
         ("/v1/completions", {"seed": 2**63 - 1, "presence_penalty": 0.5, "logit_bias": {}}),
+        ("/v1/chat/completions", {"min_tokens": 0, "ignore_eos": False}),
     ],
 )
 def test_defaults_of_unsupported_parameters_are_accepted(server, path, extra) -> None:

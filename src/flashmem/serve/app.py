@@ -87,8 +87,6 @@ UNSUPPORTED = {
     "top_k": "top_k (not an OpenAI parameter)",
     "min_p": "min_p (not an OpenAI parameter)",
     "repetition_penalty": "repetition_penalty (not an OpenAI parameter; use frequency_penalty)",
-    "min_tokens": "min_tokens (not an OpenAI parameter)",
-    "ignore_eos": "ignore_eos (not an OpenAI parameter)",
 }
 
 
@@ -126,6 +124,9 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
+    # vLLM's extensions (load generators send them for fixed answer lengths)
+    min_tokens: int = Field(0, ge=0, description="EOS and stop strings do not end the answer before this many tokens")
+    ignore_eos: bool = Field(False, description="EOS does not end the answer (it ends at a stop string or the length)")
 
 
 class CompletionRequest(_Common):
@@ -610,6 +611,11 @@ def _sampling(request: Request, engine: Engine, body: _Common, n_prompt: int, ma
         raise ApiError(400, "stop: up to 4 non-empty strings", param="stop")
     if max_tokens is None:  # not asked: the default, cut at the context's end
         max_tokens = min(request.app.state.default_max_tokens, engine.max_context - n_prompt)
+    if body.min_tokens > max_tokens:
+        raise ApiError(
+            400, f"min_tokens: {body.min_tokens}; allowed: at most the answer's max_tokens ({max_tokens})",
+            param="min_tokens",
+        )  # fmt: skip
     return Sampling(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -619,6 +625,8 @@ def _sampling(request: Request, engine: Engine, body: _Common, n_prompt: int, ma
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=_logit_bias(engine, body.logit_bias),
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
     )
 
 

@@ -79,6 +79,10 @@ class Sampling:
     presence_penalty: float = 0.0  # OpenAI's: minus this from every token generated so far
     frequency_penalty: float = 0.0  # minus this times how often each token was generated
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # vLLM's extensions: EOS and stop strings cannot end the answer before min_tokens tokens;
+    # ignore_eos: EOS is a token like any other, the answer ends at a stop string or the length
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -108,6 +112,7 @@ class Sequence:
         self.pos = 0  # prompt tokens in the cache
         self.generated: list[int] = []
         self.sent_chars = 0
+        self.stop_from = 0  # stop strings are looked for from this character of the text (min_tokens)
         self.keys: list[str] = []  # hash chain of the prompt's storable prefix blocks
         self.end_at = 0  # where its end record is (prefix.end_point; 0: none)
         self.end_key: str | None = None  # that record's key (prefix.end_key)
@@ -526,7 +531,8 @@ class Engine:
         assert logits is not None
         if len(seq.logits) < seq.record_logits:
             seq.logits.append(logits.clone())
-        tok = _sample(process_logits(logits, seq.sampling, seq.generated), seq.sampling, seq.generator)
+        s = seq.sampling
+        tok = _sample(process_logits(logits, s, seq.generated, self.eos_ids), s, seq.generator)
         now = time.perf_counter()
         if seq.t_first is None:
             seq.t_first = now
@@ -537,29 +543,32 @@ class Engine:
         seq.token_times.append(now)
         self.metrics.token()
         finish = None
-        if tok in self.eos_ids:
+        ends = tok in self.eos_ids and not s.ignore_eos
+        if ends:
             finish = "stop"
         else:
             seq.generated.append(tok)
         text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
-        stops = seq.sampling.stop
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            text, finish = text[:cut], "stop"
-        if finish is None and len(seq.generated) >= seq.sampling.max_tokens:
+        stops = s.stop
+        if stops and len(seq.generated) < s.min_tokens:
+            seq.stop_from = len(text)  # a stop string counts once it ends past the first min_tokens tokens
+        else:
+            found = (text.find(t, max(0, seq.stop_from - len(t) + 1)) for t in stops)
+            cut = min((i for i in found if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+        if finish is None and len(seq.generated) >= s.max_tokens:
             finish = "length"
         if finish is None and seq.pos + len(seq.generated) >= self.max_context:
             finish = "length"
         # Hold back an unfinished UTF-8 character and what could be the start of a stop string.
-        hold = 0 if finish else max([len(s) - 1 for s in stops] + [0])
+        hold = 0 if finish else max([len(t) - 1 for t in stops] + [0])
         ready = len(text) - hold
         if not finish:
             while ready > seq.sent_chars and text[ready - 1] == "\ufffd":
                 ready -= 1
         if ready > seq.sent_chars:
-            self._send(
-                seq, Event(text=text[seq.sent_chars : ready], token_ids=[tok] if tok not in self.eos_ids else [])
-            )
+            self._send(seq, Event(text=text[seq.sent_chars : ready], token_ids=[] if ends else [tok]))
             seq.sent_chars = ready
         if finish:
             self._finish(seq, finish)
@@ -637,12 +646,18 @@ class Engine:
             self._unreachable_seen = down
 
 
-def process_logits(logits: torch.Tensor, s: Sampling, generated: list[int]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, s: Sampling, generated: list[int], eos_ids: set[int] | frozenset[int] = frozenset()
+) -> torch.Tensor:
     """OpenAI's logit processing: logit_bias added, then for every token generated so far
-    count * frequency_penalty + presence_penalty subtracted. logits: [vocab] -> [vocab]."""
-    if not s.logit_bias and not ((s.presence_penalty or s.frequency_penalty) and generated):
+    count * frequency_penalty + presence_penalty subtracted; before `min_tokens` tokens the
+    EOS ids in `eos_ids` are ruled out (vLLM's min_tokens). logits: [vocab] -> [vocab]."""
+    hold_eos = len(generated) < s.min_tokens and bool(eos_ids)
+    if not s.logit_bias and not ((s.presence_penalty or s.frequency_penalty) and generated) and not hold_eos:
         return logits
     out = logits.clone()
+    if hold_eos:
+        out[[i for i in eos_ids if 0 <= i < out.numel()]] = float("-inf")
     if s.logit_bias:
         ids = torch.tensor(list(s.logit_bias), dtype=torch.long, device=out.device)
         out[ids] += torch.tensor(list(s.logit_bias.values()), dtype=out.dtype, device=out.device)
