@@ -380,7 +380,9 @@ def test_min_tokens_holds_eos_and_process_logits_rules_it_out() -> None:
 
 
 def _answer(url: str, body: dict) -> dict:
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a b c", "temperature": 0, **body}, timeout=60)
+    r = httpx.post(
+        url + "/v1/completions", json={"model": MODEL, "prompt": "a b c", "temperature": 0, **body}, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -410,7 +412,7 @@ def test_min_tokens_defers_stop_strings(server) -> None:
     """A stop string counts only once it ends past the first min_tokens tokens' text."""
     _, url = server
     plain = _answer(url, {"max_tokens": 16})["choices"][0]["text"]
-    stop = next(ch for ch in plain if not ch.isspace())  # its first occurrence is in the first token's text
+    stop = next(ch for ch in plain if not ch.isspace())  # it first occurs in the first tokens' text
     cut = _answer(url, {"max_tokens": 16, "stop": stop})
     late = _answer(url, {"max_tokens": 16, "stop": stop, "min_tokens": 6})
     text = late["choices"][0]["text"]

@@ -20,7 +20,6 @@ import asyncio
 import collections
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,8 +47,11 @@ PARTS = [
     ("        their padded K/V (_padded_kv)", "_padded_kv", "batched.py"),
     ("        their bookkeeping and appends (FlashLayer.finish_step)", "FlashLayer.finish_step", "flash_layer.py"),
     ("        their parts named, pages held (_row_parts)", "_row_parts", "batched.py"),
-    ("    cache: a row's own layer steps (FlashLayer.step: prompt chunks; every step unbatched)",
-     "FlashLayer.step", "flash_layer.py"),
+    (
+        "    cache: a row's own layer steps (FlashLayer.step: prompt chunks; every step unbatched)",
+        "FlashLayer.step",
+        "flash_layer.py",
+    ),
     ("    cache: SDPA calls (sdpa.attention)", "attention", "sdpa.py"),
     ("  sampling and streaming (Engine._emit)", "Engine._emit", "engine.py"),
     ("event loop (HTTP, SSE)", "BaseEventLoop._run_once", "base_events.py"),
