@@ -31,6 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from batch_rounds import cpu_name  # noqa: E402  (this folder: the script's own)
+
 import serve_load  # noqa: E402
 
 # (label, function as py-spy names it ("*X": any name ending in X), file): shares are of every
@@ -142,14 +144,6 @@ async def run(args: argparse.Namespace, py_spy: str) -> dict[str, Any]:
         "share_of_samples": parts,
         "worker": serve_load.worker_counts(before, after, wall),
     }
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 def main() -> None:
