@@ -30,8 +30,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "diagnostics"))
 
-from batch_rounds import cpu_name  # noqa: E402  (this folder: the script's own)
+from batch_rounds import cpu_name  # noqa: E402
 
 import serve_load  # noqa: E402
 
