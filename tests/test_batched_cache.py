@@ -165,7 +165,7 @@ def test_rows_join_and_leave_between_forwards() -> None:
             last[r] = x
 
 
-@pytest.mark.parametrize("write_min", [None, 0], ids=["gathered", "written"])
+@pytest.mark.parametrize("write_min", [None, 0], ids=["catted", "written"])
 @pytest.mark.parametrize("cfg", [EXACT, CONFIGS[4][2]], ids=["no-sealed-block", "every-page"])
 def test_short_rows_hide_their_own_padding_in_the_shared_attention(cfg, write_min, monkeypatch) -> None:
     """Rows that attend every token they hold and have padding of their own (a left-padded

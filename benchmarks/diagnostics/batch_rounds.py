@@ -34,6 +34,10 @@ SDPA (`batched._short_decode`) and such rows running their own layer steps (befo
 `--layout-ab` alone: the same alternation between the linear weights stored [in, out] and
 [out, in] (`flashmem.models.weight_layout`): the batched round and the unbatched token.
 
+`--attend-ab FILE` alone: the same alternation, batched rounds only, between this tree's short
+rows' shared attention (`batched._attend_short`) and FILE's (another tree's
+src/flashmem/cache/batched.py, e.g. from `git archive`), in `--ab-blocks` blocks each.
+
 `--every-page-ab` alone: the `--round-context` documents (1000 tokens unless given) decoded
 batched and with max_batch 1, EOS ignored, in blocks of `--rounds` rounds that alternate
 (twice each) between layers that attend every sealed page unranked when the budget covers
@@ -257,6 +261,20 @@ def layout_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: An
     return alternating_ab(model, tok, cfg, prompts, args, modes, lambda: set_linear_layout(model, keep))
 
 
+def attend_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any) -> dict:
+    import importlib.util
+
+    from flashmem.cache import batched
+
+    spec = importlib.util.spec_from_file_location("batched_other", args.attend_ab)
+    assert spec is not None and spec.loader is not None
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other  # its dataclasses look their module up
+    spec.loader.exec_module(other)
+    modes = {"this tree": batched._attend_short, args.attend_ab: other._attend_short}
+    return alternating_ab(model, tok, cfg, prompts, args, *_swaps(batched, "_attend_short", modes), batched_only=True)
+
+
 def _swaps(module: Any, name: str, fns: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     """Modes that set `module.name` to each function, and the reset that puts it back."""
     keep = getattr(module, name)
@@ -265,14 +283,21 @@ def _swaps(module: Any, name: str, fns: dict[str, Any]) -> tuple[dict[str, Any],
 
 
 def alternating_ab(
-    model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: Any, modes: dict[str, Any], reset: Any
+    model: Any,
+    tok: Any,
+    cfg: Any,
+    prompts: list[list[int]],
+    args: Any,
+    modes: dict[str, Any],
+    reset: Any,
+    batched_only: bool = False,
 ) -> dict:
-    """The prompts decoded batched and with max_batch 1, EOS ignored, after `--warm-rounds`
-    rounds, in blocks of `--rounds` rounds that alternate (twice each) between the modes
-    (each a function that puts the process in that mode; `reset` undoes them): CPU ms per
-    round and per token, not profiled."""
+    """The prompts decoded batched and with max_batch 1 (not with `batched_only`), EOS ignored,
+    after `--warm-rounds` rounds, in blocks of `--rounds` rounds that alternate (`--ab-blocks`
+    times each) between the modes (each a function that puts the process in that mode; `reset`
+    undoes them): CPU ms per round and per token, not profiled."""
     out: dict[str, Any] = {}
-    for max_batch in (len(prompts), 1):
+    for max_batch in (len(prompts),) if batched_only else (len(prompts), 1):
         eng = Engine(model, tok, cfg, max_concurrent=len(prompts), max_batch=max_batch, restore_off_thread=False)
         eng.eos_ids = set()
         seqs = [Sequence(p, Sampling(max_tokens=10_000, temperature=0), "t", None) for p in prompts]
@@ -285,7 +310,7 @@ def alternating_ab(
         cpu: dict[str, list[float]] = {m: [] for m in modes}
         tokens: dict[str, int] = {m: 0 for m in modes}
         try:
-            for _ in range(2):
+            for _ in range(args.ab_blocks):
                 for mode, apply in modes.items():
                     apply()
                     n0 = sum(len(s.token_times) for s in seqs)
@@ -310,6 +335,12 @@ def alternating_ab(
                 for mode in modes
             },
         }
+    if batched_only:  # the modes' ratio, block by block (the box's speed moves between blocks)
+        rounds = [out[f"max_batch {len(prompts)}"][m]["ms_per_round_cpu"] for m in modes]
+        ratios = sorted(a / b for a, b in zip(*rounds))
+        out[f"{' over '.join(modes)}, per block"] = ratios
+        out[f"{' over '.join(modes)}, median"] = ratios[len(ratios) // 2]
+        return out
     for mode in modes:
         b, u = out[f"max_batch {len(prompts)}"][mode], out["max_batch 1"][mode]
         out[f"batched over unbatched, {mode}"] = u["ms_per_token_cpu"] / b["ms_per_token_cpu"]
@@ -365,6 +396,11 @@ def main() -> None:
         "--layout-ab", action="store_true",
         help="the linear weights stored [in, out] or [out, in] (flashmem.models.weight_layout), alternating",
     )  # fmt: skip
+    ap.add_argument(
+        "--attend-ab", default=None, metavar="FILE",
+        help="this tree's batched._attend_short or FILE's (another tree's cache/batched.py), alternating",
+    )  # fmt: skip
+    ap.add_argument("--ab-blocks", type=int, default=2, help="A/Bs: blocks of --rounds rounds per mode")
     ap.add_argument("--warm-rounds", type=int, default=0, help="A/Bs: rounds decoded before measuring")
     ap.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -393,13 +429,14 @@ def main() -> None:
             chat_prompt_ids(tok, [{"role": "user", "content": haystack(tok, args.round_context, seed=i) + Q}])
             for i in range(args.clients)
         ]
-    if args.every_page_ab or args.shared_ab or args.layout_ab:
+    if args.every_page_ab or args.shared_ab or args.layout_ab or args.attend_ab:
         out_e = {"command": "python benchmarks/diagnostics/batch_rounds.py " + " ".join(sys.argv[1:])}
         out_e["round_prompt_tokens"] = [len(p) for p in long_prompts]
         out_e["cpu"] = cpu_name()
         ab, key = (
             (every_page_ab, "every_page_ab") if args.every_page_ab
             else (shared_ab, "shared_ab") if args.shared_ab
+            else (attend_ab, "attend_ab") if args.attend_ab
             else (layout_ab, "layout_ab")
         )  # fmt: skip
         out_e[key] = ab(model, tok, cfg, long_prompts, args)

@@ -46,6 +46,7 @@ light wrapper, built per forward over the live sequences' caches.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,6 @@ from flashmem.cache import sdpa, tiered_attention
 from flashmem.cache.assembly import concat, one_pass_decode, step_scratch
 from flashmem.cache.flash_cache import FlashMemoryCache
 from flashmem.cache.flash_layer import FlashLayer
-from flashmem.cache.tiered_attention import group_queries
 from flashmem.cache.working_set import Part
 from flashmem.compress import page_code
 from flashmem.errors import FlashMemError
@@ -102,6 +102,7 @@ class BatchedCache(Cache):
         self.lengths = [1] * len(rows)
         self.offsets = list(range(len(rows)))
         self.failures: dict[int, BaseException] = {}
+        self._memo: dict[tuple[Any, ...], torch.Tensor] = {}  # per forward: tensors every layer shares
         kinds: list[Any] = [_LayerKind(bool(getattr(x, "is_sliding", False))) for x in rows[0].layers]
         super().__init__(layers=kinds)
 
@@ -114,6 +115,20 @@ class BatchedCache(Cache):
         self.lengths = list(lengths)
         self.offsets = [sum(lengths[:r]) for r in range(len(lengths))]
         self.failures = {}
+        self._memo = {}
+
+    def index_tensor(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """torch.tensor(values) on `device`, made once per forward (every layer asks for it)."""
+        key = ("index", values, device)
+        if key not in self._memo:
+            self._memo[key] = torch.tensor(values, device=device)
+        return self._memo[key]
+
+    def filler(self, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """make(), made once per forward for each key (padding every layer slices)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     @property
     def total(self) -> int:
@@ -224,22 +239,24 @@ def _short_decode(ans: RowKV) -> bool:
 @dataclass
 class _RowParts:
     """One row's keys, values and validity for the shared attention: parts [1, h, n_i, d] and
-    [1 or h, n_i] (bool), with the bytes its step alone would have copied beyond assembling them."""
+    [1 or h, n_i] (bool), with the bytes its step alone would have copied beyond assembling them.
+    With `pages` > 0, k[1], v[1] and seen[1] are its working set's pages (that many tokens)."""
 
     k: list[Part]
     v: list[Part]
     seen: list[torch.Tensor]
     length: int
     extra_copy: int
+    pages: int = 0
 
 
-def _row_parts(layer: FlashLayer, k_new: torch.Tensor, v_new: torch.Tensor) -> _RowParts:
+def _row_parts(layer: FlashLayer, k_new: torch.Tensor, v_new: torch.Tensor, one: torch.Tensor) -> _RowParts:
     """sinks | every sealed page (the working set, held as the row's step holds it: read,
-    counted and prefetched; int8 decoded) | open block and window | the new token."""
+    counted and prefetched; int8 decoded) | open block and window | the new token (one: its
+    validity [1, 1], True)."""
     hkv, dev = k_new.shape[1], k_new.device
     tk, tv = layer.tail_parts()
     valid = layer.valid  # [1, tokens seen]
-    one = torch.ones(1, 1, dtype=torch.bool, device=dev)  # the new token sees itself
     if layer.num_sealed == 0:  # the same validity in every head: one row of it
         return _RowParts([layer.sink_k, *tk, k_new], [layer.sink_v, *tv, v_new], [valid, one], valid.shape[-1] + 1, 0)
     tiered_attention.hold_every_page(layer)
@@ -256,6 +273,7 @@ def _row_parts(layer: FlashLayer, k_new: torch.Tensor, v_new: torch.Tensor) -> _
         [valid[:, :S].expand(hkv, -1), ws.valid[0], valid[:, o0:].expand(hkv, -1), one.expand(hkv, 1)],
         valid.shape[-1] - (o0 - S) + n_ws + 1,
         2 * n_ws * (coded[0] * k_new.nbytes + coded[1] * v_new.nbytes),
+        n_ws,
     )
 
 
@@ -263,90 +281,125 @@ def _attend_short(
     batch: BatchedCache, query: torch.Tensor, rows: list[RowKV], scaling: float, out: torch.Tensor
 ) -> None:
     """One decode step of every row in `rows` (see `_short_decode`) in one SDPA: row r's
-    query over its `_row_parts` (its own padding hidden, the batch's padding to the longest
-    row hidden), then each layer's bookkeeping and append, as `FlashLayer.step` does them.
-    out[0, at] gets the output [Hq, d] of the row whose token is at `at`. Per row: naming its
-    parts, holding its pages, writing them into the padded keys and values (`_padded_kv`), its
-    bookkeeping; the mask, queries, attention and outputs are one op or two for all rows."""
+    query over its `_row_parts` (its own padding hidden, the batch's padding to the longest row
+    hidden), then each layer's bookkeeping and append, as `FlashLayer.step` does them. out[0, at] gets the output
+    [Hq, d] of the row whose token is at `at`. Per row: naming its parts, holding its pages, its
+    bookkeeping; the keys and values, mask, queries, attention and outputs are an op or two for
+    all rows (`_padded_attention`)."""
     hq, dev = query.shape[1], query.device
+    one = torch.ones(1, 1, dtype=torch.bool, device=dev)  # the new token sees itself
     live: list[tuple[RowKV, FlashLayer, tuple[torch.Tensor, torch.Tensor], _RowParts]] = []
     for ans in rows:
         layer = ans.k._flashmem_layer  # type: ignore[attr-defined]
         pending = layer.take_pending()
         try:
-            live.append((ans, layer, pending, _row_parts(layer, *pending)))
+            live.append((ans, layer, pending, _row_parts(layer, pending[0], pending[1], one)))
         except Exception as exc:  # noqa: BLE001 - a damaged cold block: the row fails alone
             _fail_row(batch, ans, layer, exc, out)
     if not live:
         return
-    b = len(live)
+    parts = [p for *_, p in live]
     hkv = live[0][2][0].shape[1]
     group = hq // hkv
-    lengths = [parts.length for *_, parts in live]
-    L = max(lengths)
-    # Every row's validity, row after row, in one cat -> [H, N] (H: 1, or hkv where a row's pages
-    # may differ by head), then gathered into [b, H, L]: row r's position t is flat token
-    # starts[r] + t, and past the row's length its last token again, hidden by the mask
-    heads = max(t.shape[0] for *_, parts in live for t in parts.seen)
-    flat_seen = torch.cat([t.expand(heads, -1) for *_, parts in live for t in parts.seen], dim=-1)
-    starts = [0]
-    for n in lengths[:-1]:
-        starts.append(starts[-1] + n)
-    pos = torch.arange(L, device=dev)
-    length = torch.tensor(lengths, device=dev)[:, None]
-    idx = (torch.tensor(starts, device=dev)[:, None] + torch.minimum(pos, length - 1)).view(-1)  # [b*L]
-    seen = flat_seen.index_select(1, idx).view(heads, b, L).transpose(0, 1) & (pos < length)[:, None]  # [b, H, L]
-    K, V = _padded_kv([parts for *_, parts in live], idx, L)
-    mask = seen[:, :, None]  # [b, 1, 1, L], or per query head h*group + g:
-    if heads > 1:
-        mask = seen[:, :, None, None].expand(b, hkv, group, 1, L).reshape(b, hq, 1, L)
-    at = torch.tensor([ans.at for ans, *_ in live], device=dev)
-    q = query[0].index_select(1, at).transpose(0, 1)[:, :, None].contiguous()  # [b, Hq, 1, d]
-    o = sdpa.attention(q, K, V, mask, scaling, hq > hkv)
-    out[0].index_copy_(0, at, o[:, :, 0])
-    qg = group_queries(q, group)  # [b, h, group, d]
-    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
-    for i, (ans, layer, (k_new, v_new), parts) in enumerate(live):
+    at = batch.index_tensor(tuple(ans.at for ans, *_ in live), dev)
+    q = query[0].index_select(1, at)  # [Hq, b, d]
+    o, qg = _padded_attention(batch, q, parts, scaling, group)  # [b, Hq, d]; [hkv, group, b, d]
+    out[0].index_copy_(0, at, o)
+    for i, (ans, layer, (k_new, v_new), p) in enumerate(live):
         try:  # FlashLayer.step's bookkeeping after its attention
             layer.scaling = scaling
             # the buffer the row's step alone assembles (its summaries' entries too, hidden), written
             # and read back (assembly.copy_bytes: nothing when the new token is the only part)
-            n = parts.length + layer.summaries.entries()
+            n = p.length + layer.summaries.entries()
             if n > 1:
-                copied = 2 * n * (k_new.nbytes + v_new.nbytes) + parts.extra_copy
+                copied = 2 * n * (k_new.nbytes + v_new.nbytes) + p.extra_copy
                 layer.reader.traffic.add("device_copy_bytes", copied)
-            layer.finish_step(layer.attended_bytes() + 2 * k_new.nbytes, k_new, v_new, one, qg[i : i + 1], group)
+            read = layer.attended_bytes() + 2 * k_new.nbytes
+            layer.finish_step(read, k_new, v_new, one, qg[None, :, :, i], group)  # queries [1, hkv, group, d]
         except Exception as exc:  # noqa: BLE001 - one row fails, the batch goes on
             _fail_row(batch, ans, layer, exc, out)
 
 
-# Padded tokens (rows x the longest row) from which each row's parts are written into reused
-# buffers: below, one cat and one index for all rows cost fewer ops than a few writes per row
-# (8 short chat rows in bf16: 0.82x the round's time); above, their three fresh copies lose to
-# one copy (8 rows of 1K tokens).
-WRITE_MIN_TOKENS = 2048
+def _padded_attention(
+    batch: BatchedCache, q: torch.Tensor, rows: list[_RowParts], scaling: float, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' keys and values padded to the longest row ([b, hkv, L, d]: one cat for all
+    rows, `_catted_kv`, or from WRITE_MIN_TOKENS padded tokens written into reused buffers,
+    `_written_kv`), each row's query over its own keys, its padding and the batch's hidden.
+    q: [Hq, b, d] -> ([b, Hq, d], the grouped queries [hkv, group, b, d])."""
+    hq, b, d = q.shape
+    hkv = hq // group
+    L = max(r.length for r in rows)
+    seen = _padded_seen(batch, rows, L)  # [b, H, L]
+    K, V = _catted_kv(batch, rows, L) if b * L < WRITE_MIN_TOKENS else _written_kv(rows, L)
+    mask = seen[:, :, None]  # [b, 1, 1, L], or per query head h*group + g:
+    if seen.shape[1] > 1:
+        mask = seen[:, :, None, None].expand(b, hkv, group, 1, L).reshape(b, hq, 1, L)
+    qb = q.transpose(0, 1)[:, :, None].contiguous()  # [b, Hq, 1, d]
+    o = sdpa.attention(qb, K, V, mask, scaling, hq > hkv)
+    return o[:, :, 0], q.view(hkv, group, b, d)
 
 
-def _padded_kv(rows: list[_RowParts], idx: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' keys and values padded to L -> [b, hkv, L, d] each: gathered (`_gathered_kv`)
-    for a small batch, written row by row (`_written_kv`) from WRITE_MIN_TOKENS padded tokens.
-    idx [b*L]: row r's position t is flat token idx[r*L + t] of the rows' parts in a row."""
-    if len(rows) * L < WRITE_MIN_TOKENS:
-        return _gathered_kv(rows, idx, L)
-    return _written_kv(rows, L)
+def _padded_seen(batch: BatchedCache, rows: list[_RowParts], L: int) -> torch.Tensor:
+    """Every row's validity and then False to L, in one cat -> [b, H, L] (H: 1, or hkv where a
+    row's pages may differ by head)."""
+    heads = max(t.shape[0] for r in rows for t in r.seen)
+    dev = rows[0].seen[0].device
+    pad = batch.filler(("seen", heads, L, dev), lambda: torch.zeros(heads, L, dtype=torch.bool, device=dev))
+    parts: list[torch.Tensor] = []
+    for r in rows:
+        parts.extend(t.expand(heads, -1) for t in r.seen)
+        if r.length < L:
+            parts.append(pad[:, : L - r.length])
+    return torch.cat(parts, dim=-1).view(heads, len(rows), L).transpose(0, 1)
 
 
-def _gathered_kv(rows: list[_RowParts], idx: torch.Tensor, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's parts in one cat (int8 pages decoded first) -> [hkv, N, d], gathered by idx."""
-    new = rows[0].k[-1]
+def _catted_kv(batch: BatchedCache, rows: list[_RowParts], L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's parts and zeros to L in one cat each (int8 pages decoded first, in one call
+    for all rows: `_decoded_pages`) -> K, V [b, hkv, L, d] (views of [1, hkv, b*L, d]).
+    For a small batch, writing each row into a buffer costs more than one cat and a gather for
+    all rows (stop 51: 8 short chat rows in bf16, 112 against 91.5 ms a round), and this cat
+    needs no gather."""
+    new = rows[0].k[-1]  # the new token's keys [1, hkv, 1, d]
     assert isinstance(new, torch.Tensor)
+    _, hkv, _, d = new.shape
+    dt, dev = new.dtype, new.device
+    # zeros, not uninitialised: a masked key's value still meets a 0 weight
+    pad = batch.filler(("kv", hkv, L, d, dt, dev), lambda: torch.zeros(1, hkv, L, d, dtype=dt, device=dev))
     out = []
     for slot in ("k", "v"):
-        parts = [p if isinstance(p, torch.Tensor) else page_code.decode(p[0], p[1], new.dtype)
-                 for r in rows for p in getattr(r, slot)]  # fmt: skip
-        flat = torch.cat(parts, dim=-2)[0]
-        out.append(flat.index_select(1, idx).view(flat.shape[0], len(rows), L, -1).transpose(0, 1))
+        pages = _decoded_pages(rows, slot, dt)
+        parts: list[torch.Tensor] = []
+        for r, pg in zip(rows, pages):
+            for j, p in enumerate(getattr(r, slot)):
+                if j == 1 and pg is not None:
+                    parts.append(pg)
+                else:
+                    assert isinstance(p, torch.Tensor)
+                    parts.append(p)
+            if r.length < L:
+                parts.append(pad[:, :, : L - r.length])
+        out.append(torch.cat(parts, dim=-2).view(hkv, len(rows), L, d).transpose(0, 1))
     return out[0], out[1]
+
+
+def _decoded_pages(rows: list[_RowParts], slot: str, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """Each row's pages (`_RowParts.pages`) as a tensor [1, hkv, n, d] (None: no pages): int8
+    (codes, scale) ones decoded in one call for all rows, then split."""
+    parts = [getattr(r, slot)[1] if r.pages else None for r in rows]
+    coded = [p for p in parts if isinstance(p, tuple)]
+    if len(coded) < 2:
+        return [p if not isinstance(p, tuple) else page_code.decode(p[0], p[1], dtype) for p in parts]
+    plain = page_code.decode(torch.cat([c[0] for c in coded], -2), torch.cat([c[1] for c in coded], -2), dtype)
+    split = iter(plain.split([c[0].shape[-2] for c in coded], dim=-2))
+    return [next(split) if isinstance(p, tuple) else p for p in parts]
+
+
+# Padded tokens (rows x the longest row) from which the rows' parts are written into reused
+# buffers: below, one cat for all rows costs fewer ops than a few writes per row; above, the cat's
+# fresh copy (and the pages it faults in) loses to one copy into memory already there (8 rows of
+# 1K tokens).
+WRITE_MIN_TOKENS = 2048
 
 
 def _written_kv(rows: list[_RowParts], L: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -138,7 +138,8 @@ def hold_every_page(layer: FlashLayer) -> None:
     counted and prefetched as `attend` does it."""
     cfg = layer.cfg
     b, n_pages = layer.sink_k.shape[0], layer.num_sealed * cfg.pages_per_block
-    _gather_every_page(layer, layer.block_valid_tokens().reshape(b, n_pages, cfg.page_tokens), True)
+    if not _keep_every_page(layer, b, n_pages, True):  # most steps between two seals keep them
+        _gather_every_page(layer, layer.block_valid_tokens().reshape(b, n_pages, cfg.page_tokens), True)
 
 
 def selects_every_page(layer: FlashLayer, k_sel: int, n_pages: int) -> bool:
@@ -153,18 +154,26 @@ def _gather_every_page(layer: FlashLayer, page_tokens_valid: torch.Tensor, decod
     """The working set of every sealed page, in order (held pages kept, new ones read), as
     `_select_and_gather` makes it when its ranking returns them all, without the ranking."""
     b, n_pages = page_tokens_valid.shape[:2]
-    hkv = layer.sink_k.shape[1]
-    ws = layer.working_set
-    if ws.idx is not None and tuple(ws.idx.shape) == (b, hkv, n_pages):
-        # held already: a selection's ids are distinct and made over these blocks or fewer (a crop
-        # of sealed blocks clears the set), so n_pages of them are every page; what `gather` finds
-        # comparing them, without its sort and compare (most steps of a chat between two seals)
-        layer.reader.traffic.pages(ws.idx.numel(), 0, layer.reader.page_bytes())
-        ws.selected(layer.num_sealed, decode)
-        layer.reader.look_ahead(ws.idx // layer.cfg.pages_per_block, layer.num_sealed)
+    if _keep_every_page(layer, b, n_pages, decode):
         return
+    hkv = layer.sink_k.shape[1]
     idx = torch.arange(n_pages, device=page_tokens_valid.device).expand(b, hkv, n_pages).contiguous()
     _hold(layer, ranking.Selection(idx), page_tokens_valid, decode)
+
+
+def _keep_every_page(layer: FlashLayer, b: int, n_pages: int, decode: bool) -> bool:
+    """Whether the working set holds every one of the n_pages sealed pages already; then it is
+    kept, counted and looked ahead from as a gather would. A selection's ids are distinct and
+    made over these blocks or fewer (a crop of sealed blocks clears the set), so n_pages of them
+    are every page: what `gather` finds comparing them, without its sort and compare."""
+    ws = layer.working_set
+    if ws.idx is None or tuple(ws.idx.shape) != (b, layer.sink_k.shape[1], n_pages):
+        return False
+    layer.reader.traffic.pages(ws.idx.numel(), 0, layer.reader.page_bytes())
+    ws.selected(layer.num_sealed, decode)
+    if layer.reader.prefetcher is not None:  # else look_ahead does nothing: no blocks to name
+        layer.reader.look_ahead(ws.idx // layer.cfg.pages_per_block, layer.num_sealed)
+    return True
 
 
 def open_room_pages(layer: FlashLayer, m: int) -> int:
