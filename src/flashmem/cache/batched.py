@@ -117,15 +117,9 @@ class BatchedCache(Cache):
         self.failures = {}
         self._memo = {}
 
-    def index_tensor(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """torch.tensor(values) on `device`, made once per forward (every layer asks for it)."""
-        key = ("index", values, device)
-        if key not in self._memo:
-            self._memo[key] = torch.tensor(values, device=device)
-        return self._memo[key]
-
-    def filler(self, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """make(), made once per forward for each key (padding every layer slices)."""
+    def per_forward(self, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """make(), made once per forward for each key: what every layer uses (the rows' token
+        positions, padding that each slices)."""
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
@@ -301,7 +295,8 @@ def _attend_short(
     parts = [p for *_, p in live]
     hkv = live[0][2][0].shape[1]
     group = hq // hkv
-    at = batch.index_tensor(tuple(ans.at for ans, *_ in live), dev)
+    ats = tuple(ans.at for ans, *_ in live)
+    at = batch.per_forward(("at", ats, dev), lambda: torch.tensor(ats, device=dev))
     q = query[0].index_select(1, at)  # [Hq, b, d]
     o, qg = _padded_attention(batch, q, parts, scaling, group)  # [b, Hq, d]; [hkv, group, b, d]
     out[0].index_copy_(0, at, o)
@@ -345,7 +340,7 @@ def _padded_seen(batch: BatchedCache, rows: list[_RowParts], L: int) -> torch.Te
     row's pages may differ by head)."""
     heads = max(t.shape[0] for r in rows for t in r.seen)
     dev = rows[0].seen[0].device
-    pad = batch.filler(("seen", heads, L, dev), lambda: torch.zeros(heads, L, dtype=torch.bool, device=dev))
+    pad = batch.per_forward(("seen", heads, L, dev), lambda: torch.zeros(heads, L, dtype=torch.bool, device=dev))
     parts: list[torch.Tensor] = []
     for r in rows:
         parts.extend(t.expand(heads, -1) for t in r.seen)
@@ -365,7 +360,7 @@ def _catted_kv(batch: BatchedCache, rows: list[_RowParts], L: int) -> tuple[torc
     _, hkv, _, d = new.shape
     dt, dev = new.dtype, new.device
     # zeros, not uninitialised: a masked key's value still meets a 0 weight
-    pad = batch.filler(("kv", hkv, L, d, dt, dev), lambda: torch.zeros(1, hkv, L, d, dtype=dt, device=dev))
+    pad = batch.per_forward(("kv", hkv, L, d, dt, dev), lambda: torch.zeros(1, hkv, L, d, dtype=dt, device=dev))
     out = []
     for slot in ("k", "v"):
         pages = _decoded_pages(rows, slot, dt)

@@ -242,13 +242,14 @@ class BlockReader:
         return keys
 
     # ------------------------------------------------------------------ look-ahead
-    def look_ahead(self, blocks: torch.Tensor, num_sealed: int) -> None:
-        """Queue background loads of the blocks predicted for the next step: this step's
-        blocks [b, h, k] and neighbours within prefetch_window (docs/design.md)."""
+    def look_ahead(self, pages: torch.Tensor, num_sealed: int) -> None:
+        """Queue background loads of the blocks predicted for the next step: the blocks of this
+        step's pages [b, h, k] and neighbours within prefetch_window (docs/design.md)."""
         pf = self.prefetcher
         if pf is None or (self.host_ranking and self.store.page_reads):
             return  # nothing to load ahead: ranked on the host, a step takes its pages from the store
         cfg = self.cfg
+        blocks = pages // cfg.pages_per_block
         cap = None
         if self.lookahead_bytes is not None:
             cap = max(1, self.lookahead_bytes // self.prefetch_block_bytes())

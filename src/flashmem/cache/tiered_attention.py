@@ -139,7 +139,7 @@ def hold_every_page(layer: FlashLayer) -> None:
     cfg = layer.cfg
     b, n_pages = layer.sink_k.shape[0], layer.num_sealed * cfg.pages_per_block
     if not _keep_every_page(layer, b, n_pages, True):  # most steps between two seals keep them
-        _gather_every_page(layer, layer.block_valid_tokens().reshape(b, n_pages, cfg.page_tokens), True)
+        _read_every_page(layer, layer.block_valid_tokens().reshape(b, n_pages, cfg.page_tokens), True)
 
 
 def selects_every_page(layer: FlashLayer, k_sel: int, n_pages: int) -> bool:
@@ -154,8 +154,13 @@ def _gather_every_page(layer: FlashLayer, page_tokens_valid: torch.Tensor, decod
     """The working set of every sealed page, in order (held pages kept, new ones read), as
     `_select_and_gather` makes it when its ranking returns them all, without the ranking."""
     b, n_pages = page_tokens_valid.shape[:2]
-    if _keep_every_page(layer, b, n_pages, decode):
-        return
+    if not _keep_every_page(layer, b, n_pages, decode):
+        _read_every_page(layer, page_tokens_valid, decode)
+
+
+def _read_every_page(layer: FlashLayer, page_tokens_valid: torch.Tensor, decode: bool) -> None:
+    """The working set made of every sealed page [b, n_pages, P] (held ones kept, new ones read)."""
+    b, n_pages = page_tokens_valid.shape[:2]
     hkv = layer.sink_k.shape[1]
     idx = torch.arange(n_pages, device=page_tokens_valid.device).expand(b, hkv, n_pages).contiguous()
     _hold(layer, ranking.Selection(idx), page_tokens_valid, decode)
@@ -171,8 +176,7 @@ def _keep_every_page(layer: FlashLayer, b: int, n_pages: int, decode: bool) -> b
         return False
     layer.reader.traffic.pages(ws.idx.numel(), 0, layer.reader.page_bytes())
     ws.selected(layer.num_sealed, decode)
-    if layer.reader.prefetcher is not None:  # else look_ahead does nothing: no blocks to name
-        layer.reader.look_ahead(ws.idx // layer.cfg.pages_per_block, layer.num_sealed)
+    layer.reader.look_ahead(ws.idx, layer.num_sealed)
     return True
 
 
@@ -229,7 +233,7 @@ def _hold(layer: FlashLayer, sel: ranking.Selection, page_tokens_valid: torch.Te
     layer.working_set.selected(layer.num_sealed, decode)
     # prefetch for the next step (re-ranked: the candidates, which it reads again)
     ahead = sel.idx if sel.candidates is None else sel.candidates.ids
-    layer.reader.look_ahead(ahead // layer.cfg.pages_per_block, layer.num_sealed)
+    layer.reader.look_ahead(ahead, layer.num_sealed)
 
 
 def _add_working_set(layer: FlashLayer, asm: Assembly) -> int:
