@@ -134,6 +134,7 @@ def test_mirror_logits_follow_the_exact_logits(dtype):
     want = q @ k.transpose(-1, -2)
     got = m.logits(q)
     assert got.dtype == torch.float32 and got.shape == want.shape
+    assert got.is_contiguous() or dtype == "bf16"  # int8: query-major, as token_page_mass reads it
     err = float((got - want).abs().max() / want.abs().max())
     assert err < (0.01 if dtype == "bf16" else 0.03), err
     m.fill(4, lambda j: k[:, :, j * B : (j + 1) * B])  # fewer sealed: the blocks past them go
@@ -201,3 +202,43 @@ def test_page_mass_in_place_equals_the_generic_one(pool, masked, layout):
     if masked:
         assert torch.equal(got[1], torch.zeros(h, pages))
         assert float(got[0, :, 2].abs().max()) == 0.0 < float(got[0, :, 1].min())  # page 2: every token masked
+
+
+@pytest.mark.parametrize("cands", [EVERY, MASKED], ids=["every", "masked"])
+def test_new_pages_keys_cut_from_the_int8_copy_are_what_the_working_set_codes(monkeypatch, cands):
+    """An int8 working set takes its new pages' key codes from the int8 key copy (the same code
+    of the same keys) instead of reading the cold tier's keys and coding them again: two rows,
+    every step's held codes and scales and the logits equal those of a run that does not use
+    the copy, and the copy's path was taken in the first run only."""
+    from flashmem.cache.ranking import CandidateRanker
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 200), generator=torch.Generator().manual_seed(3))
+    cfg = flashmem.FlashMemoryConfig(
+        **{**SMALL, **KW, **cands, "lsa_rerank_mirror": "int8", "working_set_codec": "int8"}
+    )
+    cut: list[int] = []
+    page_codes = KeyMirror.page_codes
+    monkeypatch.setattr(KeyMirror, "page_codes", lambda self, *a: cut.append(1) or page_codes(self, *a))
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logits, held = [], []
+        with flashmem.attach(model, cfg) as cache, torch.no_grad():
+            out = model(ids, cache=cache, use_cache=True).logits[:, -1:]
+            for _ in range(6):
+                logits.append(out)
+                out = model(out.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
+                for lay in cache.layers:
+                    code = lay.working_set.code[0]
+                    assert code is not None and len(code) == 2  # int8: codes and scales
+                    held.extend(t.clone() for t in code)
+        return torch.cat(logits, 1), held
+
+    got, held = run()
+    taken = len(cut)
+    assert taken > 0
+    monkeypatch.setattr(CandidateRanker, "key_copy", lambda self, num_sealed: None)
+    want, held_want = run()
+    assert len(cut) == taken
+    assert torch.equal(got, want)
+    assert len(held) == len(held_want) and all(torch.equal(a, b) for a, b in zip(held, held_want))

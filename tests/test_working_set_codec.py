@@ -108,7 +108,7 @@ def test_pages_held_over_keep_their_codes_as_if_coded_again(monkeypatch, rerank,
     monkeypatch.setattr(WorkingSet, "merge", counting)
     kept_out, kept = _run(model, ids, 8, **kw)
     assert merged and any(n > 0 for n in merged)  # pages held over and pages read fresh
-    monkeypatch.setattr(WorkingSet, "held_over", lambda self, idx, reader: None)  # code every page every step
+    monkeypatch.setattr(WorkingSet, "held_over", lambda self, *a: None)  # code every page every step
     again_out, again = _run(model, ids, 8, **kw)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(kept, again))
     # held pages may sit in other slots (an in-place merge), so attention sums in another order
@@ -207,3 +207,23 @@ def test_the_one_pass_decode_an_accelerator_takes_gives_the_cpus_buffer(monkeypa
     assert cpu.dtype == one.dtype == dtype and cpu.shape == (2, 3, 45, 16)
     assert torch.equal(one, cpu)
     assert torch.equal(one[:, :, 5:], page_code.decode(codes, scale, dtype))
+
+
+@pytest.mark.parametrize(
+    "dtype, width, offset",
+    [(torch.int8, 64, 0), (torch.int8, 64, 8), (torch.int8, 12, 0), (torch.int8, 64, 3), (torch.float32, 16, 0)],
+    ids=["int8-words", "int8-words-at-8", "int8-narrow", "int8-unaligned", "fp32"],
+)
+def test_copy_rows_writes_what_index_copy_writes(dtype, width, offset):
+    """page_code.copy_rows (int8 rows as int64 words where their width and alignment allow, else
+    index_copy_) leaves the destination as index_copy_ does, views into a larger buffer included,
+    and the bytes around it untouched."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(-100, 100, (20 * width + offset,), generator=g).to(dtype)
+    rows = torch.tensor([7, 2, 11, 0])
+    src = torch.randint(-100, 100, (4, width), generator=g).to(dtype)
+    want = base.clone()
+    want[offset:].view(20, width).index_copy_(0, rows, src)
+    got = base.clone()
+    page_code.copy_rows(got[offset:].view(20, width), rows, src)
+    assert torch.equal(got, want)

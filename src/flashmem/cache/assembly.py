@@ -112,12 +112,14 @@ class Assembly:
         rows = max(1, min(m, MASK_BYTES // max(1, b * hkv * group * L * elem)))
         mask = scratch.take("mask", (b, hkv, group, rows, L), q.dtype, dev)
         at = sum(bias.shape[-1] for bias in self.biases)
-        if m == 1 and rest is None and group > 1:
-            # a decode step: the parts' biases and the token's own 0 in one op, then copied to
-            # the group's other query heads (a write per part costs a launch each on a GPU)
-            torch.cat([*self.biases, mask.new_zeros(b, hkv, 1)], -1, out=mask[:, :, 0, 0])
-            mask[:, :, 1:] = mask[:, :, :1]
-            new_bias = None
+        if m == 1:
+            # a decode step: the parts' biases, the token's own 0 (and a slot for the rest entry,
+            # whose logit differs by query head: written below) in one op, then copied to the
+            # group's other query heads (a write per part costs a launch each on a GPU, and its
+            # dispatch on a CPU)
+            torch.cat([*self.biases, mask.new_zeros(b, hkv, 1 + (rest is not None))], -1, out=mask[:, :, 0, 0])
+            if group > 1:
+                mask[:, :, 1:] = mask[:, :, :1]
         else:
             i = 0
             for bias in self.biases:  # [b, h, n]: one row for every query
@@ -130,8 +132,6 @@ class Assembly:
             part = mask[..., : i1 - i0, :]
             if new_bias is not None:
                 part[..., at : at + m] = new_bias[:, :, None, i0:i1]  # [b, 1, 1, rows, m]
-            elif m == 1 and (rest is not None or group == 1):
-                part[..., at] = 0.0  # the token sees itself
             if rest is not None:
                 part[..., -1] = logit.view(b, hkv, group, m)[..., i0:i1]
             outs.append(

@@ -24,7 +24,7 @@ from flashmem.cache.lookahead import predict_next_blocks
 from flashmem.cache.traffic import Traffic
 from flashmem.config import FlashMemoryConfig
 from flashmem.store.base import ColdStore
-from flashmem.store.memory import cut_pages
+from flashmem.store.memory import cut_rows, page_rows
 from flashmem.store.prefetch import Prefetcher
 
 if TYPE_CHECKING:
@@ -133,7 +133,9 @@ class BlockReader:
         where = pool_k.device
         slot = torch.searchsorted(need.to(where), (idx // ppb).to(where)).clamp_max(len(need_ids) - 1)  # [b, h, k]
         sub, keep = (idx % ppb).to(where), None if only is None else only.to(where)
-        return cut_pages(pool_k, slot, sub, ppb, keep), cut_pages(pool_v, slot, sub, ppb, keep)
+        rows, P = page_rows(pool_k, slot, sub, ppb, keep), pool_k.shape[-2] // ppb  # K's and V's
+        flat = keep is not None
+        return cut_rows(pool_k, rows, P, slot.shape, flat), cut_rows(pool_v, rows, P, slot.shape, flat)
 
     def to_device(self, t: torch.Tensor, from_host: bool = True) -> torch.Tensor:
         """Pages cut on the host (`pages_of_blocks(on_host=True)`) copied to the layer's device

@@ -92,6 +92,15 @@ class CandidateRanker:
         if cfg.lsa_feedback_share > 0:
             self.page_values = PageValues(cfg.hca_chunk_size, cfg.page_tokens)
 
+    def key_copy(self, num_sealed: int) -> KeyMirror | None:
+        """The int8 key copy (`lsa_rerank_mirror: int8`) where it can hand the working set its
+        new pages' key codes (`KeyMirror.page_codes`): it holds every one of the num_sealed
+        blocks and lies in the memory the working set is in (a CPU); else None."""
+        m = self.codes
+        if not isinstance(m, KeyMirror) or m.dtype != "int8" or self.reader.device.type != "cpu":
+            return None
+        return m if m.n >= num_sealed else None
+
     def device_nbytes(self) -> int:
         """Device bytes the re-rank holds: its candidates' codes with `lsa_rerank_on_device`."""
         return 0 if self.device_codes is None else self.device_codes.nbytes()

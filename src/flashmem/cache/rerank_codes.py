@@ -328,19 +328,45 @@ class KeyMirror:
         assert self.scale is not None
         b, h, nq, d = q.shape
         qi, qs = _int8_rows(q.float())  # [b, h, nq, d], [b, h, nq]
-        rows = max(8, -(-nq // 8) * 8)  # _int_mm: a multiple of 8 rows
-        qpad = torch.zeros(b, h, rows, d, dtype=torch.int8)
-        qpad[:, :, :nq] = qi
-        dots = torch.empty(b, h, rows, T, dtype=torch.int32)
-        for i in range(b):
-            for j in range(h):
-                torch._int_mm(qpad[i, j], keys[i, j].t(), out=dots[i, j])  # [rows, T] int32, exact sums
+        qt = qi.transpose(-1, -2).contiguous()  # [b, h, d, nq]
+        dots = torch.empty(b, h, T, nq, dtype=torch.int32)
+        # per row and KV head, keys [T, d] @ queries [d, nq] -> [T, nq] int32, exact sums: with
+        # the tokens as the GEMM's long side, and the transposing copy below, 0.48x the time of
+        # [nq, d] @ [d, T] at SmolLM2's 8K shape (the same sums; a Xeon with AMX, one thread:
+        # benchmarks/diagnostics/int8_kernels.py)
+        for kk, qq, oo in zip(
+            keys.flatten(0, 1).unbind(0), qt.view(b * h, d, nq).unbind(0), dots.view(b * h, T, nq).unbind(0)
+        ):
+            torch._int_mm(kk, qq, out=oo)
         # Query-major, so each query's logits are one contiguous run of tokens: the int32 ->
-        # fp32 conversion, the scales and the softmax after all run along it (token-major,
-        # a mixed-dtype multiply and a strided softmax measured 1.6x slower per layer at
-        # SmolLM2's 8K shape). The queries' scales and `scaling` are nq numbers.
-        out = dots[:, :, :nq].float()
+        # fp32 conversion writes them so, and the scales and the softmax after all run along it
+        # (token-major, a mixed-dtype multiply and a strided softmax measured 1.6x slower per
+        # layer at SmolLM2's 8K shape). The queries' scales and `scaling` are nq numbers.
+        out = torch.empty(b, h, nq, T)
+        out.copy_(dots.transpose(-1, -2))
         return out.mul_(self.scale[:, :, None, :T]).mul_((qs * scaling)[..., None])
+
+    def page_codes(
+        self, idx: torch.Tensor, page_tokens: int, only: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """int8: the codes and scales of the keys of pages idx [b, h, k] (page_tokens tokens
+        each, in held blocks) -> [b, h, k, P, d] and [b, h, k, P, 1]; with `only` [b, h, k] bool
+        just those pages, flat: [n, P, d] and [n, P, 1]. They are the working set's int8 code of
+        the same keys (`page_code.encode`, per token), so its new pages' keys are cut from here,
+        not read in the model's dtype and coded again. None: a bf16 copy, or other rows."""
+        if self.dtype != "int8" or self.k is None or tuple(self.k.shape[:2]) != tuple(idx.shape[:2]):
+            return None
+        assert self.scale is not None
+        b, h, cap, d = self.k.shape  # cap: whole blocks, so whole pages
+        P = page_tokens
+        pages = (torch.arange(b)[:, None, None] * h + torch.arange(h)[None, :, None]) * (cap // P)
+        rows = (pages + idx.to(HOST)).reshape(-1)
+        if only is not None:
+            rows = rows[only.reshape(-1).to(HOST)]
+        codes = self.k.view(-1, P * d).index_select(0, rows)
+        scale = self.scale.view(-1, P).index_select(0, rows)
+        shape = (-1,) if only is not None else tuple(idx.shape)
+        return codes.view(*shape, P, d), scale.view(*shape, P, 1)
 
     def nbytes(self) -> int:
         """Host bytes the held tokens take (the capacity past them not counted)."""

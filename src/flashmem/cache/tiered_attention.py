@@ -229,7 +229,8 @@ def _select_and_gather(
 def _hold(layer: FlashLayer, sel: ranking.Selection, page_tokens_valid: torch.Tensor, decode: bool) -> None:
     """The selection's pages into the working set (held ones kept, the others read or cut from
     the candidates), noted for `lsa_select_every`, and the next step's prefetch queued."""
-    layer.working_set.gather(sel.idx, page_tokens_valid, layer.reader, sel.candidates)
+    key_copy = layer.ranker.key_copy(layer.num_sealed)
+    layer.working_set.gather(sel.idx, page_tokens_valid, layer.reader, sel.candidates, key_copy)
     layer.working_set.selected(layer.num_sealed, decode)
     # prefetch for the next step (re-ranked: the candidates, which it reads again)
     ahead = sel.idx if sel.candidates is None else sel.candidates.ids

@@ -27,6 +27,7 @@ import torch
 
 from flashmem.cache.block_reads import BlockReader
 from flashmem.cache.ranking import Candidates
+from flashmem.cache.rerank_codes import KeyMirror
 from flashmem.compress import page_code
 
 # A part of attention's keys or values: a tensor [b, h, n, d], or int8 codes [b, h, n, d]
@@ -229,8 +230,9 @@ class WorkingSet:
         assert self.idx is not None
         b, h, k = idx.shape
         dev, P = idx.device, self.page_tokens
-        in_ws = keep & (src < k)  # held by the last working set: stays in its slot
-        from_spare, fresh = keep & ~in_ws, ~keep
+        # held by the last working set: stays in its slot (without spare pages, every page held)
+        in_ws = keep & (src < k) if self.spare is not None else keep
+        fresh = ~keep
         occupied = torch.zeros(b, h, k, dtype=torch.int32, device=dev).scatter_add_(
             -1, src.clamp_max(k - 1), in_ws.to(torch.int32)
         )
@@ -238,9 +240,13 @@ class WorkingSet:
         rank = (~in_ws).long().cumsum(-1) - 1
         slot = torch.where(in_ws, src, free.gather(-1, rank.clamp_min(0)))  # [b, h, k]: a permutation
         rows = (torch.arange(b * h, device=dev).view(b, h, 1) * k + slot).reshape(-1)
-        dst_spare, dst_new = rows[from_spare.reshape(-1)], rows[fresh.reshape(-1)]
+        dst_new = rows[fresh.reshape(-1)]
+        dst_spare = None  # pages taken back from a spare slot
         back: list[tuple[torch.Tensor, ...]] = [(), ()]
-        if dst_spare.numel():  # copied out before the spill may reuse their slots
+        if self.spare is not None:
+            from_spare = keep & ~in_ws
+            dst_spare = rows[from_spare.reshape(-1)]
+        if dst_spare is not None and dst_spare.numel():  # copied out before the spill may reuse their slots
             assert self.spare is not None
             s_slots = self.spare.size
             spare_rows = ((torch.arange(b * h, device=dev).view(b, h, 1) * s_slots + src - k)[from_spare]).reshape(-1)
@@ -259,10 +265,10 @@ class WorkingSet:
                 new_c, new_s = new if isinstance(new, tuple) else page_code.encode(new)
                 came = (new_c.reshape(-1, P * d), new_s.reshape(-1, P))
             for i, t in enumerate(held_rows):
-                if dst_spare.numel():
-                    t.index_copy_(0, dst_spare, back[j][i])
+                if dst_spare is not None and dst_spare.numel():
+                    page_code.copy_rows(t, dst_spare, back[j][i])
                 if dst_new.numel():
-                    t.index_copy_(0, dst_new, came[i].to(t.dtype))
+                    page_code.copy_rows(t, dst_new, came[i])
             self.plain[j] = None  # decoded on this step's first read
         self.idx = torch.empty_like(idx).scatter_(-1, slot, idx)
         bi = torch.arange(b, device=dev)[:, None, None]
@@ -288,24 +294,30 @@ class WorkingSet:
         page_tokens_valid: torch.Tensor,
         reader: BlockReader,
         candidates: Candidates | None = None,
+        key_copy: KeyMirror | None = None,
     ) -> None:
         """Bring the selected pages idx [b, h, k] (sorted) to the device; page_tokens_valid:
         [b, n_pages, P]. Reused as is when the selection did not change; cut from the
         re-rank candidates when they hold every page; read from a memory store's arena in
-        one op without a prefetcher; else whole blocks are read once each and the
-        selected pages cut out of them."""
+        one op without a prefetcher (an int8 set's new keys, with `key_copy`, as their codes
+        cut from that int8 key copy: `KeyMirror.page_codes`); else whole blocks are read once
+        each and the selected pages cut out of them."""
         prev = self.idx
-        if prev is not None and prev.shape == idx.shape and torch.equal(prev.sort(-1).values, idx):
-            reader.traffic.pages(idx.numel(), 0, reader.page_bytes())
-            return
-        held = self.held_over(idx, reader)  # pages the device holds (last working set, spare), kept
+        by_id = None  # prev (in slot order, `_merge_in_place`) sorted once: to compare, and for held_over
+        if prev is not None:
+            ids, order = prev.sort(-1)
+            if prev.shape == idx.shape and torch.equal(ids, idx):
+                reader.traffic.pages(idx.numel(), 0, reader.page_bytes())
+                return
+            by_id = (ids, order)
+        held = self.held_over(idx, reader, by_id)  # pages the device holds (last working set, spare), kept
         # counted as a tensor, read when the step closes: no wait on the device here
         hits = held[0].sum() if held is not None else _held_count(prev, idx)
         reader.traffic.pages(hits, idx.numel() - hits, reader.page_bytes())
         if self.spare is not None and prev is not None and prev.shape[:2] == idx.shape[:2] and prev.shape[-1]:
             if not (reader.latent is not None and reader.direct):  # (its pages are not kept: held_over)
                 self._pending_spill = (prev, list(self.code), idx)
-        self._gather(idx, page_tokens_valid, reader, candidates, held)
+        self._gather(idx, page_tokens_valid, reader, candidates, held, key_copy)
         self._spill()  # unless an in-place merge did, before writing over their rows
 
     def _gather(
@@ -315,12 +327,15 @@ class WorkingSet:
         reader: BlockReader,
         candidates: Candidates | None,
         held: Held | None,
+        key_copy: KeyMirror | None = None,
     ) -> None:
         if candidates is not None and self._cut_from_candidates(idx, page_tokens_valid, held, candidates, reader):
             return
         # a store that cuts pages itself (a memory arena; a disk tier reading just the pages):
         # without a prefetcher, or ranked on the host where the pages are cut there anyway
-        if (reader.direct or reader.host_ranking) and self._gather_from_arena(idx, page_tokens_valid, held, reader):
+        if (reader.direct or reader.host_ranking) and self._gather_from_arena(
+            idx, page_tokens_valid, held, reader, key_copy
+        ):
             return
         ppb = reader.cfg.pages_per_block
         if held is not None:  # read (and, int8, code) only the blocks of the pages not held
@@ -373,12 +388,15 @@ class WorkingSet:
                 new_k, new_v = old_k, old_v
         self.set(idx, new_k, new_v, page_tokens_valid)
 
-    def held_over(self, idx: torch.Tensor, reader: BlockReader) -> Held | None:
+    def held_over(
+        self, idx: torch.Tensor, reader: BlockReader, by_id: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> Held | None:
         """Which of the pages idx [b, h, k] the last step's working set holds (held [b, h, k]
         bool) and where (src [b, h, k], its page slot), so only the others are read (and, int8,
         coded): the working set is the device's cache of recently selected pages. None: nothing
         to keep (no working set, other rows, or a low-rank cold tier read directly: its pages
-        decode at their [b, h, k] places)."""
+        decode at their [b, h, k] places). by_id: the held ids sorted, with their slots
+        (`self.idx.sort(-1)`), when the caller has them."""
         prev, code = self.idx, self.code[0]
         if prev is None or code is None or prev.shape[:2] != idx.shape[:2] or not prev.shape[-1]:
             if self.spare is not None:
@@ -386,9 +404,9 @@ class WorkingSet:
             return None
         if reader.latent is not None and reader.direct:
             return None
-        by_id, order = prev.sort(-1)  # prev is in slot order (`_merge_in_place`), idx sorted
-        pos = torch.searchsorted(by_id, idx.contiguous()).clamp_max_(prev.shape[-1] - 1)
-        held = by_id.gather(-1, pos) == idx
+        ids, order = prev.sort(-1) if by_id is None else by_id  # prev is in slot order, idx sorted
+        pos = torch.searchsorted(ids, idx.contiguous()).clamp_max_(prev.shape[-1] - 1)
+        held = ids.gather(-1, pos) == idx
         src = order.gather(-1, pos)
         if self.spare is not None:  # ... or a spare slot: src = k_prev + slot
             in_spare, slot = self.spare.lookup(idx)
@@ -456,7 +474,12 @@ class WorkingSet:
         return reader.to_device(pages, from_host)
 
     def _gather_from_arena(
-        self, idx: torch.Tensor, page_tokens_valid: torch.Tensor, held: Held | None, reader: BlockReader
+        self,
+        idx: torch.Tensor,
+        page_tokens_valid: torch.Tensor,
+        held: Held | None,
+        reader: BlockReader,
+        key_copy: KeyMirror | None = None,
     ) -> bool:
         """A store that can cut pages out of many blocks at once (MemoryStore's arena, or a disk
         tier reading just those pages: `DiskStore.gather_pages`) hands over just the selected
@@ -467,11 +490,21 @@ class WorkingSet:
             return True
         # ranked on the host, the new pages are cut there and cross the link (int8: as codes)
         on_host = reader.host_ranking
-        got = reader.arena_pages(idx, only=None if held is None else ~held[0], on_host=on_host)
+        only = None if held is None else ~held[0]
+        # an int8 set's new keys: their codes as the int8 key copy holds them (the same code of the
+        # same keys), not read in the model's dtype and coded again
+        k_codes = None if self.codec != "int8" or key_copy is None else key_copy.page_codes(idx, self.page_tokens, only)
+        got = reader.arena_pages(idx, keys=k_codes is None, only=only, on_host=on_host)
         if got is None:
             return False
-        assert got[0] is not None and got[1] is not None
-        k_new, v_new = self._over_link(got[0], on_host, reader), self._over_link(got[1], on_host, reader)
+        assert got[1] is not None
+        if k_codes is not None:  # copied from the host like the pages it stands for: counted so
+            reader.traffic.cold_read(reader.store, reader.device, sum(t.nbytes for t in k_codes))
+            k_new: Part = k_codes
+        else:
+            assert got[0] is not None
+            k_new = self._over_link(got[0], on_host, reader)
+        v_new = self._over_link(got[1], on_host, reader)
         if held is None:
             self.set(idx, k_new, v_new, page_tokens_valid)
         else:
@@ -558,7 +591,7 @@ class SparePages:
             if kept is None:
                 kept = self.code[j] = tuple(t.new_zeros(b * h * s, t.shape[-1]) for t in flat)
             for t, f in zip(kept, flat, strict=True):
-                t.index_copy_(0, dst, f.index_select(0, src))
+                page_code.copy_rows(t, dst, f.index_select(0, src))
 
 
 def _held_count(prev: torch.Tensor | None, idx: torch.Tensor) -> int | torch.Tensor:

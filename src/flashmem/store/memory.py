@@ -37,16 +37,30 @@ def cut_pages(
     -> [b, h, k, P, d]; with `only` [b, h, k] bool just those pages, flat: [n, P, d] in
     (b, h, k) order. The pool seen as [pages, P*d] rows gives one index_select (a
     memcpy per page) instead of a four-tensor advanced index."""
-    _, b, h, B, d = pool.shape
-    k = slot.shape[-1]
-    P = B // pages_per_block
+    P = pool.shape[-2] // pages_per_block
+    return cut_rows(pool, page_rows(pool, slot, within, pages_per_block, only), P, slot.shape, only is not None)
+
+
+def page_rows(
+    pool: torch.Tensor, slot: torch.Tensor, within: torch.Tensor, pages_per_block: int, only: torch.Tensor | None
+) -> torch.Tensor:
+    """`cut_pages`' rows of the pool seen as [pages, P*d], on the pool's device: the same for
+    every pool of that shape (a layer's K and V arenas), so made once for both."""
+    _, b, h, _, _ = pool.shape
     bi = torch.arange(b, device=slot.device)[:, None, None]
     hi = torch.arange(h, device=slot.device)[None, :, None]
     rows = (((slot * b + bi) * h + hi) * pages_per_block + within).reshape(-1)
     if only is not None:
         rows = rows[only.reshape(-1).to(rows.device)]
-    out = pool.view(-1, P * d).index_select(0, rows.to(pool.device))
-    return out.view(-1, P, d) if only is not None else out.view(b, h, k, P, d)
+    return rows.to(pool.device)
+
+
+def cut_rows(pool: torch.Tensor, rows: torch.Tensor, P: int, shape: torch.Size, flat: bool) -> torch.Tensor:
+    """Pages `rows` (`page_rows`) of pool [u, b, h, B, d], P tokens each -> [n, P, d] (flat:
+    `only`'s pages) or [*shape, P, d] (shape: the page ids' [b, h, k])."""
+    d = pool.shape[-1]
+    out = pool.view(-1, P * d).index_select(0, rows)
+    return out.view(-1, P, d) if flat else out.view(*shape, P, d)
 
 
 class _LayerArena:
@@ -179,8 +193,9 @@ class MemoryStore(ColdStore):
         if (ab, ah) != tuple(blocks.shape[:2]) or B % pages_per_block:
             return None
         slot, wi = blocks.cpu(), within.cpu()
+        rows = page_rows(ak, slot, wi, pages_per_block, None if only is None else only.cpu())  # K's and V's
         parts = [
-            cut_pages(t, slot, wi, pages_per_block, None if only is None else only.cpu()) if want else None
+            cut_rows(t, rows, B // pages_per_block, slot.shape, only is not None) if want else None
             for t, want in ((ak, keys), (av, values))
         ]
         with self._lock:

@@ -1,0 +1,110 @@
+"""Two int8 kernels of a CPU decode step, each in the form flashmem used before stop 55 and the one it uses now.
+
+    OMP_NUM_THREADS=1 python benchmarks/diagnostics/int8_kernels.py [--tokens 8192] [--heads 3]
+        [--head-dim 64] [--queries 3] [--pages 100] [--reps 300] [--json-out FILE]
+
+- The key copy's logits (cache/rerank_codes.py `KeyMirror.logits`): int8 queries against every
+  held int8 key, one `torch._int_mm` per KV head, as [nq, d] @ [d, T] (before: the queries padded
+  to 8 rows, the keys transposed) or as [T, d] @ [d, nq] (now: the tokens as the GEMM's long side,
+  then one transposing copy into query-major fp32). The int32 sums are checked equal.
+- Rows of int8 codes written into a working set in place (cache/working_set.py `_merge_in_place`,
+  `compress/page_code.copy_rows`): `index_copy_` of `--pages` rows of P*d int8 codes (before), and
+  the same bytes seen as int64 words (now). The results are checked equal.
+
+Defaults are SmolLM2's shape at 8K (3 KV heads of 64, 3 queries each, 16-token pages). Prints
+and writes the median microseconds per call of each form and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def timed(fn: Callable[[], object], reps: int) -> float:
+    """Median microseconds of `reps` calls after a warm-up."""
+    for _ in range(10):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--queries", type=int, default=3)
+    ap.add_argument("--pages", type=int, default=100, help="rows written in place")
+    ap.add_argument("--page-tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--json-out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    h, T, d, nq = a.heads, a.tokens, a.head_dim, a.queries
+    keys = torch.randint(-127, 128, (h, T, d), dtype=torch.int8, generator=g)
+    q = torch.randint(-127, 128, (h, nq, d), dtype=torch.int8, generator=g)
+    rows = max(8, -(-nq // 8) * 8)
+    qpad = torch.zeros(h, rows, d, dtype=torch.int8)
+    qpad[:, :nq] = q
+    qt = q.transpose(-1, -2).contiguous()  # [h, d, nq]
+
+    def query_major() -> torch.Tensor:  # before
+        dots = torch.empty(h, rows, T, dtype=torch.int32)
+        for j in range(h):
+            torch._int_mm(qpad[j], keys[j].t(), out=dots[j])
+        return dots[:, :nq].float()
+
+    def token_major() -> torch.Tensor:  # now
+        dots = torch.empty(h, T, nq, dtype=torch.int32)
+        for j in range(h):
+            torch._int_mm(keys[j], qt[j], out=dots[j])
+        out = torch.empty(h, nq, T)
+        return out.copy_(dots.transpose(-1, -2))
+
+    assert torch.equal(query_major(), token_major())
+    P = a.page_tokens
+    n_rows = max(a.pages * 6, 16)  # a working set of about this many pages per layer
+    held = torch.zeros(n_rows, P * d, dtype=torch.int8)
+    came = torch.randint(-127, 128, (a.pages, P * d), dtype=torch.int8, generator=g)
+    dst = torch.randperm(n_rows, generator=g)[: a.pages]
+    as_bytes, as_words = held.clone(), held.clone()
+    as_bytes.index_copy_(0, dst, came)
+    as_words.view(torch.int64).index_copy_(0, dst, came.view(torch.int64))
+    assert torch.equal(as_bytes, as_words)
+    out = {
+        "command": "python benchmarks/diagnostics/int8_kernels.py "
+        + f"--tokens {T} --heads {h} --head-dim {d} --queries {nq} --pages {a.pages} --reps {a.reps}",
+        "logits_us": {
+            "queries_by_keys": timed(query_major, a.reps),
+            "keys_by_queries_then_transposed": timed(token_major, a.reps),
+        },
+        "rows_in_place_us": {
+            "index_copy_int8": timed(lambda: held.index_copy_(0, dst, came), a.reps),
+            "index_copy_as_int64": timed(
+                lambda: held.view(torch.int64).index_copy_(0, dst, came.view(torch.int64)), a.reps
+            ),
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    lg, rw = out["logits_us"], out["rows_in_place_us"]
+    out["logits_now_over_before"] = lg["keys_by_queries_then_transposed"] / lg["queries_by_keys"]
+    out["rows_now_over_before"] = rw["index_copy_as_int64"] / rw["index_copy_int8"]
+    print(json.dumps({k: v for k, v in out.items() if k != "command"}, indent=1))
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
