@@ -254,10 +254,11 @@ def rest_entry(
     """
     b, h, nq, _ = scores.shape
     group = nq // m
-    counts = page_tokens_valid.sum(-1).to(torch.float32)  # [b, pages]
-    left = ~selected & (counts > 0)[:, None, :]
-    lg = scores.float() * scaling + counts.clamp_min(1).log()[:, None, None, :]
-    logit = torch.logsumexp(lg.masked_fill(~left[:, :, None, :], NEG), dim=-1)  # [b, h, nq]
+    counts = page_tokens_valid.sum(-1, dtype=torch.float32)  # [b, pages]
+    attended = selected | (counts == 0)[:, None, :]  # not left out: selected, or no token
+    lg = scores.float() * scaling  # a fresh tensor: the rest in place
+    lg.add_(counts.clamp_min(1).log()[:, None, None, :]).masked_fill_(attended[:, :, None, :], NEG)
+    logit = torch.logsumexp(lg, dim=-1)  # [b, h, nq]
     logit = logit.view(b, h, m, group).transpose(2, 3).reshape(b, h * group, m)
     n_left = counts.sum(-1)[:, None].expand(b, h)
     w = None

@@ -359,8 +359,7 @@ class KeyMirror:
         assert self.scale is not None
         b, h, cap, d = self.k.shape  # cap: whole blocks, so whole pages
         P = page_tokens
-        pages = (torch.arange(b)[:, None, None] * h + torch.arange(h)[None, :, None]) * (cap // P)
-        rows = (pages + idx.to(HOST)).reshape(-1)
+        rows = (torch.arange(b * h).view(b, h, 1) * (cap // P) + idx.to(HOST)).reshape(-1)  # row r, head j: r*h + j
         if only is not None:
             rows = rows[only.reshape(-1).to(HOST)]
         codes = self.k.view(-1, P * d).index_select(0, rows)

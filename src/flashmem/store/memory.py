@@ -47,9 +47,9 @@ def page_rows(
     """`cut_pages`' rows of the pool seen as [pages, P*d], on the pool's device: the same for
     every pool of that shape (a layer's K and V arenas), so made once for both."""
     _, b, h, _, _ = pool.shape
-    bi = torch.arange(b, device=slot.device)[:, None, None]
-    hi = torch.arange(h, device=slot.device)[None, :, None]
-    rows = (((slot * b + bi) * h + hi) * pages_per_block + within).reshape(-1)
+    # ((slot * b + row) * h + head) * pages_per_block + within, with (row * h + head) one arange
+    heads = torch.arange(b * h, device=slot.device).view(b, h, 1) * pages_per_block
+    rows = (slot * (b * h * pages_per_block) + heads + within).reshape(-1)
     if only is not None:
         rows = rows[only.reshape(-1).to(rows.device)]
     return rows.to(pool.device)
