@@ -331,8 +331,8 @@ class KeyMirror:
         qt = qi.transpose(-1, -2).contiguous()  # [b, h, d, nq]
         dots = torch.empty(b, h, T, nq, dtype=torch.int32)
         # per row and KV head, keys [T, d] @ queries [d, nq] -> [T, nq] int32, exact sums: with
-        # the tokens as the GEMM's long side, and the transposing copy below, 0.48x the time of
-        # [nq, d] @ [d, T] at SmolLM2's 8K shape (the same sums; a Xeon with AMX, one thread:
+        # the tokens as the GEMM's long side, and the transposing copy below, about half the time
+        # of [nq, d] @ [d, T] at SmolLM2's 8K shape (the same sums; a Xeon with AMX, one thread:
         # benchmarks/diagnostics/int8_kernels.py)
         for kk, qq, oo in zip(
             keys.flatten(0, 1).unbind(0), qt.view(b * h, d, nq).unbind(0), dots.view(b * h, T, nq).unbind(0)

@@ -387,7 +387,8 @@ class StaticStep:
         ws_bias.copy_(torch.where(self.ws_valid, self.zero_neg[0], self.zero_neg[1]))
         out = self._attend(q, scaling, kv, mask)
         # the token's own bias from here on: its validity
-        recent_bias.index_copy_(-1, self.cursor, self.zero_neg[(~valid_new).long()][:, None, :].expand(b, h, 1))
+        own = torch.where(valid_new, self.zero_neg[0], self.zero_neg[1])  # [b, 1]: 0, or -inf for padding
+        recent_bias.index_copy_(-1, self.cursor, own[:, None, :].expand(b, h, 1))
         self.cursor.add_(1)
         return out, held.sum(), attended, cand_hits
 
