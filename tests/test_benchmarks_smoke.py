@@ -357,3 +357,72 @@ def test_static_step_gpu_smoke_on_cpu(tmp_path: Path, rerank: bool):
     assert g["captures"] >= 2 and g["replays"] > 3 * g["captures"] and g["failures"] == 0
     st = row["static"]["static"]
     assert (st["candidates"] > st["k"]) is rerank and (row["config"]["lsa_rerank"] > 1) is rerank
+
+
+def test_coded_full_cache_codes_what_attention_reads():
+    """coded_full_cache.py: `none` answers as the tasks suite's full cache does; int8 coding of
+    K changes the attention output by about the code's error, not more, and bf16 by less."""
+    import json
+
+    from flashmem_eval import harness as H
+    from flashmem_eval.tasks import make_task
+
+    path = BENCH / "diagnostics" / "coded_full_cache.py"
+    out = run_script(path, "multivalue", "kjv", "512", "0", "--model", "tiny", "--codes", "none,int8")
+    rows = {r["code"]: r for r in (json.loads(x) for x in out.splitlines() if x.startswith("{"))}
+    ld = H.load("tiny")
+    p = make_task(ld.tokenizer, "multivalue", 512, 0, hay="kjv")
+    ctx = torch.tensor([ld.tokenizer(p.context, add_special_tokens=True)["input_ids"]])
+    q = torch.tensor([ld.tokenizer(p.question, add_special_tokens=False)["input_ids"]])
+    pre = H.prefill_full(ld.model, ctx)
+    gaps: list[float] = []
+    gen = H.greedy(ld.model, pre.cache, q, p.max_new, [ld.tokenizer.eos_token_id], gaps)
+    assert rows["none"]["output"] == ld.tokenizer.decode(gen, skip_special_tokens=True)
+    mod = runpy.run_path(str(path))
+    # the same logits, not only the same argmax: the question (a chunk after the context) is
+    # masked as SDPA masks it (unmasked, its is_causal aligned it to the first keys)
+    gen2, gaps2 = mod["coded_answer"](ld.model, ctx, q, "none", p.max_new, [ld.tokenizer.eos_token_id])
+    assert gen2 == gen and torch.allclose(torch.tensor(gaps2), torch.tensor(gaps), atol=1e-5)
+    assert ld.model.config._attn_implementation == "sdpa"  # put back
+    torch.manual_seed(0)
+    qq, k, v = torch.randn(1, 4, 3, 64), torch.randn(1, 2, 50, 64), torch.randn(1, 2, 50, 64)
+    layer = type("M", (), {"num_key_value_groups": 2, "is_causal": False, "training": False})()
+    plain = mod["coded_attention"](None, None)(layer, qq, k, v, None)[0]
+    for name, most in (("int8-keys", 0.05), ("int8-values", 0.05), ("bf16", 0.01)):
+        o = mod["coded_attention"](*mod["CODES"][name])(layer, qq, k, v, None)[0]
+        err = ((o - plain).norm() / plain.norm()).item()
+        assert 0 < err < most, (name, err)
+
+
+def test_coded_full_cache_from_runs_counts_the_full_caches_items_by_margin(tmp_path):
+    """--from: each answered prompt of a tasks run, with each code; per margin band, how many of
+    the full cache's items the coded cache finds too (here `none`: the full cache itself, so
+    every item it found with these margins is found again)."""
+    import json
+
+    from flashmem_eval import harness as H
+    from flashmem_eval.suites import BenchArgs, run_suite
+
+    run = tmp_path / "t.json"
+    args = BenchArgs(
+        suite="tasks", model="tiny", methods=["full"], budgets=[0.25], lengths=[512], json_out=run,
+        seeds=[0], haystacks=["kjv"], families=["multivalue", "keyed"], threads=1, progress=False,
+    )  # fmt: skip
+    rows = list(run_suite(args, H.load("tiny")).rows.values())
+    # the tiny model finds nothing: say the full cache found the first item, behind margins in two bands
+    doc = json.loads(run.read_text())
+    for r, g in zip(doc["rows"], (0.05, 2.0)):
+        r["hits"] = [True] + [False] * (len(r["hits"]) - 1)
+        r["item_gaps"] = [g] + [None] * (len(r["hits"]) - 1)
+    run.write_text(json.dumps(doc))
+    out = tmp_path / "coded.json"
+    path = BENCH / "diagnostics" / "coded_full_cache.py"
+    run_script(path, "--from", str(run), "--model", "tiny", "--codes", "none", "--json-out", str(out))
+    res = json.loads(out.read_text())
+    assert len(res["rows"]) == len(rows) == 2
+    bands = res["summary"]["none"]
+    assert [b["full"] for b in bands] == [1, 0, 1]
+    # kept: what the tiny model's own answer finds of those items (its real hits)
+    real = {(r["family"], r["seed"]): r["hits"][0] for r in rows}
+    by_gap = {r["full_item_gaps"][0]: real[(r["family"], r["seed"])] for r in res["rows"]}
+    assert [b["kept"] for b in bands] == [int(by_gap[0.05]), 0, int(by_gap[2.0])]

@@ -157,3 +157,18 @@ def test_chunked_full_prefill_matches_one_shot():
         torch.testing.assert_close(chunked.captured[i]["query"], one.captured[i]["query"], atol=1e-5, rtol=1e-5)
     for la, lb in zip(one.cache.layers, chunked.cache.layers):
         torch.testing.assert_close(lb.keys, la.keys, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_keeps_the_margins_of_a_copied_answer(tmp_path):
+    """A later file's copy of a full-cache row (same cell, same output) without margins keeps the
+    margins an earlier file measured for that output; a different output does not get them."""
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    row = dict(_row("full", 1.0, True, 0.0), output=" 123.", hits=[True], item_gaps=[0.4], gaps=[0.4, 2.0])
+    copy = {k: v for k, v in row.items() if k not in ("gaps", "item_gaps")}
+    _write(a, [row])
+    _write(b, [copy])
+    _write(c, [dict(copy, output=" 124.", hits=[False])])
+    rows, _ = report.load_rows([a, b])
+    assert rows[0]["item_gaps"] == [0.4] and rows[0]["gaps"] == [0.4, 2.0]
+    rows, _ = report.load_rows([a, c])
+    assert "item_gaps" not in rows[0] and rows[0]["output"] == " 124."

@@ -239,3 +239,88 @@ def test_a_seed_keeps_its_wording_whatever_other_seeds_a_run_names():
     assert run([1]) == {1: 1} and run([0, 1]) == {0: 0, 1: 1} and run([2, 1]) == {2: 2, 1: 1}
     assert run([4]) == {4: 1}  # the dev set has 3 wordings
     assert run([11, 12], "heldout") == {11: 3, 12: 3}
+
+
+def test_greedy_records_each_tokens_decision_margin():
+    """harness.greedy's gaps: one per generated token, its logit minus the runner-up's, as a
+    forward over the prompt and the answer computes them."""
+    import torch
+
+    ld = H.load("tiny")
+    torch.manual_seed(0)
+    ctx = torch.randint(5, 200, (1, 40))
+    q = torch.randint(5, 200, (1, 6))
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        ld.model(input_ids=ctx, cache=(cache := DynamicCache()), use_cache=True)
+    gaps: list[float] = []
+    gen = H.greedy(ld.model, cache, q, 8, (), gaps)
+    assert len(gaps) == len(gen) == 8
+    with torch.no_grad():
+        logits = ld.model(input_ids=torch.cat([ctx, q, torch.tensor([gen[:-1]])], 1)).logits[0, -len(gen) :]
+    top = logits.float().topk(2, dim=-1).values
+    assert logits.argmax(-1).tolist() == gen
+    assert torch.allclose(torch.tensor(gaps), top[:, 0] - top[:, 1], atol=1e-4)
+    assert H.greedy(ld.model, DynamicCache(), q, 3) and all(g >= 0 for g in gaps)
+
+
+def test_item_gaps_take_the_smallest_margin_up_to_where_each_item_stays_found():
+    from flashmem_eval.tasks import item_gaps
+
+    class Chars:  # token i is the string pieces[i]
+        pieces = [" 111", "111", ",", " 222", "222", " 9", "99999"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.pieces[i] for i in ids)
+
+    probe = _probe("numbers", ["111111", "222222", "333333"])
+    gaps = [2.0, 0.5, 3.0, 0.2, 4.0, 0.01, 5.0]
+    # 111111 is found at token 1 (min of 2.0, 0.5), 222222 at token 4 (min up to there: 0.2);
+    # the coin flip at token 5 comes after both and counts for neither; 333333 is not found
+    assert item_gaps(Chars(), list(range(7)), gaps, probe) == [0.5, 0.2, None]
+    # "111" alone is not the item: found only once "111111" is complete
+    assert item_gaps(Chars(), [0], [2.0], probe) == [None, None, None]
+
+
+def test_margin_table_splits_the_full_caches_items_by_how_firmly_it_found_them():
+    key = dict(suite="tasks", family="vartrack", haystack="kjv", length=512, seed=0, wording=0)
+    full = dict(key, method="full", budget=1.0, hits=[True, True, True, False], score=0.75)
+    full.update(item_gaps=[0.05, 0.5, 2.0, None])
+    fm = dict(key, method="flashmem", budget=0.0625, hits=[False, True, True, True], score=0.75)
+    md = report.tasks_margin_markdown([full, fm])
+    line = next(x for x in md.splitlines() if x.startswith("| flashmem"))
+    # the item the full cache found behind a coin flip is lost; the firm ones are kept; the one
+    # the full cache missed does not count
+    assert line == "| flashmem | 1/16 | vartrack | 0/1 (0%) | 1/1 (100%) | 1/1 (100%) |"
+    assert line in report.tasks_results_markdown([full, fm])  # in `flashmem report`'s tasks section
+    assert report.tasks_margin_markdown([dict(full, item_gaps=None), fm]) == ""
+
+
+def test_add_margins_reproduces_the_full_caches_output_or_says_so(tmp_path):
+    """`task_suite margins`: a full-cache row from before margins were recorded gets them from
+    a decode that reproduces its output; a row whose output is not reproduced is flagged."""
+    from flashmem_eval.suites import BenchArgs, run_suite
+    from flashmem_eval.task_suite import add_margins
+
+    out = tmp_path / "t.json"
+    args = BenchArgs(
+        suite="tasks", model="tiny", methods=["full"], budgets=[0.25], lengths=[512], json_out=out,
+        seeds=[0, 1], haystacks=["kjv"], families=["multivalue"], threads=1, progress=False,
+    )  # fmt: skip
+    ld = H.load("tiny")
+    rows = run_suite(args, ld).rows
+    want = {c: (r["gaps"], r["item_gaps"]) for c, r in rows.items()}
+    store = H.ResultStore(out)
+    cells = sorted(store.rows)
+    for c in cells:
+        store.rows[c].pop("gaps"), store.rows[c].pop("item_gaps")
+    store.rows[cells[1]]["output"] += " changed"
+    assert add_margins(store, ld) == (1, 1)
+    again = H.ResultStore(out).rows  # written back, the partial file's last rows winning
+    assert (again[cells[0]]["gaps"], again[cells[0]]["item_gaps"]) == want[cells[0]]
+    assert "item_gaps" not in again[cells[1]] and "not reproduced" in again[cells[1]]["margin_error"]
+    import json
+
+    assert json.loads(out.read_text())["meta"]["margins_added"][-1]["rows"] == 1
+    assert add_margins(H.ResultStore(out), ld) == (0, 0)  # nothing left to do; the one flagged stays so

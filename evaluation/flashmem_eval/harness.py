@@ -166,17 +166,33 @@ def teacher_forced(
 
 
 @torch.no_grad()
-def greedy(model: Any, cache: Any, first_ids: torch.Tensor, max_new: int, stop_ids: Iterable[int] = ()) -> list[int]:
-    """Feed `first_ids` (e.g. the question), then decode greedily `max_new` tokens."""
+def greedy(
+    model: Any,
+    cache: Any,
+    first_ids: torch.Tensor,
+    max_new: int,
+    stop_ids: Iterable[int] = (),
+    gaps: list[float] | None = None,
+) -> list[int]:
+    """Feed `first_ids` (e.g. the question), then decode greedily `max_new` tokens. With a
+    `gaps` list, each generated token's decision margin is appended to it: its logit minus the
+    runner-up's (= the log-prob gap, in nats; `flashmem_eval.tasks.item_gaps`)."""
     stop = set(stop_ids)
+
+    def pick(logits: torch.Tensor) -> int:
+        if gaps is not None:
+            top = logits.float().topk(2).values
+            gaps.append(float(top[0] - top[1]))
+        return int(logits.argmax())
+
     out = model(input_ids=first_ids, cache=cache, use_cache=True, logits_to_keep=1)
-    nxt = int(out.logits[0, -1].argmax())
+    nxt = pick(out.logits[0, -1])
     gen = [nxt]
     for _ in range(max_new - 1):
         if nxt in stop:
             break
         out = model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True, logits_to_keep=1)
-        nxt = int(out.logits[0, -1].argmax())
+        nxt = pick(out.logits[0, -1])
         gen.append(nxt)
     return gen
 

@@ -244,8 +244,13 @@ def load_rows(paths: list[str | Path]) -> tuple[list[dict[str, Any]], list[dict[
     def take(r: dict[str, Any]) -> None:
         if "cell" not in r:
             return
-        if r.get("error") and r["cell"] in rows and not rows[r["cell"]].get("error"):
+        old = rows.get(r["cell"])
+        if r.get("error") and old is not None and not old.get("error"):
             return
+        if old is not None and "item_gaps" in old and "item_gaps" not in r and old.get("output") == r.get("output"):
+            # a copy of the same answer (full-cache rows are copied between runs) keeps the decision
+            # margins another file measured for that output (`task_suite margins`)
+            r = {**r, "gaps": old.get("gaps"), "item_gaps": old["item_gaps"]}
         rows[r["cell"]] = r
 
     for p in map(Path, paths):
@@ -533,6 +538,48 @@ def tasks_markdown(rows: list[dict[str, Any]], length: int = 0) -> str:
     return "\n".join(out)
 
 
+# Decision margins of the full cache's found items, in nats (`flashmem_eval.tasks.item_gaps`):
+# below 0.1 the runner-up token was at least 90% as likely, a coin flip; from 1 it was at most 37%.
+MARGIN_EDGES = (0.1, 1.0)
+
+
+def _margin_bucket(gap: float) -> int:
+    return sum(gap >= e for e in MARGIN_EDGES)
+
+
+def _margin_label(i: int) -> str:
+    lo = ([0.0, *MARGIN_EDGES])[i]
+    return f"margin >= {lo:g}" if i == len(MARGIN_EDGES) else f"margin {lo:g}-{MARGIN_EDGES[i]:g}"
+
+
+def tasks_margin_markdown(rows: list[dict[str, Any]]) -> str:
+    """The full cache's items split by how firmly it found them (its decision margin: the
+    smallest top-1 minus runner-up logit gap up to the item), and per method and budget the
+    share of each part it keeps: `kept/full items (x%)` per family, all lengths pooled. Only
+    prompts whose full-cache row has `item_gaps` count; "" when none has."""
+    ok = [r for r in rows if r.get("suite") == "tasks" and not r.get("error") and "hits" in r]
+    full = {_task_key(r): r["item_gaps"] for r in ok if r["method"] == "full" and r.get("item_gaps") is not None}
+    if not full:
+        return ""
+    nb = len(MARGIN_EDGES) + 1
+    counts: dict[tuple, list[list[int]]] = {}
+    for r in ok:
+        gaps = full.get(_task_key(r))
+        if r["method"] == "full" or gaps is None:
+            continue
+        c = counts.setdefault((r["method"], float(r["budget"]), r["family"]), [[0, 0] for _ in range(nb)])
+        for g, h in zip(gaps, r["hits"]):
+            if g is not None:
+                c[_margin_bucket(g)][0] += 1
+                c[_margin_bucket(g)][1] += bool(h)
+    cols = ["method", "budget", "family", *(_margin_label(i) for i in range(nb))]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for (meth, b, fam), c in sorted(counts.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
+        cells = [f"{k}/{n} ({100 * k / n:.0f}%)" if n else "-" for n, k in c]
+        out.append("| " + " | ".join([meth, _budget(b), fam, *cells]) + " |")
+    return "\n".join(out)
+
+
 def full_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The prompts the full cache answers (score > 0), with its score and output."""
     out = []
@@ -550,6 +597,13 @@ def tasks_results_markdown(rows: list[dict[str, Any]]) -> str:
     for L in [*lengths, 0] if len(lengths) > 1 else lengths:
         parts.append(f"{L // 1024}K:" if L else "All lengths:")
         parts.append(tasks_markdown(rows, L))
+    margins = tasks_margin_markdown(rows)
+    if margins:
+        parts.append(
+            "The full cache's items by its decision margin (the smallest top-1 minus runner-up logit gap, "
+            "in nats, of its answer's tokens up to the item; the prompts whose full-cache row has one):"
+        )
+        parts.append(margins)
     answered = full_answers(rows)
     lines = [
         f"- {a['family']}, {a['haystack']}, {a['length'] // 1024}K, seed {a['seed']}, wording {a['wording']}: "

@@ -187,13 +187,15 @@ def local_answer(
     stop: list[int],
     shared: dict[str, Any],
     row: dict[str, Any],
+    gaps: list[float] | None = None,
 ) -> tuple[list[int], dict[str, Any]]:
     """Method `m` at budget `b` over context ctx [1, n], then its greedy answer to q [1, n_q]
-    -> (the answer's ids, timing/config info); the cache's byte ratios go into `row`."""
+    -> (the answer's ids, timing/config info); the cache's byte ratios go into `row`, each
+    token's decision margin into `gaps` if given (`harness.greedy`)."""
     model = loaded.model
     cache, _, info = local_cache(loaded, m, b, ctx, shared)
     row.update(H.cache_ratios(model, cache, int(ctx.shape[1])))
-    gen = H.greedy(model, cache, q, max_new, stop)
+    gen = H.greedy(model, cache, q, max_new, stop, gaps)
     if m.kind == "flashmem":
         # at the context's end nothing is selected yet (an exact prompt's K/V, if held, is
         # reported apart); decoding's is measured after the answer, the peak beside it

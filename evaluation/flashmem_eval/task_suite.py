@@ -17,7 +17,7 @@ import torch
 
 from flashmem_eval import harness as H
 from flashmem_eval.baselines import Method
-from flashmem_eval.tasks import FAMILIES, WORDING_SETS, TaskProbe, make_task, score_output, wordings
+from flashmem_eval.tasks import FAMILIES, WORDING_SETS, TaskProbe, item_gaps, make_task, score_output, wordings
 
 
 def prompts_for(args: Any) -> list[tuple[str, str, int, int, int]]:
@@ -93,10 +93,12 @@ def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.Resul
             t0 = time.perf_counter()
             try:
                 # as in the retrieval suite: what decoding holds, measured after the answer
-                gen, info = local_answer(loaded, m, b, ctx, q, probe.max_new, stop, shared, row)
+                gaps: list[float] = []
+                gen, info = local_answer(loaded, m, b, ctx, q, probe.max_new, stop, shared, row, gaps)
                 text = tok.decode(gen, skip_special_tokens=True)
                 score, hits = score_output(text, probe)
                 row.update(output=text, score=score, hits=hits)
+                row.update(gaps=[round(g, 3) for g in gaps], item_gaps=item_gaps(tok, gen, gaps, probe))
                 row.update({k: v for k, v in info.items() if k != "config"})
             except Exception as exc:  # recorded; the sweep goes on
                 _err_row(row, exc)
@@ -115,6 +117,42 @@ def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.Resul
 
     _run_kvpress(args, loaded, jobs, bases, store, finish, prog)
     prog.close()
+
+
+def add_margins(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
+    """Give the full cache's rows of a tasks run without decision margins (runs from before
+    `gaps` were recorded) their `gaps` and `item_gaps`, by decoding each prompt again with the
+    full cache; a row whose output the new decode does not reproduce gets `margin_error`
+    instead. Returns (rows given margins, rows not reproduced)."""
+    from flashmem_eval.baselines import parse_method
+    from flashmem_eval.suites import local_cache
+
+    model, tok = loaded.model, loaded.tokenizer
+    stop = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
+    done = bad = 0
+    for r in list(store.rows.values()):
+        if r.get("suite") != "tasks" or r.get("method") != "full" or "output" not in r:
+            continue
+        if "item_gaps" in r or "margin_error" in r:  # done, or tried and not reproduced
+            continue
+        probe = make_task(tok, r["family"], r["length"], r["seed"], hay=r["haystack"], wording=r["wording"])
+        ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
+        q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
+        cache, _, _ = local_cache(loaded, parse_method("full"), 1.0, ctx, {})
+        gaps: list[float] = []
+        gen = H.greedy(model, cache, q, probe.max_new, stop, gaps)
+        if tok.decode(gen, skip_special_tokens=True) != r["output"]:
+            r["margin_error"] = "the full cache's output was not reproduced"
+            bad += 1
+        else:
+            r.update(gaps=[round(g, 3) for g in gaps], item_gaps=item_gaps(tok, gen, gaps, probe))
+            done += 1
+        store.add(r)
+    if done or bad:  # the file says which of its full-cache rows got their margins later, and when
+        note = {"date": time.strftime("%Y-%m-%d"), "rows": done, "not_reproduced": bad}
+        store.meta.setdefault("margins_added", []).append(note)
+    store.write()
+    return done, bad
 
 
 def rescore(rows: list[dict[str, Any]], tok: Any) -> int:
@@ -138,7 +176,7 @@ def rescore(rows: list[dict[str, Any]], tok: Any) -> int:
 def summary_markdown(rows: Any) -> str:
     """The share of the full cache's answers per family, dev and held-out wordings apart
     (`report.tasks_markdown` on each set's rows), with the prompts each set holds."""
-    from flashmem_eval.report import tasks_markdown
+    from flashmem_eval.report import tasks_margin_markdown, tasks_markdown
 
     ok = [r for r in rows if r.get("suite") == "tasks" and not r.get("error")]
     out = []
@@ -149,6 +187,9 @@ def summary_markdown(rows: Any) -> str:
         seeds = sorted({r["seed"] for r in rs})
         n = len({(r["family"], r["haystack"], r["length"], r["seed"]) for r in rs if r["method"] == "full"})
         out += [f"{name} wordings {list(WORDING_SETS[name])}, seeds {seeds}: {n} prompts", "", tasks_markdown(rs), ""]
+    margins = tasks_margin_markdown(ok)
+    if margins:
+        out += ["The full cache's items by its decision margin (nats), all wordings:", "", margins, ""]
     return "\n".join(out)
 
 
@@ -156,13 +197,15 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m flashmem_eval.task_suite rescore FILE.json [--model smollm2]`: rescore a tasks
     run's rows (its .json and .partial.jsonl) in place, with the model's tokenizer only.
     `python -m flashmem_eval.task_suite run FILE.json --answered-only [--methods ...] ...`: the
-    `flashmem bench tasks` run, with the other methods only where the full cache answered."""
+    `flashmem bench tasks` run, with the other methods only where the full cache answered.
+    `python -m flashmem_eval.task_suite margins FILE.json [--model smollm2]`: the full cache's
+    decision margins for a run made before they were recorded (`add_margins`)."""
     import argparse
     import json
     from pathlib import Path
 
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("command", choices=["rescore", "run", "summary"])
+    ap.add_argument("command", choices=["rescore", "run", "summary", "margins"])
     ap.add_argument("file", type=Path)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--methods", default="full,flashmem")
@@ -177,6 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.command == "summary":
         print(summary_markdown(H.ResultStore(a.file).rows.values()))
+        return
+    if a.command == "margins":
+        torch.set_num_threads(a.threads)
+        done, bad = add_margins(H.ResultStore(a.file), H.load(a.model))
+        print(f"{a.file}: {done} full-cache rows given margins, {bad} not reproduced")
         return
     if a.command == "run":
         from flashmem_eval.suites import BenchArgs, run_suite

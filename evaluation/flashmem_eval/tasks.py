@@ -311,3 +311,23 @@ def score_output(text: str, probe: TaskProbe) -> tuple[float, list[bool]]:
     else:
         raise FlashMemError(f"scoring: {probe.scoring!r} is not known; allowed: first, numbers, names, words")
     return sum(hits) / len(hits), hits
+
+
+def item_gaps(tok: Any, gen: list[int], gaps: list[float], probe: TaskProbe) -> list[float | None]:
+    """Per item: how firmly a greedy answer (token ids `gen`, each with its decision margin in
+    `gaps`: top-1 minus runner-up logit, `harness.greedy`) found it. The smallest margin among
+    the tokens up to the one from which the item stays found, in nats; None for an item not
+    found. An item found behind a margin of 0.05 nats, where the runner-up token was 95% as
+    likely, is a coin flip: any small change to the attention (int8 coding of the cache, say)
+    may turn the answer elsewhere."""
+    hits = [score_output(tok.decode(gen[: t + 1], skip_special_tokens=True), probe)[1] for t in range(len(gen))]
+    out: list[float | None] = []
+    for i in range(len(probe.items)):
+        if not hits or not hits[-1][i]:
+            out.append(None)
+            continue
+        t = len(hits) - 1
+        while t > 0 and hits[t - 1][i]:
+            t -= 1
+        out.append(round(min(gaps[: t + 1]), 3))
+    return out
