@@ -87,10 +87,7 @@ def coded_answer(
     AttentionMaskInterface.register(f"coded-{name}", sdpa_mask)
     H.restore_attn(model, f"coded-{name}")
     try:
-        cache = H.new_cache(model)
-        with torch.no_grad():
-            for s, e in H.prefill_spans(int(ctx.shape[1]), H.FULL_PREFILL_CHUNK):
-                model(input_ids=ctx[:, s:e], cache=cache, use_cache=True, logits_to_keep=1)
+        cache = H.prefill_full(model, ctx).cache  # in chunks, as the tasks suite's full cache
         gaps: list[float] = []
         gen = H.greedy(model, cache, q, max_new, stop, gaps)
     finally:
@@ -100,7 +97,7 @@ def coded_answer(
 
 def from_runs(ld: H.Loaded, files: list[str], codes: list[str], json_out: str | None) -> None:
     """The `--from` mode: each answered prompt of the runs in `files`, with each code."""
-    from flashmem_eval.report import MARGIN_EDGES, _margin_bucket, _margin_label
+    from flashmem_eval.report import margin_label, tally_by_margin
 
     tok, model = ld.tokenizer, ld.model
     fulls: dict[tuple, dict[str, Any]] = {}
@@ -111,8 +108,7 @@ def from_runs(ld: H.Loaded, files: list[str], codes: list[str], json_out: str | 
     if not fulls:
         raise SystemExit(f"--from: no full-cache row with margins and an item found in {files}")
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    nb = len(MARGIN_EDGES) + 1
-    kept = {c: [[0, 0] for _ in range(nb)] for c in codes}
+    kept: dict[str, list[list[int]] | None] = dict.fromkeys(codes)
     rows = []
     for (fam, hay, L, seed, w), full in sorted(fulls.items()):
         p = make_task(tok, fam, L, seed, hay=hay, wording=w)
@@ -122,10 +118,7 @@ def from_runs(ld: H.Loaded, files: list[str], codes: list[str], json_out: str | 
             gen, _ = coded_answer(model, ctx, q, name, p.max_new, stop)
             text = tok.decode(gen, skip_special_tokens=True)
             hits = score_output(text, p)[1]
-            for g, f, h in zip(full["item_gaps"], full["hits"], hits):
-                if f and g is not None:
-                    kept[name][_margin_bucket(g)][0] += 1
-                    kept[name][_margin_bucket(g)][1] += bool(h)
+            kept[name] = tally_by_margin(kept[name], full["item_gaps"], hits)
             row = {"family": fam, "hay": hay, "length": L, "seed": seed, "wording": w, "code": name}
             rows.append(
                 {**row, "hits": hits, "full_hits": full["hits"], "full_item_gaps": full["item_gaps"], "output": text}
@@ -133,11 +126,12 @@ def from_runs(ld: H.Loaded, files: list[str], codes: list[str], json_out: str | 
             print(json.dumps(rows[-1]), flush=True)
     print(f"{len(fulls)} prompts; the full cache's items the coded cache finds too, by the full cache's margin:")
     for name in codes:
-        cells = [f"{_margin_label(i)}: {k}/{n}" for i, (n, k) in enumerate(kept[name])]
+        cells = [f"{margin_label(i)}: {k}/{n}" for i, (n, k) in enumerate(kept[name] or [])]
         print(f"{name:12s} " + "; ".join(cells))
     if json_out:
         summary = {
-            c: [{"band": _margin_label(i), "full": n, "kept": k} for i, (n, k) in enumerate(kept[c])] for c in codes
+            c: [{"band": margin_label(i), "full": n, "kept": k} for i, (n, k) in enumerate(kept[c] or [])]
+            for c in codes
         }
         Path(json_out).write_text(
             json.dumps({"files": files, "codes": codes, "summary": summary, "rows": rows}, indent=1)

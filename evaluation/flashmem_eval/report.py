@@ -543,13 +543,25 @@ def tasks_markdown(rows: list[dict[str, Any]], length: int = 0) -> str:
 MARGIN_EDGES = (0.1, 1.0)
 
 
-def _margin_bucket(gap: float) -> int:
+def margin_band(gap: float) -> int:
+    """The band of a decision margin: 0 below MARGIN_EDGES[0], ..., len(MARGIN_EDGES) above the last."""
     return sum(gap >= e for e in MARGIN_EDGES)
 
 
-def _margin_label(i: int) -> str:
-    lo = ([0.0, *MARGIN_EDGES])[i]
-    return f"margin >= {lo:g}" if i == len(MARGIN_EDGES) else f"margin {lo:g}-{MARGIN_EDGES[i]:g}"
+def margin_label(band: int) -> str:
+    lo = ([0.0, *MARGIN_EDGES])[band]
+    return f"margin >= {lo:g}" if band == len(MARGIN_EDGES) else f"margin {lo:g}-{MARGIN_EDGES[band]:g}"
+
+
+def tally_by_margin(tally: list[list[int]] | None, full_gaps: list[Any], hits: list[bool]) -> list[list[int]]:
+    """Add one answer to `tally` ([full items, kept items] per margin band; None: a new one): the
+    items the full cache found (`item_gaps` not None), and which of them `hits` finds too."""
+    tally = tally if tally is not None else [[0, 0] for _ in range(len(MARGIN_EDGES) + 1)]
+    for g, h in zip(full_gaps, hits):
+        if g is not None:
+            tally[margin_band(g)][0] += 1
+            tally[margin_band(g)][1] += bool(h)
+    return tally
 
 
 def tasks_margin_markdown(rows: list[dict[str, Any]]) -> str:
@@ -561,18 +573,14 @@ def tasks_margin_markdown(rows: list[dict[str, Any]]) -> str:
     full = {_task_key(r): r["item_gaps"] for r in ok if r["method"] == "full" and r.get("item_gaps") is not None}
     if not full:
         return ""
-    nb = len(MARGIN_EDGES) + 1
     counts: dict[tuple, list[list[int]]] = {}
     for r in ok:
         gaps = full.get(_task_key(r))
         if r["method"] == "full" or gaps is None:
             continue
-        c = counts.setdefault((r["method"], float(r["budget"]), r["family"]), [[0, 0] for _ in range(nb)])
-        for g, h in zip(gaps, r["hits"]):
-            if g is not None:
-                c[_margin_bucket(g)][0] += 1
-                c[_margin_bucket(g)][1] += bool(h)
-    cols = ["method", "budget", "family", *(_margin_label(i) for i in range(nb))]
+        key = (r["method"], float(r["budget"]), r["family"])
+        counts[key] = tally_by_margin(counts.get(key), gaps, r["hits"])
+    cols = ["method", "budget", "family", *(margin_label(i) for i in range(len(MARGIN_EDGES) + 1))]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for (meth, b, fam), c in sorted(counts.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
         cells = [f"{k}/{n} ({100 * k / n:.0f}%)" if n else "-" for n, k in c]
