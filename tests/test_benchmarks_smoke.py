@@ -426,3 +426,52 @@ def test_coded_full_cache_from_runs_counts_the_full_caches_items_by_margin(tmp_p
     real = {(r["family"], r["seed"]): r["hits"][0] for r in rows}
     by_gap = {r["full_item_gaps"][0]: real[(r["family"], r["seed"])] for r in res["rows"]}
     assert [b["kept"] for b in bands] == [int(by_gap[0.05]), 0, int(by_gap[2.0])]
+
+
+def test_coded_full_cache_keys_per_channel_code_each_page_on_its_own():
+    """int8-keys-kc codes K per channel over 16-token pages: a channel far larger than the others
+    costs the others nothing (the per-token code scales every channel of a token to it), a
+    page's code depends on its own tokens only, and a partial last page keeps its length."""
+    mod = runpy.run_path(str(BENCH / "diagnostics" / "coded_full_cache.py"))
+    kc, per_token = mod["CODES"]["int8-keys-kc"][0], mod["CODES"]["int8-keys"][0]
+    torch.manual_seed(0)
+    k = torch.randn(1, 2, 50, 64)  # 3 whole pages and 2 tokens
+    k[..., 0] *= 100.0  # RoPE's low frequencies: a few large channels
+    err_kc, err_tok = (k - kc(k))[..., 1:].abs().mean(), (k - per_token(k))[..., 1:].abs().mean()
+    assert kc(k).shape == k.shape and err_kc < err_tok / 20
+    # each channel's error within half its page's step
+    step = k[:, :, :48].unflatten(-2, (3, 16)).abs().amax(-2) / 127  # [1, 2, 3, 64]
+    assert ((k - kc(k))[:, :, :48].unflatten(-2, (3, 16)).abs() <= step[:, :, :, None] / 2 + 1e-6).all()
+    other = k.clone()
+    other[:, :, 16:] = torch.randn(1, 2, 34, 64)
+    assert torch.equal(kc(other)[:, :, :16], kc(k)[:, :, :16])
+    v = torch.randn(1, 2, 50, 64)
+    assert mod["CODES"]["int8-kc"][1](v).equal(mod["CODES"]["int8"][1](v))  # values per token, as int8's
+
+
+def test_ws_exact_pages_holds_the_int8_count_in_the_models_dtype(monkeypatch):
+    """ws_int4_emulated.py --part exact: the config the solver makes for int8 pages, with those
+    pages held in the model's dtype, and the open block's unused room buying int8's count."""
+    from types import SimpleNamespace
+
+    from flashmem.cache import tiered_attention
+    from flashmem.config import FlashMemoryConfig
+
+    mod = runpy.run_path(str(BENCH / "diagnostics" / "ws_int4_emulated.py"))
+    geo = dict(group=3, head_dim=64, dtype_bytes=4)
+    base = FlashMemoryConfig.for_budget(1 / 16, 4096, **geo)
+    model_pages = FlashMemoryConfig.for_budget(1 / 16, 4096, working_set_codec="model", **geo)
+    mod["patch_exact_pages"](monkeypatch.setattr)
+    cfg = FlashMemoryConfig.for_budget(1 / 16, 4096, **geo)
+    assert base.working_set_codec == "int8" and cfg.working_set_codec == "model"
+    assert cfg.model_copy(update={"working_set_codec": "int8"}) == base
+    assert cfg.lsa_top_k == base.lsa_top_k > model_pages.lsa_top_k  # int8's pages, not the model dtype's
+
+    def layer(c: FlashMemoryConfig) -> Any:
+        return SimpleNamespace(cfg=c, sink_k=torch.zeros(1, 3, 4, 64), open_k=torch.zeros(1, 3, 10, 64))
+
+    room = tiered_attention.open_room_pages  # patched
+    assert room(layer(cfg), 1) == room(layer(base), 1) > 0
+    monkeypatch.undo()
+    assert tiered_attention.open_room_pages(layer(cfg), 1) < room(layer(base), 1)  # fp32 pages cost more
+    assert FlashMemoryConfig.for_budget(1 / 16, 4096, **geo).working_set_codec == "int8"

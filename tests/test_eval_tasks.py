@@ -325,3 +325,94 @@ def test_add_margins_reproduces_the_full_caches_output_or_says_so(tmp_path):
 
     assert json.loads(out.read_text())["meta"]["margins_added"][-1]["rows"] == 1
     assert add_margins(H.ResultStore(out), ld) == (0, 0)  # nothing left to do; the one flagged stays so
+
+
+def test_forced_feeds_the_answer_as_greedy_feeds_its_own():
+    """harness.forced: fed a cache's own greedy answer, its top-1 is that answer and each
+    margin is greedy's; fed another token, the margin there is negative (its top-1 beat it)."""
+    import torch
+    from transformers import DynamicCache
+
+    ld = H.load("tiny")
+    torch.manual_seed(0)
+    ctx = torch.randint(5, 200, (1, 40))
+    q = torch.randint(5, 200, (1, 6))
+
+    def prefilled() -> DynamicCache:
+        with torch.no_grad():
+            ld.model(input_ids=ctx, cache=(cache := DynamicCache()), use_cache=True)
+        return cache
+
+    gaps: list[float] = []
+    gen = H.greedy(ld.model, prefilled(), q, 8, (), gaps)
+    tops, margins = H.forced(ld.model, prefilled(), q, gen)
+    assert tops == gen and torch.allclose(torch.tensor(margins), torch.tensor(gaps), atol=1e-4)
+    other = list(gen)
+    other[3] = (gen[3] + 1) % 200
+    tops2, margins2 = H.forced(ld.model, prefilled(), q, other)
+    assert tops2[:4] == gen[:4] and margins2[3] < 0 and margins2[:3] == pytest.approx(margins[:3], abs=1e-4)
+
+
+def test_forced_items_ask_for_every_token_of_each_items_span():
+    from flashmem_eval.tasks import forced_items, item_spans
+
+    class Chars:  # token i is the string pieces[i]
+        pieces = ["The", " code", " is", " 111", "111", ",", " then", " 222", "222"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.pieces[i] for i in ids)
+
+    probe = _probe("numbers", ["111111", "222222", "333333"])
+    gen = list(range(9))
+    assert item_spans(Chars(), gen, probe) == [(3, 4), (7, 8), None]
+    # another cache writes " then" otherwise (a phrasing near tie) and 222's second half otherwise
+    tops = [0, 1, 2, 3, 4, 5, 99, 7, 98]
+    margins = [1.0, 1.0, 1.0, 0.5, 0.2, 1.0, -0.01, 2.0, -0.3]
+    assert forced_items(Chars(), gen, tops, margins, probe) == ([True, False, None], [0.2, -0.3, None])
+
+
+def test_add_forced_feeds_each_method_the_full_caches_answer(tmp_path, monkeypatch):
+    """`task_suite forced`: a flashmem row whose full-cache row found an item gets forced_hits
+    and margins, from the full cache's answer decoded again; with every token attended (budget
+    1) it writes each item as the full cache does; the table pools them."""
+    import flashmem_eval.task_suite as ts
+    from flashmem_eval.suites import BenchArgs, run_suite
+
+    out = tmp_path / "t.json"
+    args = BenchArgs(
+        suite="tasks", model="tiny", methods=["full", "flashmem"], budgets=[1.0], lengths=[512], json_out=out,
+        seeds=[0], haystacks=["kjv"], families=["multivalue"], threads=1, progress=False,
+    )  # fmt: skip
+    ld = H.load("tiny")
+    run_suite(args, ld)
+    store = H.ResultStore(out)
+    full = next(r for r in store.rows.values() if r["method"] == "full")
+    fm = next(r for r in store.rows.values() if r["method"] == "flashmem")
+    assert fm["output"] == full["output"]  # budget 1: the same answer
+    # the tiny model finds nothing: make the start of its answer the prompt's first item
+    word = full["output"].strip()[:2]
+    assert len(word) == 2, full["output"]
+    real = ts.make_task
+
+    def with_item(tok, fam, length, seed, hay, wording):
+        p = real(tok, fam, length, seed, hay=hay, wording=wording)
+        p.items[0], p.scoring = word, "words"
+        return p
+
+    monkeypatch.setattr(ts, "make_task", with_item)
+    n = len(full["hits"])
+    full["hits"] = [True] + [False] * (n - 1)
+    assert ts.add_forced(store, ld) == (1, 0)
+    again = H.ResultStore(out).rows[fm["cell"]]
+    assert again["forced_hits"] == [True] + [None] * (n - 1) and again["forced_margins"][0] >= 0
+    assert "forced_hits" not in H.ResultStore(out).rows[full["cell"]]
+    md = report.tasks_forced_markdown(list(H.ResultStore(out).rows.values()))
+    assert "| flashmem | 1 | multivalue | 1 | 0 (0%) | 1 (100%) | - |" in md, md
+    assert ts.add_forced(H.ResultStore(out), ld) == (0, 0)  # nothing left to do
+    # an output that the full cache's decode does not reproduce: its prompt's rows say so
+    store = H.ResultStore(out)
+    fm2 = store.rows[fm["cell"]]
+    del fm2["forced_hits"], fm2["forced_margins"]
+    store.rows[full["cell"]].update(hits=[True] + [False] * (n - 1), output="something else")
+    assert ts.add_forced(store, ld) == (0, 1)
+    assert "not reproduced" in H.ResultStore(out).rows[fm["cell"]]["forced_error"]

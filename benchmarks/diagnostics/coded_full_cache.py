@@ -1,7 +1,7 @@
 """Whether a task prompt's full-cache answer survives a near-lossless coding of the whole cache.
 
     python benchmarks/diagnostics/coded_full_cache.py vartrack kjv 4096 23 --wording 3
-        [--codes none,bf16,int8-keys,int8-values,int8] [--model smollm2]
+        [--codes none,bf16,int8-keys,int8-values,int8,int8-keys-kc,int8-kc] [--model smollm2]
     python benchmarks/diagnostics/coded_full_cache.py --from results/X.json [--from ...] --codes int8
         [--json-out FILE]
 
@@ -13,7 +13,10 @@ the prompt and the answer both see them coded:
 - `none`: the full cache as it is;
 - `bf16`, `fp16`: K and V rounded to that dtype;
 - `int8-keys`, `int8-values`, `int8`: K, V or both in the int8 working set's per-token code
-  (`flashmem/compress/page_code.py`: one fp32 scale per token and KV head).
+  (`flashmem/compress/page_code.py`: one fp32 scale per token and KV head);
+- `int8-keys-kc`, `int8-kc`: K coded per channel instead, over each 16-token page (one fp32
+  scale per page, KV head and channel: KIVI's key code; the working set has no such code), V
+  as it was (`int8-kc`: per token).
 
 Printed per code: the score, the output's start and each found item's decision margin
 (`flashmem_eval.tasks.item_gaps`). flashmem's int8 working set codes only its selected pages
@@ -48,6 +51,16 @@ def _int8(x: torch.Tensor) -> torch.Tensor:
     return page_code.decode(*page_code.encode(x), x.dtype)
 
 
+def _int8_channels(x: torch.Tensor, page: int = 16) -> torch.Tensor:
+    """x [b, h, T, d] in KIVI's key code: int8 per channel over each page of `page` tokens
+    (one fp32 scale per page, KV head and channel; the last page may be partial)."""
+    t = x.shape[-2]
+    pad = (-t) % page
+    xp = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    g = xp.unflatten(-2, (-1, page)).transpose(-1, -2)  # [b, h, pages, d, page]
+    return _int8(g).transpose(-1, -2).flatten(-3, -2)[..., :t, :]
+
+
 def _cast(dtype: torch.dtype) -> Any:
     return lambda x: x.to(dtype).to(x.dtype)
 
@@ -59,6 +72,8 @@ CODES: dict[str, tuple[Any, Any]] = {  # name: (code of K, code of V); None: lef
     "int8-keys": (_int8, None),
     "int8-values": (None, _int8),
     "int8": (_int8, _int8),
+    "int8-keys-kc": (_int8_channels, None),
+    "int8-kc": (_int8_channels, _int8),
 }
 
 

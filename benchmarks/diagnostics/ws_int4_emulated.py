@@ -15,12 +15,20 @@ With `--part values` only the values go to int4 (keys stay int8, as KIVI keeps k
 values): after each gather the working set's value rows are coded again to 15 levels in place,
 and the solver counts (1 + 4/d + 0.5 + 4/d) / 2 bytes an element.
 
+With `--part exact` the pages are held exactly, in the model's dtype, while the solver sizes the
+working set as int8 (the config `for_budget` returns gets `working_set_codec: model` after the
+solve, and the open block's unused room buys int8's count of pages, `lsa_open_room`): the same
+pages as the recipe, none of its coding error. It bounds what any better 8-bit page code (keys
+per channel, as KIVI codes them) could give; its resident bytes over-count the
+budget by the pages' dtype over int8's, so `ratio_int4` reports what int8 pages would take.
+
 The codes are still stored one a byte, so the measured ratio over-counts; the
-row reports `ratio_int4` (the int4 part's codes halved, its scales kept) / full, the bytes packed
-int4 codes would take (modelled from the measured tiers), beside the measured one.
+row reports `ratio_int4` (the int4 part's codes halved, its scales kept; exact: int8 pages) /
+full, the bytes packed int4 codes would take (modelled from the measured tiers), beside the
+measured one.
 
     OMP_NUM_THREADS=1 python benchmarks/diagnostics/ws_int4_emulated.py --model smollm2 --budgets 1/8,1/16 \
-        --length 4096 --seeds 0,1 [--part values] --out results/ws_int4_emulated_smollm2.jsonl
+        --length 4096 --seeds 0,1 [--part values|exact] --out results/ws_int4_emulated_smollm2.jsonl
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -65,7 +75,35 @@ def _values_to_int4(ws: Any) -> None:
     ws.plain[1] = None  # decoded again from the int4-level codes
 
 
+def patch_exact_pages(put: Callable[[Any, str, Any], None] = setattr) -> None:
+    """`FlashMemoryConfig.for_budget` sizes the working set as int8 codes, the config it
+    returns holds those pages in the model's dtype, and the open block's unused room buys the
+    pages int8 would (`tiered_attention.open_room_pages`). put: how an attribute is replaced
+    (a test passes pytest's monkeypatch.setattr, which undoes it)."""
+    from flashmem.cache import tiered_attention
+    from flashmem.config import FlashMemoryConfig
+
+    solve = FlashMemoryConfig.for_budget.__func__  # type: ignore[attr-defined]
+    room = tiered_attention.open_room_pages
+
+    def for_budget(cls: Any, *a: Any, **k: Any) -> Any:
+        cfg = solve(cls, *a, **k)
+        return cfg.model_copy(update={"working_set_codec": "model"}) if cfg.working_set_codec == "int8" else cfg
+
+    def open_room_pages(layer: Any, m: int) -> int:
+        if layer.cfg.working_set_codec != "model":
+            return room(layer, m)
+        as_int8 = layer.cfg.model_copy(update={"working_set_codec": "int8"})
+        return room(SimpleNamespace(cfg=as_int8, sink_k=layer.sink_k, open_k=layer.open_k), m)  # type: ignore[arg-type]
+
+    put(FlashMemoryConfig, "for_budget", classmethod(for_budget))
+    put(tiered_attention, "open_room_pages", open_room_pages)
+
+
 def patch_int4(part: str = "both") -> None:
+    if part == "exact":
+        patch_exact_pages()
+        return
     from flashmem.compress import page_code
     from flashmem.sizing import budget, calculator, tiers
 
@@ -101,7 +139,12 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--n-cont", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--part", default="both", choices=["both", "values"], help="values: keys stay int8")
+    ap.add_argument(
+        "--part",
+        default="both",
+        choices=["both", "values", "exact"],
+        help="values: keys stay int8; exact: the int8 pages' count held in the model's dtype",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from flashmem.config import FlashMemoryConfig
@@ -117,7 +160,10 @@ def main() -> None:
     from flashmem.sizing.budget import model_geometry
 
     d = int(model_geometry(model)["head_dim"])
-    share = 1.0 if a.part == "both" else 0.5  # of the working set's bytes coded int4
+    share = {"both": 1.0, "values": 0.5, "exact": 0.0}[a.part]  # of the working set's bytes coded int4
+    eb = torch.finfo(model.dtype).bits / 8
+    # the share of the held working set's bytes that packed codes would not take
+    saved = 1 - (1 + 4 / d) / eb if a.part == "exact" else share * (1 - (0.5 + 4 / d) / (1 + 4 / d))
     for seed in (int(s) for s in a.seeds.split(",")):
         prompt, cont = fidelity_ids(tok, a.length, a.n_cont, seed)
         pre = H.prefill_full(model, prompt)
@@ -135,16 +181,20 @@ def main() -> None:
                 H.restore_attn(model, impl)
                 cache.close()
             row = {
-                "method": "flashmem:ws-int4-emulated" + ("" if a.part == "both" else "-values"),
+                "method": {
+                    "both": "flashmem:ws-int4-emulated",
+                    "values": "flashmem:ws-int4-emulated-values",
+                    "exact": "flashmem:ws-exact-at-int8-count",
+                }[a.part],
                 "model": a.model,
                 "budget": b,
                 "length": a.length,
                 "seed": seed,
                 "n_cont": a.n_cont,
                 "ratio_measured_int8_storage": end["ratio"],
-                # int8 codes + fp32 row scales -> int4 codes (half) + the same scales (values only: half of them)
-                "ratio_int4": (end["resident_managed_bytes"] - ws * share * (1 - (0.5 + 4 / d) / (1 + 4 / d)))
-                / end["full_managed_bytes"],
+                # int8 codes + fp32 row scales -> int4 codes (half) + the same scales (values only: half of
+                # them); exact: the pages held in the model's dtype -> int8 codes and scales
+                "ratio_int4": (end["resident_managed_bytes"] - ws * saved) / end["full_managed_bytes"],
                 "working_set_bytes": ws,
                 "lsa_top_k": cfg.lsa_top_k,
                 "window_tokens": cfg.gpu_cache_limit,

@@ -166,6 +166,29 @@ def teacher_forced(
 
 
 @torch.no_grad()
+def forced(model: Any, cache: Any, first_ids: torch.Tensor, gen: list[int]) -> tuple[list[int], list[float]]:
+    """Teacher forcing one token at a time, as `greedy` feeds its own: feed `first_ids` (the
+    question), then gen[:-1] -> per token j of `gen`, the cache's top-1 token and gen[j]'s
+    logit minus the best other token's (nats; negative where the cache would choose another)."""
+    tops: list[int] = []
+    margins: list[float] = []
+
+    def note(logits: torch.Tensor, want: int) -> None:
+        top = logits.float().topk(2)
+        best = int(top.indices[0])
+        other = top.values[1] if best == want else top.values[0]
+        tops.append(best)
+        margins.append(float(logits[want].float() - other))
+
+    out = model(input_ids=first_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    note(out.logits[0, -1], gen[0])
+    for j in range(1, len(gen)):
+        out = model(input_ids=torch.tensor([[gen[j - 1]]]), cache=cache, use_cache=True, logits_to_keep=1)
+        note(out.logits[0, -1], gen[j])
+    return tops, margins
+
+
+@torch.no_grad()
 def greedy(
     model: Any,
     cache: Any,

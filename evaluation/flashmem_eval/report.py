@@ -588,6 +588,46 @@ def tasks_margin_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def tasks_forced_markdown(rows: list[dict[str, Any]]) -> str:
+    """Per method, budget and family, of the full cache's items (rows with `forced_hits`,
+    `task_suite forced`): how many the method's own greedy answer finds, and how many it
+    writes when fed the full cache's answer (teacher forcing: `tasks.forced_items`), with the
+    smallest margin among the items it does not write. "" when no row has them."""
+    counts: dict[tuple, list[Any]] = {}
+    for r in rows:
+        forced = r.get("forced_hits")
+        if r.get("suite") != "tasks" or r.get("error") or forced is None:
+            continue
+        c = counts.setdefault((r["method"], float(r["budget"]), r["family"]), [0, 0, 0, []])
+        for h, f, m in zip(r["hits"], forced, r["forced_margins"]):
+            if f is None:  # an item the full cache did not find
+                continue
+            c[0] += 1
+            c[1] += bool(h)
+            c[2] += bool(f)
+            if not f:
+                c[3].append(m)
+    if not counts:
+        return ""
+    cols = [
+        "method",
+        "budget",
+        "family",
+        "full's items",
+        "its answer finds",
+        "fed the full answer, writes",
+        "margins of the rest",
+    ]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for (meth, b, fam), (n, greedy, forced, lost) in sorted(
+        counts.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])
+    ):
+        rest = ", ".join(f"{m:.3f}" for m in sorted(lost)) or "-"
+        cells = [str(n), f"{greedy} ({100 * greedy / n:.0f}%)", f"{forced} ({100 * forced / n:.0f}%)", rest]
+        out.append("| " + " | ".join([meth, _budget(b), fam, *cells]) + " |")
+    return "\n".join(out)
+
+
 def full_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The prompts the full cache answers (score > 0), with its score and output."""
     out = []
@@ -612,6 +652,13 @@ def tasks_results_markdown(rows: list[dict[str, Any]]) -> str:
             "in nats, of its answer's tokens up to the item; the prompts whose full-cache row has one):"
         )
         parts.append(margins)
+    forced = tasks_forced_markdown(rows)
+    if forced:
+        parts.append(
+            "The full cache's items each method writes when fed the full cache's answer token by token "
+            "(teacher forcing; `task_suite forced`), beside what its own greedy answer finds:"
+        )
+        parts.append(forced)
     answered = full_answers(rows)
     lines = [
         f"- {a['family']}, {a['haystack']}, {a['length'] // 1024}K, seed {a['seed']}, wording {a['wording']}: "

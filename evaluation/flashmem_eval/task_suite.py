@@ -15,9 +15,19 @@ from typing import Any
 
 import torch
 
+from flashmem.errors import FlashMemError
 from flashmem_eval import harness as H
 from flashmem_eval.baselines import Method
-from flashmem_eval.tasks import FAMILIES, WORDING_SETS, TaskProbe, item_gaps, make_task, score_output, wordings
+from flashmem_eval.tasks import (
+    FAMILIES,
+    WORDING_SETS,
+    TaskProbe,
+    forced_items,
+    item_gaps,
+    make_task,
+    score_output,
+    wordings,
+)
 
 
 def prompts_for(args: Any) -> list[tuple[str, str, int, int, int]]:
@@ -155,6 +165,80 @@ def add_margins(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
     return done, bad
 
 
+def add_forced(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
+    """Give each row of a method run here (flashmem, the eviction baselines) whose full-cache
+    row found an item `forced_hits` and `forced_margins` (`tasks.forced_items`): the method's
+    cache fed the full cache's answer, token by token, and asked whether it writes each item
+    the full cache wrote. The full cache's answer is decoded again and must reproduce the
+    recorded output (else the prompt's rows get `forced_error`). Returns (rows given them,
+    prompts not reproduced)."""
+    from flashmem_eval.baselines import parse_method
+    from flashmem_eval.suites import done_local, local_cache
+
+    model, tok = loaded.model, loaded.tokenizer
+    stop = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
+    rows = list(store.rows.values())
+    done = bad = 0
+    for f in rows:
+        if f.get("suite") != "tasks" or f.get("method") != "full" or not any(f.get("hits") or []):
+            continue
+        key = _prompt_key(f)
+        todo = [
+            r
+            for r in rows
+            if r is not f
+            and _prompt_key(r) == key
+            and not r.get("error")
+            and "forced_hits" not in r
+            and "forced_error" not in r
+            and _runs_here(r["method"])
+        ]
+        if not todo:
+            continue
+        probe = make_task(tok, f["family"], f["length"], f["seed"], hay=f["haystack"], wording=f["wording"])
+        ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
+        q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
+        cache, _, _ = local_cache(loaded, parse_method("full"), 1.0, ctx, {})
+        gen = H.greedy(model, cache, q, probe.max_new, stop)
+        if tok.decode(gen, skip_special_tokens=True) != f["output"]:
+            for r in todo:
+                r["forced_error"] = "the full cache's output was not reproduced"
+                store.add(r)
+            bad += 1
+            continue
+        for r in todo:
+            shared: dict[str, Any] = {}
+            try:
+                cache, _, _ = local_cache(loaded, parse_method(r["method"]), float(r["budget"]), ctx, shared)
+                tops, margins = H.forced(model, cache, q, gen)
+            finally:
+                done_local(shared, loaded)
+            r["forced_hits"], r["forced_margins"] = forced_items(tok, gen, tops, margins, probe)
+            store.add(r)
+            done += 1
+    if done or bad:
+        store.meta.setdefault("forced_added", []).append(
+            {"date": time.strftime("%Y-%m-%d"), "rows": done, "prompts_not_reproduced": bad}
+        )
+    store.write()
+    return done, bad
+
+
+def _runs_here(method: str) -> bool:
+    """Whether a row's method builds its cache in this process (flashmem, the eviction
+    baselines; not kvpress's runner, nor a name this tree does not know)."""
+    from flashmem_eval.baselines import parse_method
+
+    try:
+        return parse_method(method).kind in ("flashmem", "eviction")
+    except FlashMemError:
+        return False
+
+
+def _prompt_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r.get("model"), r.get("family"), r.get("haystack"), r.get("length"), r.get("seed"), r.get("wording"))
+
+
 def rescore(rows: list[dict[str, Any]], tok: Any) -> int:
     """Score the rows' saved outputs again with the current `score_output` (the prompt rebuilt
     from its seed: no model run); returns how many rows changed."""
@@ -176,7 +260,7 @@ def rescore(rows: list[dict[str, Any]], tok: Any) -> int:
 def summary_markdown(rows: Any) -> str:
     """The share of the full cache's answers per family, dev and held-out wordings apart
     (`report.tasks_markdown` on each set's rows), with the prompts each set holds."""
-    from flashmem_eval.report import tasks_margin_markdown, tasks_markdown
+    from flashmem_eval.report import tasks_forced_markdown, tasks_margin_markdown, tasks_markdown
 
     ok = [r for r in rows if r.get("suite") == "tasks" and not r.get("error")]
     out = []
@@ -190,6 +274,9 @@ def summary_markdown(rows: Any) -> str:
     margins = tasks_margin_markdown(ok)
     if margins:
         out += ["The full cache's items by its decision margin (nats), all wordings:", "", margins, ""]
+    forced = tasks_forced_markdown(ok)
+    if forced:
+        out += ["The full cache's items written when fed its answer (teacher forcing), all wordings:", "", forced, ""]
     return "\n".join(out)
 
 
@@ -199,13 +286,15 @@ def main(argv: list[str] | None = None) -> None:
     `python -m flashmem_eval.task_suite run FILE.json --answered-only [--methods ...] ...`: the
     `flashmem bench tasks` run, with the other methods only where the full cache answered.
     `python -m flashmem_eval.task_suite margins FILE.json [--model smollm2]`: the full cache's
-    decision margins for a run made before they were recorded (`add_margins`)."""
+    decision margins for a run made before they were recorded (`add_margins`).
+    `python -m flashmem_eval.task_suite forced FILE.json [--model smollm2]`: whether each
+    method's cache writes the full cache's items when fed its answer (`add_forced`)."""
     import argparse
     import json
     from pathlib import Path
 
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("command", choices=["rescore", "run", "summary", "margins"])
+    ap.add_argument("command", choices=["rescore", "run", "summary", "margins", "forced"])
     ap.add_argument("file", type=Path)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--methods", default="full,flashmem")
@@ -225,6 +314,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
         done, bad = add_margins(H.ResultStore(a.file), H.load(a.model))
         print(f"{a.file}: {done} full-cache rows given margins, {bad} not reproduced")
+        return
+    if a.command == "forced":
+        torch.set_num_threads(a.threads)
+        done, bad = add_forced(H.ResultStore(a.file), H.load(a.model))
+        print(f"{a.file}: {done} rows fed the full cache's answer, {bad} prompts not reproduced")
         return
     if a.command == "run":
         from flashmem_eval.suites import BenchArgs, run_suite

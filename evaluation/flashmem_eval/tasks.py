@@ -313,15 +313,11 @@ def score_output(text: str, probe: TaskProbe) -> tuple[float, list[bool]]:
     return sum(hits) / len(hits), hits
 
 
-def item_gaps(tok: Any, gen: list[int], gaps: list[float], probe: TaskProbe) -> list[float | None]:
-    """Per item: how firmly a greedy answer (token ids `gen`, each with its decision margin in
-    `gaps`: top-1 minus runner-up logit, `harness.greedy`) found it. The smallest margin among
-    the tokens up to the one from which the item stays found, in nats; None for an item not
-    found. An item found behind a margin of 0.05 nats, where the runner-up token was 95% as
-    likely, is a coin flip: any small change to the attention (int8 coding of the cache, say)
-    may turn the answer elsewhere."""
+def found_from(tok: Any, gen: list[int], probe: TaskProbe) -> list[int | None]:
+    """Per item: the index of the answer's token (ids `gen`) from which the item stays found
+    (`score_output` of the text up to each token); None for an item the whole answer misses."""
     hits = [score_output(tok.decode(gen[: t + 1], skip_special_tokens=True), probe)[1] for t in range(len(gen))]
-    out: list[float | None] = []
+    out: list[int | None] = []
     for i in range(len(probe.items)):
         if not hits or not hits[-1][i]:
             out.append(None)
@@ -329,5 +325,55 @@ def item_gaps(tok: Any, gen: list[int], gaps: list[float], probe: TaskProbe) -> 
         t = len(hits) - 1
         while t > 0 and hits[t - 1][i]:
             t -= 1
-        out.append(round(min(gaps[: t + 1]), 3))
+        out.append(t)
     return out
+
+
+def item_gaps(tok: Any, gen: list[int], gaps: list[float], probe: TaskProbe) -> list[float | None]:
+    """Per item: how firmly a greedy answer (token ids `gen`, each with its decision margin in
+    `gaps`: top-1 minus runner-up logit, `harness.greedy`) found it. The smallest margin among
+    the tokens up to the one from which the item stays found, in nats; None for an item not
+    found. An item found behind a margin of 0.05 nats, where the runner-up token was 95% as
+    likely, is a coin flip: any small change to the attention (int8 coding of the cache, say)
+    may turn the answer elsewhere."""
+    return [None if t is None else round(min(gaps[: t + 1]), 3) for t in found_from(tok, gen, probe)]
+
+
+def item_spans(tok: Any, gen: list[int], probe: TaskProbe) -> list[tuple[int, int] | None]:
+    """Per item the answer (ids `gen`) finds: the tokens [s, t] (inclusive) that write it: t the
+    one from which it stays found (`found_from`), s the last from which the text of tokens s..t
+    still holds the item (any case). None for an item not found."""
+    spans: list[tuple[int, int] | None] = []
+    for it, t in zip(probe.items, found_from(tok, gen, probe)):
+        if t is None:
+            spans.append(None)
+            continue
+        s = t
+        while s > 0 and it.lower() not in tok.decode(gen[s : t + 1], skip_special_tokens=True).lower():
+            s -= 1
+        spans.append((s, t))
+    return spans
+
+
+def forced_items(
+    tok: Any, gen: list[int], tops: list[int], margins: list[float], probe: TaskProbe
+) -> tuple[list[bool | None], list[float | None]]:
+    """Whether another cache writes each item of the full cache's answer `gen` when fed that
+    answer (teacher forcing: `harness.forced` gives, per token, its own top-1 `tops` and the
+    full answer's token's margin over its best other token, `margins`): per item the full cache
+    found, True if its top-1 is the full cache's token at every token of the item's span
+    (`item_spans`), and the smallest margin there (negative: it would write another token);
+    None for items the full cache did not find. Unlike a greedy answer scored on its own, an
+    earlier token written otherwise (a word of the phrasing, a near tie) does not carry the
+    answer elsewhere: this asks whether the cache retrieves the item, given the same words."""
+    hits: list[bool | None] = []
+    low: list[float | None] = []
+    for span in item_spans(tok, gen, probe):
+        if span is None:
+            hits.append(None)
+            low.append(None)
+            continue
+        s, t = span
+        hits.append(all(tops[j] == gen[j] for j in range(s, t + 1)))
+        low.append(round(min(margins[s : t + 1]), 3))
+    return hits, low
