@@ -369,6 +369,15 @@ def test_forced_items_ask_for_every_token_of_each_items_span():
     tops = [0, 1, 2, 3, 4, 5, 99, 7, 98]
     margins = [1.0, 1.0, 1.0, 0.5, 0.2, 1.0, -0.01, 2.0, -0.3]
     assert forced_items(Chars(), gen, tops, margins, probe) == ([True, False, None], [0.2, -0.3, None])
+    # the method's own greedy answer, as far as forcing shows it: the full answer's first six
+    # tokens, then its own choice at the seventh (token 99: " and")
+    from flashmem_eval.task_suite import agrees_with_answer
+
+    Chars.pieces += [""] * 90 + [" and"]
+    assert agrees_with_answer(Chars(), gen, tops, "The code is 111111, and so on")
+    assert not agrees_with_answer(Chars(), gen, tops, "The code is 111111, then 222222")  # another tree's
+    assert agrees_with_answer(Chars(), gen, gen, "The code is 111111, then 222222")
+    assert not agrees_with_answer(Chars(), gen, gen, "The code is 111111")
 
 
 def test_add_forced_feeds_each_method_the_full_caches_answer(tmp_path, monkeypatch):
@@ -405,9 +414,12 @@ def test_add_forced_feeds_each_method_the_full_caches_answer(tmp_path, monkeypat
     assert ts.add_forced(store, ld) == (1, 0)
     again = H.ResultStore(out).rows[fm["cell"]]
     assert again["forced_hits"] == [True] + [None] * (n - 1) and again["forced_margins"][0] >= 0
+    assert again["forced_reproduces"] is True
     assert "forced_hits" not in H.ResultStore(out).rows[full["cell"]]
     md = report.tasks_forced_markdown(list(H.ResultStore(out).rows.values()))
     assert "| flashmem | 1 | multivalue | 1 | 0 (0%) | 1 (100%) | - |" in md, md
+    md = report.tasks_forced_markdown([dict(again, forced_reproduces=False)])
+    assert "| flashmem" not in md and "1 rows left out" in md
     assert ts.add_forced(H.ResultStore(out), ld) == (0, 0)  # nothing left to do
     # an output that the full cache's decode does not reproduce: its prompt's rows say so
     store = H.ResultStore(out)

@@ -592,11 +592,17 @@ def tasks_forced_markdown(rows: list[dict[str, Any]]) -> str:
     """Per method, budget and family, of the full cache's items (rows with `forced_hits`,
     `task_suite forced`): how many the method's own greedy answer finds, and how many it
     writes when fed the full cache's answer (teacher forcing: `tasks.forced_items`), with the
-    smallest margin among the items it does not write. "" when no row has them."""
+    margins of the items it does not write (its token's logit below its own top-1's). Rows whose recorded answer this tree's
+    cache does not write (`forced_reproduces` False) are left out and counted. "" when no row
+    has them."""
     counts: dict[tuple, list[Any]] = {}
+    other = 0  # rows whose own answer this tree's cache does not write (`forced_reproduces`)
     for r in rows:
         forced = r.get("forced_hits")
         if r.get("suite") != "tasks" or r.get("error") or forced is None:
+            continue
+        if r.get("forced_reproduces") is False:
+            other += 1
             continue
         c = counts.setdefault((r["method"], float(r["budget"]), r["family"]), [0, 0, 0, []])
         for h, f, m in zip(r["hits"], forced, r["forced_margins"]):
@@ -607,7 +613,7 @@ def tasks_forced_markdown(rows: list[dict[str, Any]]) -> str:
             c[2] += bool(f)
             if not f:
                 c[3].append(m)
-    if not counts:
+    if not counts and not other:
         return ""
     cols = [
         "method",
@@ -625,6 +631,8 @@ def tasks_forced_markdown(rows: list[dict[str, Any]]) -> str:
         rest = ", ".join(f"{m:.3f}" for m in sorted(lost)) or "-"
         cells = [str(n), f"{greedy} ({100 * greedy / n:.0f}%)", f"{forced} ({100 * forced / n:.0f}%)", rest]
         out.append("| " + " | ".join([meth, _budget(b), fam, *cells]) + " |")
+    if other:
+        out += ["", f"({other} rows left out: their recorded answer is not what this tree's cache writes.)"]
     return "\n".join(out)
 
 

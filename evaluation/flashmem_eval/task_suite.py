@@ -169,7 +169,8 @@ def add_forced(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
     """Give each row of a method run here (flashmem, the eviction baselines) whose full-cache
     row found an item `forced_hits` and `forced_margins` (`tasks.forced_items`): the method's
     cache fed the full cache's answer, token by token, and asked whether it writes each item
-    the full cache wrote. The full cache's answer is decoded again and must reproduce the
+    the full cache wrote; `forced_reproduces` says whether that agrees with the row's own
+    answer (`agrees_with_answer`: else the row came from other code). The full cache's answer is decoded again and must reproduce the
     recorded output (else the prompt's rows get `forced_error`). Returns (rows given them,
     prompts not reproduced)."""
     from flashmem_eval.baselines import parse_method
@@ -214,6 +215,7 @@ def add_forced(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
             finally:
                 done_local(shared, loaded)
             r["forced_hits"], r["forced_margins"] = forced_items(tok, gen, tops, margins, probe)
+            r["forced_reproduces"] = agrees_with_answer(tok, gen, tops, r["output"])
             store.add(r)
             done += 1
     if done or bad:
@@ -222,6 +224,17 @@ def add_forced(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
         )
     store.write()
     return done, bad
+
+
+def agrees_with_answer(tok: Any, gen: list[int], tops: list[int], output: str) -> bool:
+    """Whether a method's recorded greedy answer `output` is what this tree's cache writes, as
+    far as teacher forcing on the full cache's answer `gen` shows it: the same tokens up to the
+    first its top-1 `tops` writes otherwise, then that token (all of gen where none is). False
+    means the row came from another recipe or code, and its forced items describe this one."""
+    k = next((j for j, (a, b) in enumerate(zip(tops, gen)) if a != b), None)
+    if k is None:
+        return output == tok.decode(gen, skip_special_tokens=True)
+    return output.startswith(tok.decode(gen[:k] + [tops[k]], skip_special_tokens=True))
 
 
 def _runs_here(method: str) -> bool:
