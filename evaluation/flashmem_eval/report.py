@@ -592,9 +592,9 @@ def tasks_forced_markdown(rows: list[dict[str, Any]]) -> str:
     """Per method, budget and family, of the full cache's items (rows with `forced_hits`,
     `task_suite forced`): how many the method's own greedy answer finds, and how many it
     writes when fed the full cache's answer (teacher forcing: `tasks.forced_items`), with the
-    margins of the items it does not write (its token's logit below its own top-1's). Rows whose recorded answer this tree's
-    cache does not write (`forced_reproduces` False) are left out and counted. "" when no row
-    has them."""
+    margins of the items it does not write (its logit for the full cache's token below its own
+    top-1's). Rows whose recorded answer this tree's cache does not write (`forced_reproduces`
+    False) are left out and counted. "" when no row has them."""
     counts: dict[tuple, list[Any]] = {}
     other = 0  # rows whose own answer this tree's cache does not write (`forced_reproduces`)
     for r in rows:

@@ -170,9 +170,9 @@ def add_forced(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
     row found an item `forced_hits` and `forced_margins` (`tasks.forced_items`): the method's
     cache fed the full cache's answer, token by token, and asked whether it writes each item
     the full cache wrote; `forced_reproduces` says whether that agrees with the row's own
-    answer (`agrees_with_answer`: else the row came from other code). The full cache's answer is decoded again and must reproduce the
-    recorded output (else the prompt's rows get `forced_error`). Returns (rows given them,
-    prompts not reproduced)."""
+    answer (`agrees_with_answer`: else the row came from other code). The full cache's answer
+    is decoded again and must reproduce the recorded output (else the prompt's rows get
+    `forced_error`). Returns (rows given them, prompts not reproduced)."""
     from flashmem_eval.baselines import parse_method
     from flashmem_eval.suites import done_local, local_cache
 
