@@ -127,8 +127,7 @@ def from_runs(ld: H.Loaded, files: list[str], codes: list[str], json_out: str | 
     rows = []
     for (fam, hay, L, seed, w), full in sorted(fulls.items()):
         p = make_task(tok, fam, L, seed, hay=hay, wording=w)
-        ctx = torch.tensor([tok(p.context, add_special_tokens=True)["input_ids"]])
-        q = torch.tensor([tok(p.question, add_special_tokens=False)["input_ids"]])
+        ctx, q = H.prompt_ids(tok, p)
         for name in codes:
             gen, _ = coded_answer(model, ctx, q, name, p.max_new, stop)
             text = tok.decode(gen, skip_special_tokens=True)
@@ -178,8 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     tok, model = ld.tokenizer, ld.model
     p = make_task(tok, a.family, a.length, a.seed, hay=a.hay, wording=a.wording)
-    ctx = torch.tensor([tok(p.context, add_special_tokens=True)["input_ids"]])
-    q = torch.tensor([tok(p.question, add_special_tokens=False)["input_ids"]])
+    ctx, q = H.prompt_ids(tok, p)
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     print(f"items {p.items}; context {ctx.shape[1]} tokens")
     for name in codes:

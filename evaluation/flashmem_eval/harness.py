@@ -165,6 +165,28 @@ def teacher_forced(
     return torch.cat(rows, dim=0)[: cont.shape[1]]
 
 
+def prompt_ids(tok: Any, probe: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A probe's context (with the tokenizer's special tokens) and question (without) as ids
+    [1, n] and [1, m], as the suites feed them."""
+    ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
+    q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
+    return ctx, q
+
+
+def _next_logits(model: Any, cache: Any, ids: torch.Tensor) -> torch.Tensor:
+    """ids [1, n] through the cache -> the logits [vocab] after the last."""
+    return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+
+
+def _margin(logits: torch.Tensor, want: int) -> tuple[int, float]:
+    """(the top-1 token, token `want`'s logit minus the best other token's): for the top-1
+    itself, its gap over the runner-up (= the log-prob gap, nats)."""
+    top = logits.float().topk(2)
+    best = int(top.indices[0])
+    other = top.values[1] if best == want else top.values[0]
+    return best, float(logits[want].float() - other)
+
+
 @torch.no_grad()
 def forced(model: Any, cache: Any, first_ids: torch.Tensor, gen: list[int]) -> tuple[list[int], list[float]]:
     """Teacher forcing one token at a time, as `greedy` feeds its own: feed `first_ids` (the
@@ -172,19 +194,13 @@ def forced(model: Any, cache: Any, first_ids: torch.Tensor, gen: list[int]) -> t
     logit minus the best other token's (nats; negative where the cache would choose another)."""
     tops: list[int] = []
     margins: list[float] = []
-
-    def note(logits: torch.Tensor, want: int) -> None:
-        top = logits.float().topk(2)
-        best = int(top.indices[0])
-        other = top.values[1] if best == want else top.values[0]
+    logits = _next_logits(model, cache, first_ids)
+    for j, want in enumerate(gen):
+        if j:
+            logits = _next_logits(model, cache, torch.tensor([[gen[j - 1]]]))
+        best, m = _margin(logits, want)
         tops.append(best)
-        margins.append(float(logits[want].float() - other))
-
-    out = model(input_ids=first_ids, cache=cache, use_cache=True, logits_to_keep=1)
-    note(out.logits[0, -1], gen[0])
-    for j in range(1, len(gen)):
-        out = model(input_ids=torch.tensor([[gen[j - 1]]]), cache=cache, use_cache=True, logits_to_keep=1)
-        note(out.logits[0, -1], gen[j])
+        margins.append(m)
     return tops, margins
 
 
@@ -203,19 +219,17 @@ def greedy(
     stop = set(stop_ids)
 
     def pick(logits: torch.Tensor) -> int:
+        nxt = int(logits.argmax())
         if gaps is not None:
-            top = logits.float().topk(2).values
-            gaps.append(float(top[0] - top[1]))
-        return int(logits.argmax())
+            gaps.append(_margin(logits, nxt)[1])
+        return nxt
 
-    out = model(input_ids=first_ids, cache=cache, use_cache=True, logits_to_keep=1)
-    nxt = pick(out.logits[0, -1])
+    nxt = pick(_next_logits(model, cache, first_ids))
     gen = [nxt]
     for _ in range(max_new - 1):
         if nxt in stop:
             break
-        out = model(input_ids=torch.tensor([[nxt]]), cache=cache, use_cache=True, logits_to_keep=1)
-        nxt = pick(out.logits[0, -1])
+        nxt = pick(_next_logits(model, cache, torch.tensor([[nxt]])))
         gen.append(nxt)
     return gen
 

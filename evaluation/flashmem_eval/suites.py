@@ -467,8 +467,7 @@ def _retrieval(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: 
         if not todo:
             continue
         probe = make_probe(tok, task, L, d, s, hay=hay)
-        ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
-        q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
+        ctx, q = H.prompt_ids(tok, probe)
         shared: dict[str, Any] = {}
         for m, b in todo:
             cell = _cell(args, m, b, task=task, length=L, depth=d, seed=s, **where)

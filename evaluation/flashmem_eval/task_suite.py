@@ -84,8 +84,7 @@ def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.Resul
         if not todo:
             continue
         probe = make_task(tok, fam, L, s, hay=hay, wording=w)
-        ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
-        q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
+        ctx, q = H.prompt_ids(tok, probe)
         shared: dict[str, Any] = {}
         for m, b in todo:
             cell = _cell(args, m, b, **key)
@@ -134,28 +133,19 @@ def add_margins(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
     `gaps` were recorded) their `gaps` and `item_gaps`, by decoding each prompt again with the
     full cache; a row whose output the new decode does not reproduce gets `margin_error`
     instead. Returns (rows given margins, rows not reproduced)."""
-    from flashmem_eval.baselines import parse_method
-    from flashmem_eval.suites import local_cache
-
-    model, tok = loaded.model, loaded.tokenizer
-    stop = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
     done = bad = 0
     for r in list(store.rows.values()):
         if r.get("suite") != "tasks" or r.get("method") != "full" or "output" not in r:
             continue
         if "item_gaps" in r or "margin_error" in r:  # done, or tried and not reproduced
             continue
-        probe = make_task(tok, r["family"], r["length"], r["seed"], hay=r["haystack"], wording=r["wording"])
-        ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
-        q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
-        cache, _, _ = local_cache(loaded, parse_method("full"), 1.0, ctx, {})
-        gaps: list[float] = []
-        gen = H.greedy(model, cache, q, probe.max_new, stop, gaps)
-        if tok.decode(gen, skip_special_tokens=True) != r["output"]:
+        again = _full_answer(loaded, r)
+        if again is None:
             r["margin_error"] = "the full cache's output was not reproduced"
             bad += 1
         else:
-            r.update(gaps=[round(g, 3) for g in gaps], item_gaps=item_gaps(tok, gen, gaps, probe))
+            probe, _, _, gen, gaps = again
+            r.update(gaps=[round(g, 3) for g in gaps], item_gaps=item_gaps(loaded.tokenizer, gen, gaps, probe))
             done += 1
         store.add(r)
     if done or bad:  # the file says which of its full-cache rows got their margins later, and when
@@ -163,6 +153,27 @@ def add_margins(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
         store.meta.setdefault("margins_added", []).append(note)
     store.write()
     return done, bad
+
+
+def _full_answer(
+    loaded: H.Loaded, row: dict[str, Any]
+) -> tuple[TaskProbe, torch.Tensor, torch.Tensor, list[int], list[float]] | None:
+    """The full cache's greedy answer to a full-cache row's prompt, decoded again -> (the
+    probe, context ids, question ids, the answer's ids, each token's decision margin); None
+    where it is not the row's recorded output."""
+    from flashmem_eval.baselines import parse_method
+    from flashmem_eval.suites import local_cache
+
+    tok = loaded.tokenizer
+    probe = make_task(tok, row["family"], row["length"], row["seed"], hay=row["haystack"], wording=row["wording"])
+    ctx, q = H.prompt_ids(tok, probe)
+    cache, _, _ = local_cache(loaded, parse_method("full"), 1.0, ctx, {})
+    stop = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
+    gaps: list[float] = []
+    gen = H.greedy(loaded.model, cache, q, probe.max_new, stop, gaps)
+    if tok.decode(gen, skip_special_tokens=True) != row["output"]:
+        return None
+    return probe, ctx, q, gen, gaps
 
 
 def add_forced(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
@@ -177,7 +188,6 @@ def add_forced(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
     from flashmem_eval.suites import done_local, local_cache
 
     model, tok = loaded.model, loaded.tokenizer
-    stop = [i for i in [getattr(tok, "eos_token_id", None)] if i is not None]
     rows = list(store.rows.values())
     done = bad = 0
     for f in rows:
@@ -196,17 +206,14 @@ def add_forced(store: H.ResultStore, loaded: H.Loaded) -> tuple[int, int]:
         ]
         if not todo:
             continue
-        probe = make_task(tok, f["family"], f["length"], f["seed"], hay=f["haystack"], wording=f["wording"])
-        ctx = torch.tensor([tok(probe.context, add_special_tokens=True)["input_ids"]])
-        q = torch.tensor([tok(probe.question, add_special_tokens=False)["input_ids"]])
-        cache, _, _ = local_cache(loaded, parse_method("full"), 1.0, ctx, {})
-        gen = H.greedy(model, cache, q, probe.max_new, stop)
-        if tok.decode(gen, skip_special_tokens=True) != f["output"]:
+        again = _full_answer(loaded, f)
+        if again is None:
             for r in todo:
                 r["forced_error"] = "the full cache's output was not reproduced"
                 store.add(r)
             bad += 1
             continue
+        probe, ctx, q, gen, _ = again
         for r in todo:
             shared: dict[str, Any] = {}
             try:
