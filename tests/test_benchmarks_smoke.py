@@ -175,6 +175,19 @@ def test_bench_target_8k_short_on_smollm2(tmp_path: Path):
 
 
 @pytest.mark.model
+def test_step_parts_charges_each_operator_to_its_function_on_smollm2(tmp_path: Path):
+    out = tmp_path / "parts.json"
+    run_script(BENCH / "diagnostics" / "step_parts.py", "--tokens", "700", "--steps", "2", "--op-times", "1",
+               "--json-out", str(out))  # fmt: skip
+    got = json.loads(out.read_text())
+    funcs = {row["function"]: row for row in got["op_times"]}
+    assert "model" in funcs and funcs["model"]["ops_per_layer"] > 0
+    # the selecting step's own parts: its ranking and its attention, each in its own function
+    assert any(f.startswith("cache/sdpa.py:") for f in funcs) and any(f.startswith("index/") for f in funcs)
+    assert all(row["ms"] >= 0 for row in got["op_times"]) and got["parts_ms"]["index scores"] > 0
+
+
+@pytest.mark.model
 def test_serve_load_small_on_smollm2(tmp_path: Path):
     """The load test with a 300-token document, one client, two requests: a server process
     starts, serves, reuses the prefix, and the report comes back without errors."""
@@ -320,6 +333,17 @@ def test_uva_gather_copy_path_on_cpu(tmp_path: Path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["pages"] for r in rows] == [16, 64]
     assert all(r["copy"]["equal"] and r["copy"]["gb_per_s"] > 0 and "mapped" not in r for r in rows)
+
+
+def test_int8_kernels_times_every_form_and_says_which_this_cpu_takes(tmp_path: Path):
+    from flashmem.cache import int8_dots
+
+    out = tmp_path / "int8.json"
+    run_script(BENCH / "diagnostics" / "int8_kernels.py", "--tokens", "256", "--pages", "4", "--reps", "3",
+               "--json-out", str(out))  # fmt: skip
+    got = json.loads(out.read_text())
+    assert set(got["logits_us"]) == {*int8_dots.FORMS, "query_major_padded_to_8"}
+    assert got["chosen"] in int8_dots.FORMS and all(t > 0 for t in got["logits_us"].values())
 
 
 def test_gpu_step_anatomy_smoke_on_cpu(tmp_path: Path):

@@ -1,12 +1,15 @@
-"""Two int8 kernels of a CPU decode step, each in the form flashmem used before stop 55 and the one it uses now.
+"""Two int8 kernels of a CPU decode step, in each form flashmem has used.
 
     OMP_NUM_THREADS=1 python benchmarks/diagnostics/int8_kernels.py [--tokens 8192] [--heads 3]
         [--head-dim 64] [--queries 3] [--pages 100] [--reps 300] [--json-out FILE]
 
 - The key copy's logits (cache/rerank_codes.py `KeyMirror.logits`): int8 queries against every
-  held int8 key, one `torch._int_mm` per KV head, as [nq, d] @ [d, T] (before: the queries padded
-  to 8 rows, the keys transposed) or as [T, d] @ [d, nq] (now: the tokens as the GEMM's long side,
-  then one transposing copy into query-major fp32). The int32 sums are checked equal.
+  held int8 key, one `torch._int_mm` per KV head, in the two forms of cache/int8_dots.py:
+  `query_major`, [nq, d] @ [d, T], and `token_major`, [T, d] @ [d, nq] (the tokens as the GEMM's
+  long side) read back transposed, each then copied into query-major fp32 as `logits` does;
+  and the form before stop 55 (the queries padded to 8 rows, query-major). The int32 sums are
+  checked equal. Which form is faster depends on the CPU, so flashmem times both at the first
+  call of each size (`chosen` gives what this process chose at this one).
 - Rows of int8 codes written into a working set in place (cache/working_set.py `_merge_in_place`,
   `compress/page_code.copy_rows`): `index_copy_` of `--pages` rows of P*d int8 codes (before), and
   the same bytes seen as int64 words (now). The results are checked equal.
@@ -24,6 +27,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from flashmem.cache import int8_dots
 
 
 def timed(fn: Callable[[], object], reps: int) -> float:
@@ -57,22 +62,18 @@ def main() -> None:
     rows = max(8, -(-nq // 8) * 8)
     qpad = torch.zeros(h, rows, d, dtype=torch.int8)
     qpad[:, :nq] = q
-    qt = q.transpose(-1, -2).contiguous()  # [h, d, nq]
 
-    def query_major() -> torch.Tensor:  # before
+    def padded() -> torch.Tensor:  # before stop 55
         dots = torch.empty(h, rows, T, dtype=torch.int32)
         for j in range(h):
             torch._int_mm(qpad[j], keys[j].t(), out=dots[j])
         return dots[:, :nq].float()
 
-    def token_major() -> torch.Tensor:  # now
-        dots = torch.empty(h, T, nq, dtype=torch.int32)
-        for j in range(h):
-            torch._int_mm(keys[j], qt[j], out=dots[j])
-        out = torch.empty(h, nq, T)
-        return out.copy_(dots.transpose(-1, -2))
+    def form(name: str) -> Callable[[], torch.Tensor]:
+        return lambda: torch.empty(h, nq, T).copy_(int8_dots.dots(keys, q, name))
 
-    assert torch.equal(query_major(), token_major())
+    assert all(torch.equal(padded(), form(f)()) for f in int8_dots.FORMS)
+    int8_dots.dots(keys, q)  # this process's choice for the size
     P = a.page_tokens
     n_rows = max(a.pages * 6, 16)  # a working set of about this many pages per layer
     held = torch.zeros(n_rows, P * d, dtype=torch.int8)
@@ -86,9 +87,10 @@ def main() -> None:
         "command": "python benchmarks/diagnostics/int8_kernels.py "
         + f"--tokens {T} --heads {h} --head-dim {d} --queries {nq} --pages {a.pages} --reps {a.reps}",
         "logits_us": {
-            "queries_by_keys": timed(query_major, a.reps),
-            "keys_by_queries_then_transposed": timed(token_major, a.reps),
+            **{f: timed(form(f), a.reps) for f in int8_dots.FORMS},
+            "query_major_padded_to_8": timed(padded, a.reps),
         },
+        "chosen": next(iter(int8_dots.chosen_forms().values())),
         "rows_in_place_us": {
             "index_copy_int8": timed(lambda: held.index_copy_(0, dst, came), a.reps),
             "index_copy_as_int64": timed(
@@ -98,7 +100,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     lg, rw = out["logits_us"], out["rows_in_place_us"]
-    out["logits_now_over_before"] = lg["keys_by_queries_then_transposed"] / lg["queries_by_keys"]
+    out["token_major_over_query_major"] = lg["token_major"] / lg["query_major"]
     out["rows_now_over_before"] = rw["index_copy_as_int64"] / rw["index_copy_int8"]
     print(json.dumps({k: v for k, v in out.items() if k != "command"}, indent=1))
     if a.json_out:

@@ -9,6 +9,11 @@ parts are timed by wrapping the functions that do them (a CPU runs them synchron
 time is theirs; nested parts are inside their parents: `history` holds `rank` and `ws.gather`,
 `asm.attend` holds `sdpa` and `concat`). Prints the median step of each cache and the parts' mean
 ms per step. profile_decode.py gives the cProfile view of the same step.
+
+`--op-times N`: then N more flashmem steps with every ATen operator timed and charged to the
+innermost flashmem function on the stack (the model's own operators to `model`): ms a step and
+operators a layer per function, the busiest first (`op_times` in the JSON). Each operator is
+timed from Python, so a step takes longer under it; the shares are what it is for.
 """
 
 from __future__ import annotations
@@ -72,6 +77,38 @@ def wrap_parts(acc: dict[str, float]) -> Callable[[], None]:
     return restore
 
 
+def op_times(run: Callable[[], object], steps: int, layers: int, top: int = 30) -> list[dict[str, Any]]:
+    """run() `steps` times with every dispatched operator timed and charged to the innermost
+    flashmem function on the stack -> the `top` functions: ms a step, operators a layer."""
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    secs: dict[str, float] = collections.defaultdict(float)
+    ops: dict[str, int] = collections.defaultdict(int)
+
+    class Timed(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            f, where = sys._getframe(1), "model"
+            while f is not None:
+                name = f.f_code.co_filename
+                if "/flashmem/" in name and "_python_dispatch" not in name:
+                    where = f"{name.split('/flashmem/')[-1]}:{f.f_code.co_name}"
+                    break
+                f = f.f_back
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            secs[where] += time.perf_counter() - t0
+            ops[where] += 1
+            return out
+
+    with Timed():
+        for _ in range(steps):
+            run()
+    busiest = sorted(secs, key=secs.__getitem__, reverse=True)[:top]
+    return [{"function": w, "ms": 1e3 * secs[w] / steps, "ops_per_layer": ops[w] / steps / layers} for w in busiest]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -79,6 +116,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.125)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--config", default=None, help="a YAML config (e.g. configs/cpu-small.yaml) instead of the recipe")
+    ap.add_argument("--op-times", type=int, default=0, metavar="N", help="N more steps, each operator timed")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     from transformers import DynamicCache
@@ -116,6 +154,14 @@ def main() -> None:
                 t_d.append(time.perf_counter() - t0)
         finally:
             undo()
+        by_function: list[dict[str, Any]] = []
+        if a.op_times:
+
+            def one() -> None:
+                nonlocal tok_f
+                tok_f = step(cache, tok_f)
+
+            by_function = op_times(one, a.op_times, model.config.num_hidden_layers)
     out = {
         "model": a.model,
         "tokens": a.tokens,
@@ -126,6 +172,7 @@ def main() -> None:
         "dynamic_step_ms": 1e3 * statistics.median(t_d),
         "parts_ms": {k: 1e3 * v / a.steps for k, v in acc.items()},
         "config": {"lsa_top_k": cfg.lsa_top_k, "gpu_cache_limit": cfg.gpu_cache_limit},
+        "op_times": by_function,
         "date": time.strftime("%Y-%m-%d"),
     }
     print(f"flashmem {out['flashmem_step_ms']:.1f} ms a step, DynamicCache {out['dynamic_step_ms']:.1f} ms "
@@ -133,6 +180,10 @@ def main() -> None:
     for _, _, label in PARTS:
         if label in out["parts_ms"]:
             print(f"  {out['parts_ms'][label]:7.2f} ms  {label}")
+    if by_function:
+        print(f"each operator timed, {a.op_times} steps (ms a step, operators a layer, innermost flashmem function):")
+        for row in by_function:
+            print(f"  {row['ms']:7.2f} ms {row['ops_per_layer']:6.1f}  {row['function']}")
     if a.json_out:
         with open(a.json_out, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from flashmem.cache import int8_dots
 from flashmem.compress import key_code, page_code
 from flashmem.config import RERANK_CODE_BITS
 from flashmem.store.transfer import pinning
@@ -328,22 +329,15 @@ class KeyMirror:
         assert self.scale is not None
         b, h, nq, d = q.shape
         qi, qs = _int8_rows(q.float())  # [b, h, nq, d], [b, h, nq]
-        qt = qi.transpose(-1, -2).contiguous()  # [b, h, d, nq]
-        dots = torch.empty(b, h, T, nq, dtype=torch.int32)
-        # per row and KV head, keys [T, d] @ queries [d, nq] -> [T, nq] int32, exact sums: with
-        # the tokens as the GEMM's long side, and the transposing copy below, about half the time
-        # of [nq, d] @ [d, T] at SmolLM2's 8K shape (the same sums; a Xeon with AMX, one thread:
-        # benchmarks/diagnostics/int8_kernels.py)
-        for kk, qq, oo in zip(
-            keys.flatten(0, 1).unbind(0), qt.view(b * h, d, nq).unbind(0), dots.view(b * h, T, nq).unbind(0)
-        ):
-            torch._int_mm(kk, qq, out=oo)
+        # per row and KV head, the int8 keys [T, d] against the queries [nq, d] -> exact int32
+        # sums [nq, T], in the GEMM form timed faster on this CPU (cache/int8_dots.py)
+        sums = int8_dots.dots(keys.flatten(0, 1), qi.reshape(b * h, nq, d)).view(b, h, nq, T)
         # Query-major, so each query's logits are one contiguous run of tokens: the int32 ->
         # fp32 conversion writes them so, and the scales and the softmax after all run along it
         # (token-major, a mixed-dtype multiply and a strided softmax measured 1.6x slower per
         # layer at SmolLM2's 8K shape). The queries' scales and `scaling` are nq numbers.
         out = torch.empty(b, h, nq, T)
-        out.copy_(dots.transpose(-1, -2))
+        out.copy_(sums)
         return out.mul_(self.scale[:, :, None, :T]).mul_((qs * scaling)[..., None])
 
     def page_codes(
