@@ -188,6 +188,16 @@ def test_step_parts_charges_each_operator_to_its_function_on_smollm2(tmp_path: P
 
 
 @pytest.mark.model
+def test_prefill_fused_ab_on_smollm2_gives_the_same_logits_both_ways(tmp_path: Path):
+    out = tmp_path / "pf.json"
+    run_script(BENCH / "diagnostics" / "prefill_fused_ab.py", "--tokens", "300", "--prefill-chunk", "64",
+               "--rounds", "1", "--json-out", str(out))  # fmt: skip
+    got = json.loads(out.read_text())
+    assert got["cpu_kernel"] and all(len(v) == 1 and v[0] > 0 for v in got["seconds"].values())
+    assert got["last_logits_max_diff"] < 1e-3
+
+
+@pytest.mark.model
 def test_serve_load_small_on_smollm2(tmp_path: Path):
     """The load test with a 300-token document, one client, two requests: a server process
     starts, serves, reuses the prefix, and the report comes back without errors."""

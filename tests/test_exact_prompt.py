@@ -198,3 +198,43 @@ def test_a_one_shot_prompt_holds_exactly_its_kv_and_a_fed_one_never_more_than_th
         _prompt_logits(model, fed, ids[:, a : a + 30])
         assert fed.memory_report()["tiers"]["prefill_kv"] <= 310 * per_token
     assert fed.memory_report()["tiers"]["prefill_kv"] >= 300 * per_token
+
+
+def test_parts_seen_alike_take_the_fused_kernel_and_merge_as_the_scores_do(monkeypatch):
+    """OnlineSoftmax: parts every query sees alike (one with a masked key, one that row 1 of
+    the batch does not see at all) and the queries' own causal keys (`add_causal`) go through
+    PyTorch's fused CPU kernel; the merged attention equals one softmax over every key, and
+    the scores' way for every part."""
+    import math
+
+    from flashmem.cache import exact_prompt
+
+    g = torch.Generator().manual_seed(3)
+    b, hkv, group, m, d = 2, 2, 3, 5, 8
+    q = torch.randn(b, hkv * group, m, d, generator=g)
+    parts = [(torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)) for n in (4, 7, m)]
+    seen = [torch.ones(b, 1, 4, dtype=torch.bool), torch.ones(b, 1, 7, dtype=torch.bool)]
+    seen[0][0, 0, 2] = False  # one key hidden from row 0
+    seen[1][1] = False  # row 1 sees none of the second part
+    seen.append(torch.ones(m, m, dtype=torch.bool).tril().expand(b, m, m))  # the chunk itself, causal
+    calls = []
+    real = exact_prompt.FLASH_CPU
+    monkeypatch.setattr(exact_prompt, "FLASH_CPU", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def attend(fused: bool) -> torch.Tensor:
+        acc = exact_prompt.OnlineSoftmax(q, hkv, 0.3)
+        acc.fused = fused
+        for (k, v), s in zip(parts[:2], seen):
+            acc.add(k, v, s)
+        acc.add_causal(*parts[2])
+        return acc.result(q.dtype)
+
+    got = attend(True)
+    assert len(calls) == 3
+    K = torch.cat([k for k, _ in parts], -2).repeat_interleave(group, 1)
+    V = torch.cat([v for _, v in parts], -2).repeat_interleave(group, 1)
+    allowed = torch.cat([s.expand(b, m, s.shape[-1]) for s in seen], -1)[:, None]
+    logits = (q @ K.transpose(-1, -2) * 0.3).masked_fill(~allowed, -math.inf)
+    want = torch.softmax(logits, -1) @ V
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got, attend(False), atol=1e-5)
