@@ -126,9 +126,10 @@ class OnlineSoftmax:
     On a CPU in fp32, a part that every query sees alike (the earlier prompt: sinks, sealed
     runs, open block, window) is attended by PyTorch's fused flash kernel, which gives the
     part's output and log-sum-exp without writing its scores out, and merged by those
-    (`_add_fused`: 0.53x the time of the scores' way for 512 x 512 keys of SmolLM2's shape).
-    So are the chunk's own keys, causal, where none is padding (`add_causal`). Everything else,
-    and every part off a CPU or in another dtype, takes the scores' way."""
+    (`_add_fused`). So are the chunk's own keys, causal, where none is padding (`add_causal`).
+    SmolLM2's whole prefill then takes 0.64-0.72x the time of the scores' way at 4K-8K
+    (benchmarks/diagnostics/prefill_fused_ab.py). Everything else, and every part off a CPU or
+    in another dtype, takes the scores' way."""
 
     def __init__(self, q: torch.Tensor, hkv: int, scaling: float) -> None:
         b, hq, m, d = q.shape
