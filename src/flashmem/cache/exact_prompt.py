@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashmem.cache import sdpa
-from flashmem.cache.assembly import step_scratch
+from flashmem.cache.assembly import bias_from_valid, step_scratch
 
 if TYPE_CHECKING:
     from flashmem.cache.flash_layer import FlashLayer
@@ -170,13 +170,9 @@ class OnlineSoftmax:
         """`add` of a part every query sees alike (allowed [b, 1, n]) by the fused kernel: its
         output o and log-sum-exp lse per query join the running sums as one tile would
         (exp(lse) weighs o)."""
-        b, n = k.shape[0], k.shape[-2]
         every = bool(allowed.all())
-        mask = None  # additive, [b, 1, 1, n]: the kernel takes a mask of the queries' dtype
-        if not every:
-            mask = torch.zeros(b, 1, 1, n, dtype=torch.float32, device=k.device).masked_fill_(
-                ~allowed[:, :, None, :], -math.inf
-            )
+        # additive, [b, 1, 1, n]: the kernel takes a mask of the queries' dtype
+        mask = None if every else bias_from_valid(allowed[:, 0], torch.float32)[:, :, None, :]
         assert FLASH_CPU is not None
         o, lse = FLASH_CPU(self.q, k, v, 0.0, False, attn_mask=mask, scale=self.scaling)  # [b, h, rows, (d)]
         lse = lse.unsqueeze(-1)
@@ -254,14 +250,13 @@ def attend_streamed(
         a += k.shape[-2]
     if acc.fused and bool(valid_new.all()):  # the chunk's own keys, no padding among them
         acc.add_causal(k_new, v_new)
-        layer.exact.peak_transient_bytes = max(layer.exact.peak_transient_bytes, acc.peak_bytes)
-        return acc.result(q.dtype)
-    causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
-    eye = torch.eye(m, dtype=torch.bool, device=q.device)  # each sees itself, so no row is empty
-    cols = max(1, STREAM_SCORE_BYTES // per_token)  # the chunk's own keys, in parts as the runs
-    for c0 in range(0, m, cols):
-        c1 = min(m, c0 + cols)
-        seen = (causal[None, :, c0:c1] & valid_new[:, None, c0:c1]) | eye[None, :, c0:c1]
-        acc.add(k_new[:, :, c0:c1], v_new[:, :, c0:c1], seen)
+    else:
+        causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+        eye = torch.eye(m, dtype=torch.bool, device=q.device)  # each sees itself, so no row is empty
+        cols = max(1, STREAM_SCORE_BYTES // per_token)  # the chunk's own keys, in parts as the runs
+        for c0 in range(0, m, cols):
+            c1 = min(m, c0 + cols)
+            seen = (causal[None, :, c0:c1] & valid_new[:, None, c0:c1]) | eye[None, :, c0:c1]
+            acc.add(k_new[:, :, c0:c1], v_new[:, :, c0:c1], seen)
     layer.exact.peak_transient_bytes = max(layer.exact.peak_transient_bytes, acc.peak_bytes)
     return acc.result(q.dtype)
