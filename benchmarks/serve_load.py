@@ -625,7 +625,7 @@ def main() -> None:
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the servers' model dtype"
     )
     ap.add_argument(
-        "--weight-layout", default="auto", choices=["auto", "out_major", "in_major"],
+        "--weight-layout", default="auto", choices=["auto", "out_major", "in_major", "onednn"],
         help="the servers' linear weights in memory (flashmem serve --weight-layout)",
     )  # fmt: skip
     ap.add_argument("--batch-clients", default="1,4,8", help="--mode batch: concurrent clients, comma-separated")

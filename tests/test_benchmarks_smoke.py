@@ -356,6 +356,25 @@ def test_int8_kernels_times_every_form_and_says_which_this_cpu_takes(tmp_path: P
     assert got["chosen"] in int8_dots.FORMS and all(t > 0 for t in got["logits_us"].values())
 
 
+@pytest.mark.model
+def test_onednn_linears_times_every_shape_and_product(tmp_path: Path):
+    """Every distinct linear shape of SmolLM2, each product at each row count, all alike up to rounding."""
+    out = tmp_path / "onednn.json"
+    run_script(BENCH / "diagnostics" / "onednn_linears.py", "--rows", "1,3", "--reps", "1", "--out", str(out))
+    got = json.loads(out.read_text())
+    assert {(t["in"], t["out"]) for t in got["table"]} == {
+        (576, 576),
+        (576, 192),
+        (576, 1536),
+        (1536, 576),
+        (576, 49152),
+    }
+    assert sum(t["linears"] for t in got["table"] if t["rows"] == 1) == 30 * 7 + 1  # 7 a layer and the head
+    for t in got["table"]:
+        assert all(t[f"{w}_ms_all"] > 0 and t[f"{w}_max_diff"] < 1e-3 for w in ("out_major", "in_major", "onednn"))
+    assert set(got["totals_ms"]) == {"1", "3"} and got["linear_weight_bytes"] > 0
+
+
 def test_gpu_step_anatomy_smoke_on_cpu(tmp_path: Path):
     """Every section runs on a CPU (the graph ones skipped) and records the steps it timed."""
     out = tmp_path / "anatomy.json"

@@ -251,7 +251,7 @@ def test_prefixes_survive_a_server_restart(tmp_path) -> None:
         (["--port", "BUSY"], "cannot listen"),
         (["--prefix-codec", "zstd"], "--prefix-codec 'zstd': allowed: exact, int4, int8"),
         (["--dtype", "int8"], "--dtype 'int8': allowed: float32, bfloat16, float16"),
-        (["--weight-layout", "rows"], "--weight-layout 'rows': allowed: auto, out_major, in_major"),
+        (["--weight-layout", "rows"], "--weight-layout 'rows': allowed: auto, out_major, in_major, onednn"),
     ],
 )
 def test_cli_user_mistakes_are_one_line_exit_2(tmp_path, capsys, args, message) -> None:

@@ -65,9 +65,9 @@ def test_auto_is_in_major_only_for_fp32_on_an_mkl_x86_cpu(monkeypatch):
 
 
 def test_bad_layout_is_a_user_error():
-    with pytest.raises(ValueError, match="out_major, in_major"):
+    with pytest.raises(ValueError, match="out_major, in_major, onednn"):
         set_linear_layout(tiny_llama(), "column")
-    with pytest.raises(FlashMemError, match="weight_layout must be auto, out_major, in_major; got 'rows'"):
+    with pytest.raises(FlashMemError, match="weight_layout must be auto, out_major, in_major, onednn; got 'rows'"):
         load_model("smollm2", weight_layout="rows")  # refused before anything is loaded
 
 

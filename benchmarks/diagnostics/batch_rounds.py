@@ -32,7 +32,8 @@ their first sealed block) between rows that attend every sealed page joining the
 SDPA (`batched._short_decode`) and such rows running their own layer steps (before stop 51).
 
 `--layout-ab` alone: the same alternation between the linear weights stored [in, out] and
-[out, in] (`flashmem.models.weight_layout`): the batched round and the unbatched token.
+[out, in] (`flashmem.models.weight_layout`), or the `--layouts` given (e.g. onednn,in_major:
+the warm rounds run in the first): the batched round and the unbatched token.
 
 `--attend-ab FILE` alone: the same alternation, batched rounds only, between this tree's short
 rows' shared attention (`batched._attend_short`) and FILE's (another tree's
@@ -257,7 +258,9 @@ def layout_ab(model: Any, tok: Any, cfg: Any, prompts: list[list[int]], args: An
     from flashmem.models.weight_layout import linear_layout, set_linear_layout
 
     keep = linear_layout(model)
-    modes = {f"weights {lay}": (lambda lay=lay: set_linear_layout(model, lay)) for lay in ("in_major", "out_major")}
+    layouts = args.layouts.split(",")
+    modes = {f"weights {lay}": (lambda lay=lay: set_linear_layout(model, lay)) for lay in layouts}
+    set_linear_layout(model, layouts[0])  # the warm rounds in the first (onednn's products are timed there)
     return alternating_ab(model, tok, cfg, prompts, args, modes, lambda: set_linear_layout(model, keep))
 
 
@@ -400,6 +403,10 @@ def main() -> None:
         "--attend-ab", default=None, metavar="FILE",
         help="this tree's batched._attend_short or FILE's (another tree's cache/batched.py), alternating",
     )  # fmt: skip
+    ap.add_argument(
+        "--weight-layout", default="auto", help="the model's linear weights (flashmem.models.weight_layout)"
+    )
+    ap.add_argument("--layouts", default="in_major,out_major", help="--layout-ab: the weight layouts, the first warmed")
     ap.add_argument("--ab-blocks", type=int, default=2, help="A/Bs: blocks of --rounds rounds per mode")
     ap.add_argument("--warm-rounds", type=int, default=0, help="A/Bs: rounds decoded before measuring")
     ap.add_argument(
@@ -412,7 +419,7 @@ def main() -> None:
         args.round_context = 1000
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
-    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), weight_layout=args.weight_layout)
     if args.config is None and args.dtype != "float32":  # as `flashmem serve --dtype` sizes it
         cfg = sized_default_config(model)
     else:

@@ -90,7 +90,9 @@ def serve(
         "auto",
         "--weight-layout",
         help="the linear weights' memory order: auto (stored [in, out] for float32 on an x86 CPU with MKL, where"
-        " a batched round's few rows run as one GEMM), out_major (PyTorch's) or in_major; docs/serving.md",
+        " a batched round's few rows run as one GEMM), out_major (PyTorch's), in_major, or onednn (auto's order"
+        " plus a oneDNN copy of each weight for products of 2+ rows where faster: the weights' bytes twice);"
+        " docs/serving.md",
     ),
     max_request_bytes: str = typer.Option(
         "4M", "--max-request-bytes", help="largest request body (413 beyond it), e.g. 4M"
@@ -212,6 +214,10 @@ def _load_engine(
         torch.set_num_threads(threads)
     typer.echo(f"loading {model}...", err=True)
     mdl, tok = flashmem.load_model(model, dtype=dtype, weight_layout=weight_layout)
+    if weight_layout == "onednn":
+        from flashmem.models.onednn_linears import packed_bytes
+
+        typer.echo(f"linear weights: a oneDNN copy of each, {packed_bytes(mdl) / 1e6:.0f} MB more", err=True)
     if size_recipe:
         cfg = sized_default_config(mdl)
     return Engine(mdl, tok, cfg, prefix_store=store, **engine_options)

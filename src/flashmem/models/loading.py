@@ -247,7 +247,10 @@ def _finish(model: Any, device: Any, tok: Any, weight_layout: str) -> Any:
 
     model = model.to(device)
     model.eval()
-    set_linear_layout(model, auto_layout(model) if weight_layout == "auto" else weight_layout)
+    try:
+        set_linear_layout(model, auto_layout(model) if weight_layout == "auto" else weight_layout)
+    except ValueError as e:  # onednn on a GPU, or a torch without oneDNN: the user's choice, named
+        raise FlashMemError(str(e)) from None
     if getattr(model.config, "_attn_implementation", None) not in ("eager", "sdpa"):
         model.set_attn_implementation("sdpa")
     remember_tokenizer(model, tok)  # attach measures a missing layer profile with it
@@ -303,7 +306,10 @@ def load_model(
     (see module docstring); the model is in eval mode with "sdpa" or "eager" attention.
     weight_layout: how the linear weights lie in memory (``flashmem.models.weight_layout``):
     ``auto`` (stored [in, out] for fp32 on an x86 CPU with MKL, where a batched decode
-    round's few rows run as one GEMM), ``out_major`` (PyTorch's) or ``in_major``.
+    round's few rows run as one GEMM), ``out_major`` (PyTorch's), ``in_major``, or ``onednn``
+    (auto's order plus a copy of each weight in oneDNN's layout for products of 2+ rows, where
+    that measures faster: a batched server's rounds and prompt chunks; the linear weights'
+    bytes twice, ``flashmem.models.onednn_linears``).
     """
     import torch
 

@@ -10,6 +10,11 @@ GEMM over W. ``benchmarks/diagnostics/linear_layout.py`` measures both on a mode
 Only the memory order changes: no weight is copied twice (one matrix at a time is
 re-laid), tied weights stay tied, and a product's result differs from the default
 layout's by rounding only (another summation order).
+
+``onednn`` keeps the weights as ``auto`` lays them and adds a copy of each in oneDNN's
+blocked layout, which products of two rows or more take where they measure faster
+(``flashmem.models.onednn_linears``): the linear weights' bytes once more, so ``auto`` never
+picks it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Any
 
 __all__ = ["LAYOUTS", "auto_layout", "linear_layout", "set_linear_layout"]
 
-LAYOUTS = ("out_major", "in_major")  # out_major: PyTorch's [out, in]; in_major: stored [in, out]
+# out_major: PyTorch's [out, in]; in_major: stored [in, out]; onednn: auto's order plus oneDNN's copy
+LAYOUTS = ("out_major", "in_major", "onednn")
 
 
 def auto_layout(model: Any) -> str:
@@ -39,17 +45,37 @@ def auto_layout(model: Any) -> str:
 
 
 def linear_layout(model: Any) -> str:
-    """The layout of the model's linear weights: ``in_major`` if every one is, else ``out_major``."""
+    """The layout of the model's linear weights: ``onednn`` if every one has oneDNN's copy,
+    ``in_major`` if every one is stored so, else ``out_major``."""
+    from flashmem.models import onednn_linears
+
+    if onednn_linears.is_packed(model):
+        return "onednn"
     ws = [m.weight for m in model.modules() if _plain(m)]
     return "in_major" if ws and all(_is_in_major(w) for w in ws) else "out_major"
 
 
 def set_linear_layout(model: Any, layout: str) -> int:
-    """Lay every plain ``nn.Linear`` weight of ``model`` out as ``layout``; returns how many changed."""
+    """Lay every plain ``nn.Linear`` weight of ``model`` out as ``layout``; returns how many changed
+    (re-laid, or given or relieved of oneDNN's copy)."""
     import torch
+
+    from flashmem.models import onednn_linears
 
     if layout not in LAYOUTS:
         raise ValueError(f"weight layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "onednn":
+        if not onednn_linears.available():
+            raise ValueError("weight layout onednn needs a torch built with oneDNN (mkldnn); this one is not")
+        p = next(model.parameters(), None)
+        if p is None or p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
+            where = "no weights" if p is None else f"{p.dtype} weights on {p.device.type}"
+            raise ValueError(f"weight layout onednn is for float32 or bfloat16 weights on a CPU; the model has {where}")
+        if onednn_linears.is_packed(model):
+            return 0
+        # the dense weights as auto lays them (the one-row products read them), then the copies
+        return set_linear_layout(model, auto_layout(model)) + onednn_linears.pack(model)
+    unpacked = onednn_linears.unpack(model)
     seen: set[int] = set()
     changed = 0
     with torch.no_grad():
@@ -70,7 +96,7 @@ def set_linear_layout(model: Any, layout: str) -> int:
             for q in model.parameters():
                 if id(q) not in seen:
                     q.data = q.data.clone()
-    return changed
+    return changed + unpacked
 
 
 def _plain(m: Any) -> bool:
