@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -134,9 +135,16 @@ def test_a_packed_model_copies_and_saves_as_before(tmp_path, monkeypatch):
     model = tiny_llama()
     set_linear_layout(model, "onednn")
     twin = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)  # the whole module pickled, as some users keep a loaded model
+    buf.seek(0)
+    pickled = torch.load(buf, weights_only=False)
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(twin(ids).logits, model(ids).logits, rtol=0, atol=0)
+        want = model(ids).logits
+        for other in (twin, pickled):
+            assert linear_layout(other) == "onednn"
+            torch.testing.assert_close(other(ids).logits, want, rtol=0, atol=0)
     model.save_pretrained(tmp_path / "m")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())

@@ -25,8 +25,8 @@ The copies cost the linear weights' bytes once more (`packed_bytes`): SmolLM2-13
 
 from __future__ import annotations
 
+import functools
 import time
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,7 +83,8 @@ def pack(model: Any) -> int:
         if hasattr(m, _ATTR):
             continue
         setattr(m, _ATTR, _Copy(_reorder(m)))
-        m.forward = types.MethodType(_forward, m)  # type: ignore[method-assign]
+        # a partial, not a bound method: pickle (torch.save of a module) finds _forward by name
+        m.forward = functools.partial(_forward, m)  # type: ignore[method-assign]
         added += 1
     return added
 
