@@ -69,6 +69,7 @@ from flashmem.models.loading import load_model  # noqa: E402
 from flashmem.serve import engine as engine_mod  # noqa: E402
 from flashmem.serve.app import chat_prompt_ids  # noqa: E402
 from flashmem.serve.engine import Engine, Sampling, Sequence  # noqa: E402
+from flashmem_eval.benchkit import cpu_name  # noqa: E402
 from serve_load import BATCH_PROMPTS  # noqa: E402
 
 Q = "\n\nWhat is the text above about? Answer in detail."
@@ -348,15 +349,6 @@ def alternating_ab(
         b, u = out[f"max_batch {len(prompts)}"][mode], out["max_batch 1"][mode]
         out[f"batched over unbatched, {mode}"] = u["ms_per_token_cpu"] / b["ms_per_token_cpu"]
     return out
-
-
-def cpu_name() -> str:
-    """The CPU's model name (timings compare only within one machine)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 def forwards(model: Any, b: int) -> dict:

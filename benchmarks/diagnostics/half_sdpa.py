@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,17 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from flashmem.cache import sdpa
+from flashmem_eval.benchkit import median_ms
 
 
 def ms(fn: Callable[[], torch.Tensor], reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_ms(fn, reps, warm=3)
 
 
 def shape_row(m: int, L: int, half: torch.dtype, reps: int, g: torch.Generator) -> dict[str, float]:

@@ -27,16 +27,7 @@ import torch.nn.functional as F
 from flashmem.models import load_model
 from flashmem.models.onednn_linears import PACK_ROWS
 from flashmem.models.weight_layout import _plain
-
-
-def median_ms(fn: Any, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
+from flashmem_eval.benchkit import cpu_name, median_ms
 
 
 def main() -> None:
@@ -101,7 +92,7 @@ def main() -> None:
         "command": "python benchmarks/diagnostics/onednn_linears.py " + " ".join(sys.argv[1:]),
         "model": args.model,
         "torch_threads": 1,
-        "cpu": _cpu(),
+        "cpu": cpu_name(),
         "pack_rows": PACK_ROWS,
         "linear_weight_bytes": weight_bytes,
         "rss_added_by_reordering": rss1 - rss0,
@@ -114,15 +105,6 @@ def main() -> None:
     )
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
-
-
-def _cpu() -> str:
-    """The CPU's model name (timings compare only within one machine)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":

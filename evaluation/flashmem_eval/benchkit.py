@@ -10,7 +10,9 @@ through `sys.path`; here they are public functions of `flashmem_eval`, which
 - `probe` / `late_probe` / `score` / `LATE_FORMATS`: needle prompts in formats
   the retrieval suite does not use (the held-out checks of
   `benchmarks/page_retrieval.py`);
-- `needle_pages`: the index pages holding a needle's answer.
+- `needle_pages`: the index pages holding a needle's answer;
+- `median_ms` / `cpu_name`: a call's median time, and the CPU a timing ran on (timings
+  compare only within one machine).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import os
 import random
 import re
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flashmem.texts import haystack, insert_needles
@@ -27,9 +31,11 @@ from flashmem_eval.tiny import build_llama
 
 __all__ = [
     "LATE_FORMATS",
+    "cpu_name",
     "drop_file",
     "drop_segments",
     "late_probe",
+    "median_ms",
     "needle_pages",
     "probe",
     "pydoc_text",
@@ -190,3 +196,24 @@ def needle_pages(tok: Any, context: str, answer: str, sinks: int, page: int) -> 
     spans = [m.start() for m in re.finditer(re.escape(answer), context)]
     starts = [min(i for i, (_, b) in enumerate(enc["offset_mapping"]) if b > c) for c in spans]
     return sorted({(i - sinks) // page for i in starts if i >= sinks})
+
+
+def median_ms(fn: Callable[[], Any], reps: int, warm: int = 1) -> float:
+    """The median milliseconds of `reps` calls of fn (synchronous: a CPU's), after `warm` untimed ones."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return ""

@@ -108,13 +108,7 @@ def is_packed(model: Any) -> bool:
 
 def packed_bytes(model: Any) -> int:
     """Bytes the reordered copies take (each about its weight's: oneDNN's blocked layout pads little)."""
-    seen: set[int] = set()
-    total = 0
-    for m in model.modules():
-        if hasattr(m, _ATTR) and id(m) not in seen:
-            seen.add(id(m))
-            total += m.weight.nbytes
-    return total
+    return sum(m.weight.nbytes for m in model.modules() if hasattr(m, _ATTR))  # modules() yields each once
 
 
 def chosen_products() -> dict[tuple[int, int, int, int], str]:
