@@ -1,4 +1,4 @@
-"""The key copy's int8 dot products in either GEMM form, and the form each size is given (cache/int8_dots.py)."""
+"""The key copy's int8 dot products in each GEMM form, and the form each size is given (cache/int8_dots.py)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,37 @@ def test_each_form_gives_the_exact_sums(form, r, T, d, nq):
     keys, q = _codes(r, T, d, seed=0), _codes(r, nq, d, seed=1)
     want = torch.einsum("rnd,rtd->rnt", q.long(), keys.long())
     got = int8_dots.dots(keys, q, form)
-    assert got.dtype == torch.int32 and got.shape == (r, nq, T)
+    assert got.dtype == (torch.float32 if form == "float32" else torch.int32) and got.shape == (r, nq, T)
     assert torch.equal(got.long(), want)
+
+
+def test_the_float32_form_is_exact_at_the_extremes_and_across_chunks(monkeypatch):
+    """Every product at 127 * 127 (or -127 * 127): the largest sums fp32 must hold, and a
+    chunk of the keys' conversion smaller than the tokens (several chunks, a ragged last)."""
+    monkeypatch.setattr(int8_dots, "FLOAT_CHUNK_ELEMENTS", 2 * 300 * 256)  # 300 tokens a chunk
+    keys = torch.full((2, 1000, 1024), 127, dtype=torch.int8)
+    keys[1, ::3] = -127
+    q = torch.full((2, 3, 1024), 127, dtype=torch.int8)
+    want = torch.einsum("rnd,rtd->rnt", q.long(), keys.long())
+    assert want.abs().max() == 127 * 127 * 1024
+    assert torch.equal(int8_dots.dots(keys, q, "float32").long(), want)
+
+
+def test_the_float32_form_is_refused_where_fp32_would_round_and_left_out_of_the_choice(monkeypatch):
+    keys, q = _codes(1, 8, 1040, seed=0), _codes(1, 1, 1040, seed=1)
+    with pytest.raises(ValueError, match="exact up to d=1024; got d=1040"):
+        int8_dots.dots(keys, q, "float32")
+    timed: list[str] = []
+    monkeypatch.setattr(int8_dots, "_chosen", {})
+    monkeypatch.setattr(int8_dots, "_elapsed", lambda fn, *a: timed.append(fn.__name__) or 0.0)
+    int8_dots.dots(keys, q)
+    assert "_float32" not in timed and set(timed) == {"_query_major", "_token_major"}
 
 
 def test_a_size_gets_the_form_timed_faster_once_and_keeps_it(monkeypatch):
     """The first call of a size times both forms (TIMED_CALLS each) and keeps the faster;
     later calls of that size, up to the next power of two of tokens, time nothing."""
-    seconds = {"query_major": 2.0, "token_major": 1.0}
+    seconds = {"query_major": 2.0, "token_major": 1.0, "float32": 3.0}
     timed: list[str] = []
 
     def fake(fn, keys, q):
@@ -43,7 +66,7 @@ def test_a_size_gets_the_form_timed_faster_once_and_keeps_it(monkeypatch):
     got = int8_dots.dots(keys, q)
     assert torch.equal(got, want)
     n = int8_dots.TIMED_CALLS
-    assert sorted(timed) == ["query_major"] * n + ["token_major"] * n
+    assert sorted(timed) == ["float32"] * n + ["query_major"] * n + ["token_major"] * n
     assert int8_dots.chosen_forms() == {(512, 32, 3): "token_major"}
     timed.clear()
     assert torch.equal(int8_dots.dots(keys[:, :260], q), want[:, :, :260])  # 260 -> 512: chosen already
@@ -54,7 +77,7 @@ def test_a_size_gets_the_form_timed_faster_once_and_keeps_it(monkeypatch):
 
 
 def test_an_unknown_form_is_refused():
-    with pytest.raises(ValueError, match="allowed: query_major, token_major"):
+    with pytest.raises(ValueError, match="allowed: query_major, token_major, float32"):
         int8_dots.dots(_codes(1, 8, 8, seed=0), _codes(1, 1, 8, seed=1), "rows")
 
 
@@ -71,6 +94,7 @@ def test_the_key_copys_logits_are_the_same_in_either_form(monkeypatch):
         got[form] = mirror.logits(qg, 0.125)
         assert set(int8_dots.chosen_forms().values()) == {form}
     assert torch.equal(got["query_major"], got["token_major"])
+    assert torch.equal(got["query_major"], got["float32"])
     keys = mirror.k[:, :, :80].float() * mirror.scale[:, :, :80, None]
     ref = torch.einsum("bhnd,bhtd->bhnt", qg, keys) * 0.125
     assert torch.allclose(got["query_major"], ref, rtol=0.02, atol=0.05)

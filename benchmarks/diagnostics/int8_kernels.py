@@ -4,11 +4,12 @@
         [--head-dim 64] [--queries 3] [--pages 100] [--reps 300] [--json-out FILE]
 
 - The key copy's logits (cache/rerank_codes.py `KeyMirror.logits`): int8 queries against every
-  held int8 key, one `torch._int_mm` per KV head, in the two forms of cache/int8_dots.py:
+  held int8 key, one GEMM per KV head, in the forms of cache/int8_dots.py:
   `query_major`, [nq, d] @ [d, T], and `token_major`, [T, d] @ [d, nq] (the tokens as the GEMM's
   long side) read back transposed, each then copied into query-major fp32 as `logits` does;
-  and the form before stop 55 (the queries padded to 8 rows, query-major). The int32 sums are
-  checked equal. Which form is faster depends on the CPU, so flashmem times both at the first
+  the keys converted to fp32 a chunk at a time and multiplied in fp32 (`float32`, exact: stop 60);
+  and the form before stop 55 (the queries padded to 8 rows, query-major). The sums are
+  checked equal. Which form is faster depends on the CPU, so flashmem times them at the first
   call of each size (`chosen` gives what this process chose at this one).
 - Rows of int8 codes written into a working set in place (cache/working_set.py `_merge_in_place`,
   `compress/page_code.copy_rows`): `index_copy_` of `--pages` rows of P*d int8 codes (before), and
@@ -29,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from flashmem.cache import int8_dots
+from flashmem_eval.benchkit import cpu_name
 
 
 def timed(fn: Callable[[], object], reps: int) -> float:
@@ -70,7 +72,11 @@ def main() -> None:
         return dots[:, :nq].float()
 
     def form(name: str) -> Callable[[], torch.Tensor]:
-        return lambda: torch.empty(h, nq, T).copy_(int8_dots.dots(keys, q, name))
+        def run() -> torch.Tensor:  # as `logits` takes them: fp32 query-major, copied where not already
+            sums = int8_dots.dots(keys, q, name)
+            return sums if sums.dtype == torch.float32 else torch.empty(h, nq, T).copy_(sums)
+
+        return run
 
     assert all(torch.equal(padded(), form(f)()) for f in int8_dots.FORMS)
     int8_dots.dots(keys, q)  # this process's choice for the size
@@ -98,9 +104,12 @@ def main() -> None:
             ),
         },
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # AVX2 / AVX512 / ...: what ATen's kernels use
     }
     lg, rw = out["logits_us"], out["rows_in_place_us"]
     out["token_major_over_query_major"] = lg["token_major"] / lg["query_major"]
+    out["float32_over_query_major"] = lg["float32"] / lg["query_major"]
     out["rows_now_over_before"] = rw["index_copy_as_int64"] / rw["index_copy_int8"]
     print(json.dumps({k: v for k, v in out.items() if k != "command"}, indent=1))
     if a.json_out:

@@ -330,14 +330,17 @@ class KeyMirror:
         b, h, nq, d = q.shape
         qi, qs = _int8_rows(q.float())  # [b, h, nq, d], [b, h, nq]
         # per row and KV head, the int8 keys [T, d] against the queries [nq, d] -> exact int32
-        # sums [nq, T], in the GEMM form timed faster on this CPU (cache/int8_dots.py)
+        # sums [nq, T], in the GEMM form timed fastest on this CPU (cache/int8_dots.py)
         sums = int8_dots.dots(keys.flatten(0, 1), qi.reshape(b * h, nq, d)).view(b, h, nq, T)
         # Query-major, so each query's logits are one contiguous run of tokens: the int32 ->
         # fp32 conversion writes them so, and the scales and the softmax after all run along it
         # (token-major, a mixed-dtype multiply and a strided softmax measured 1.6x slower per
         # layer at SmolLM2's 8K shape). The queries' scales and `scaling` are nq numbers.
-        out = torch.empty(b, h, nq, T)
-        out.copy_(sums)
+        if sums.dtype == torch.float32 and sums.is_contiguous():
+            out = sums  # the float32 form's sums are fp32 query-major already
+        else:
+            out = torch.empty(b, h, nq, T)
+            out.copy_(sums)
         return out.mul_(self.scale[:, :, None, :T]).mul_((qs * scaling)[..., None])
 
     def page_codes(
