@@ -234,7 +234,8 @@ class KeyMirror:
       bytes of fp32 keys; the logits are rounded to bf16 (about 3 significant digits)
       before the softmax;
     - int8: each token's key scaled by its largest channel (an fp32 scale per token and
-      KV head), scored against int8 queries by `torch._int_mm` (exact int32 sums): a quarter
+      KV head), scored against int8 queries with exact integer sums (`torch._int_mm`, or an
+      fp32 GEMM where the CPU lacks int8 dot instructions: cache/int8_dots.py): a quarter
       of the bytes of fp32 keys.
 
     Filled as blocks seal (`extend`, the seal's keys at hand) or, for blocks that never
