@@ -167,6 +167,8 @@ def main() -> None:
                 # bytes a decode step moved, by path, beside what the full cache reads for it
                 step = caches[name].traffic_report()["per_decode_step_median"]
                 row["traffic_per_decode_step"] = {k: step[k] for k in step}
+                if rep["doubt_steps"]:  # exact_on_doubt: steps checked, redone, tokens fed again
+                    row["doubt"] = {k: rep[f"doubt_{k}"] for k in ("steps", "redone", "redone_tokens")}
                 row["config"] = {
                     k: getattr(configs[name], k)
                     for k in (
@@ -177,6 +179,7 @@ def main() -> None:
                         "working_set_codec",
                         "decode_step",
                         "lsa_fetch_share",
+                        "exact_on_doubt",
                     )  # fmt: skip
                 }
                 caches[name].close()

@@ -203,6 +203,9 @@ def local_answer(
         row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
         row["ratio_whole"] = end["ratio_whole"]
         row["ratio_peak"] = end.get("ratio_peak")
+        rep = cache.memory_report()
+        if rep.get("doubt_steps"):  # exact_on_doubt: decode steps checked and run again exactly
+            row.update({k: rep[k] for k in ("doubt_steps", "doubt_redone", "doubt_redone_tokens")})
     return gen, info
 
 

@@ -58,6 +58,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "int8": {**RECIPE, "cold_codec": "int8"},
     "int4": {**RECIPE, "cold_codec": "int4"},
     "b128": {**RECIPE, "hca_chunk_size": 128},
+    # exact_on_doubt (cache/doubt.py): a decode step whose top two logits are this close (nats)
+    # runs again with every earlier token attended exactly (issue 31's near ties; stop 60)
+    "doubt": {**RECIPE, "exact_on_doubt": 0.5},
+    "doubt0.2": {**RECIPE, "exact_on_doubt": 0.2},
     "block": {**RECIPE, "lsa_page_tokens": None, "lsa_index_dtype": "model", "use_summaries": True},
     "lowrank": {**RECIPE, "lsa_scorer": "lowrank"},
     "learned": {**RECIPE, "lsa_scorer": "learned"},

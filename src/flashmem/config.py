@@ -260,6 +260,16 @@ class FlashMemoryConfig(BaseModel):
         "more is held), with a lossy one the prompt's K/V is held on the device until then (the "
         "prefill_kv tier, counted in the peak); 0: the prompt attends its selection too",
     )
+    exact_on_doubt: float = Field(
+        0.0,
+        ge=0.0,
+        le=20.0,
+        description="a one-token decode forward whose top two next-token logits are closer than this "
+        "(nats) in any row is undone and run again with every managed layer attending every earlier "
+        "token exactly, read back from the tiers as an exact prompt is (cache/doubt.py): near ties "
+        "decided as the full cache decides them, at the price of reading the cold tier on those steps "
+        "(counted in traffic_report and memory_report's doubt counts); needs an exact cold tier; 0: off",
+    )
     lsa_prefill_queries: int = Field(
         0,
         ge=0,
@@ -442,10 +452,22 @@ class FlashMemoryConfig(BaseModel):
                 "position_mode: window places selected blocks only (summaries have no place yet); "
                 "allowed: window with use_summaries: false, or position_mode: real"
             )
+        if self.exact_on_doubt and (self.cold_codec != "exact" or self.cold_low_rank != "none"):
+            out.append(
+                f"exact_on_doubt: {self.exact_on_doubt} reads every earlier token back exactly, but the cold "
+                f"tier keeps them lossy (cold_codec: {self.cold_codec}, cold_low_rank: {self.cold_low_rank}); "
+                "allowed: exact_on_doubt with cold_codec: exact and cold_low_rank: none, or exact_on_doubt: 0"
+            )
         if self.position_mode == "window" and self.prefill_exact_tokens:
             out.append(
                 "position_mode: window keeps positions inside the trained range, but an exact prefill "
                 "attends every token at its real position; allowed: prefill_exact_tokens: 0 with "
+                "window, or position_mode: real"
+            )
+        if self.position_mode == "window" and self.exact_on_doubt:
+            out.append(
+                "position_mode: window keeps positions inside the trained range, but exact_on_doubt's "
+                "exact steps attend every token at its real position; allowed: exact_on_doubt: 0 with "
                 "window, or position_mode: real"
             )
         return out

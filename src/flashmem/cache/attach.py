@@ -68,6 +68,10 @@ def attach(
     register()
     if model.config._attn_implementation != attention.NAME:
         model.set_attn_implementation(attention.NAME)
+    if cfg.exact_on_doubt:
+        from flashmem.cache import doubt
+
+        doubt.install(model)  # near-tie steps run again exactly (cache/doubt.py)
     head_dim = geometry.head_dim(text_cfg) or 0
     kinds = set(geometry.layer_types(text_cfg, text_cfg.num_hidden_layers, infer_sliding=False))
     rotators: dict[str | None, RopeRotator | None] = {kind: find_rotator(model, kind, head_dim) for kind in kinds}

@@ -65,7 +65,8 @@ def _layer_step(
     b, _, q, d = query.shape
     scaling = d**-0.5 if scaling is None else scaling
     valid_new = _new_token_validity(attention_mask, b, q, query.device)
-    exact = layer.exact_prompt(q)
+    exact = layer.exact_prompt(q) or layer.exact_redo  # the prompt, or a step redone on doubt
+    layer.forward_exact = exact
     layer.decoding |= q == 1
     if not exact and layer.decoding and 1 < q <= layer.cfg.select_per_token_max:
         # a verify forward after the prompt: each token selects, attends and appends as a
@@ -77,9 +78,11 @@ def _layer_step(
                 query[:, :, one], k_new[:, :, one], v_new[:, :, one], valid_new[:, one], scaling
             )
         return out.transpose(1, 2).contiguous(), None
+    # a redo attends exactly and selects nothing: one pass over the tiers, no tail split off
+    split = layer.cfg.prefill_split_tail and not layer.mid_prompt and not layer.exact_redo
     outs = [
         layer.step(query[:, :, a:e], k_new[:, :, a:e], v_new[:, :, a:e], valid_new[:, a:e], scaling, exact)
-        for a, e in query_chunks(q, layer.cfg.prefill_chunk, layer.cfg.prefill_split_tail and not layer.mid_prompt)
+        for a, e in query_chunks(q, layer.cfg.prefill_chunk, split)
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None

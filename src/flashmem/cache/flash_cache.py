@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from flashmem import tier_names
 from flashmem.cache import generation
+from flashmem.cache.doubt import DoubtState
 from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
 from flashmem.cache.guard import StepGuard
 from flashmem.cache.latent import make_latent
@@ -67,6 +68,8 @@ class FlashMemoryCache(Cache):
         self._traffic = Traffic()
         self._traffic.watch(self.store)
         self._guard = StepGuard(n_layers)
+        # exact_on_doubt: the steps checked and redone, and what a redo goes back to (cache/doubt.py)
+        self.doubt = DoubtState()
         self._finalizer = weakref.finalize(self, _close_cold_tier, self.prefetcher, self.store)
         sliding = [geometry.keeps_window(kind, text_cfg) for kind in layer_types]
         managed = [i for i in range(n_layers) if not sliding[i] and i not in full]
@@ -235,6 +238,11 @@ class FlashMemoryCache(Cache):
                 (layer.exact.peak_transient_bytes for layer in self.flash_layers if layer.is_initialized), default=0
             ),
             "sealed_blocks": sum(layer.num_sealed for layer in self.flash_layers if layer.is_initialized),
+            # exact_on_doubt: one-token forwards whose top-two logit gap was checked, and those run
+            # again with every earlier token attended exactly (cache/doubt.py)
+            "doubt_steps": self.doubt.counts["steps"],
+            "doubt_redone": self.doubt.counts["redone"],
+            "doubt_redone_tokens": self.doubt.counts["redone_tokens"],
             # decode_step: static: layer steps that ran static (the others eager: a seal, the
             # prompt, a row change, or a store whose arena it cannot read)
             "static_decode_steps": sum(layer.static_steps for layer in self.flash_layers if layer.is_initialized),
@@ -332,6 +340,7 @@ class FlashMemoryCache(Cache):
         the sealed blocks a crop unseals are read from the cold tier (a read error raises), before
         a layer changes."""
         n = generation.crop_count(tokens_to_remove)
+        self.doubt.ids = None  # exact_on_doubt's tokens since its point are not these any more
         unsealed: dict[int, generation.Unsealed | None] = {}
         for layer in self.flash_layers:
             if layer.is_initialized and n:
@@ -357,6 +366,7 @@ class FlashMemoryCache(Cache):
         """The next step's batch size is the layers' new row count (the guard checks it)."""
         rows = next((layer.sink_k.shape[0] for layer in self.flash_layers if layer.is_initialized), None)
         self._guard.batch = rows
+        self.doubt.ids = None  # the tokens since the exact point name the old rows: no point until the next step
 
     def _layer_lengths(self) -> list[int]:
         """Tokens each layer holds (the guard compares them before every step)."""
@@ -368,6 +378,7 @@ class FlashMemoryCache(Cache):
         super().reset()
         self._guard.reset()
         self._traffic.reset()
+        self.doubt.ids = None
 
     def close(self) -> None:
         """Stop prefetching, then release the cold tier (its files too, unless the config

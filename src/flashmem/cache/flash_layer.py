@@ -124,6 +124,8 @@ class FlashLayer(CacheLayerMixin):
         self.scaling = 1.0  # the model's attention scale, set by each step (fusion reads it)
         self.peak_resident_bytes = 0
         self.decoding = False  # a one-token forward (or a crop) has run: the prompt is over
+        self.exact_redo = False  # this forward attends every earlier token exactly (cache/doubt.py)
+        self.forward_exact = False  # the last forward did (an exact prompt, or a redo)
 
     # The cold tier's read path lives in self.reader; these name its switches.
     prefetcher = property(lambda self: self.reader.prefetcher, lambda self, pf: setattr(self.reader, "prefetcher", pf))

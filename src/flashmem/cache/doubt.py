@@ -1,0 +1,193 @@
+"""Exact on doubt (`exact_on_doubt`): a decode step whose next token is a near tie is run again exactly.
+
+A selecting step's attention is close to the full cache's, not equal to it. Where the model's
+top two next tokens are nearly tied, that small difference can pick the other one, and the
+answer then goes its own way: on issue 31's multi-piece tasks most items flashmem lost were
+ones the full cache itself found by a margin below 0.1 nats (docs/results.md, stops 56-57 and
+60). With `exact_on_doubt` m > 0, after every one-token forward the gap between the top two
+logits of each row is read. Where any row's gap is below m, the step is undone and run again
+exactly, and the forward returns that run: the logits the full cache gives for the same tokens.
+
+Exactly means every managed layer attends every earlier token, read back from the tiers as the
+streamed exact prompt does (`exact_prompt.attend_streamed`), and also that the K/V it attends
+are the full cache's. The prompt's are (it is attended exactly), but a generated token's K/V at
+layer l were computed from its selecting attention below l. So the redo runs again every token
+generated since the last exact point (the prompt's end, or the last redo), at most
+REDO_MAX_TOKENS, as one chunk: those tokens are cropped out of every layer and fed again. Past
+REDO_MAX_TOKENS the exact point moves on, and the older generated tokens keep their K/V.
+
+Undoing: a FlashLayer drops the tokens as a crop does (`generation.crop`: a block they sealed is
+unsealed from the exact cold tier); a plain full layer is cropped; a sliding-window layer, which
+cannot be cropped once its window is full, gets back the state saved at the exact point (by
+reference: its updates replace its tensors, they never write into them). What the first run
+changed in a layer's working set stays: it is a cache of pages, not part of the attention.
+
+Cost: a redone step runs the model once more, over the tokens since the exact point, and reads
+the whole cold tier once per layer in runs of about one prefill chunk (counted in
+`traffic_report()` as one more forward); the device holds the budget plus one run, as during the
+prompt. `memory_report()["doubt_steps"]` and `["doubt_redone"]` count the one-token forwards
+checked and redone, `["doubt_redone_tokens"]` the tokens fed again.
+
+Installed on the model by `flashmem.attach` when the config asks for it, as a forward pre-hook
+and hook on the model's top module. They act only for a FlashMemoryCache whose config has
+`exact_on_doubt` > 0, on forwards given `input_ids` and a 2-D attention mask (or none), and
+check one-token forwards that return logits. A forward of several tokens attended exactly (the
+prompt) is an exact point when it ends; one that selected (a verify forward, a prompt past
+`prefill_exact_tokens`) leaves none, and the next one-token forward starts one, the K/V before
+it as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from flashmem.cache import generation
+from flashmem.cache.flash_layer import FlashLayer
+
+_INSTALLED = "_flashmem_doubt_hooks"
+REDO_MAX_TOKENS = 64  # generated tokens a redo feeds again at most (one chunk of a few pages)
+
+
+@dataclass
+class DoubtState:
+    """A cache's bookkeeping since its last exact point."""
+
+    counts: dict[str, int] = field(default_factory=lambda: {"steps": 0, "redone": 0, "redone_tokens": 0})
+    ids: list[torch.Tensor] | None = None  # the one-token inputs [b, 1] since the point; None: no point
+    sliding: dict[int, dict[str, Any]] = field(default_factory=dict)  # sliding layers' state at the point
+    checking: bool = False  # the forward in flight is a one-token step to check
+    ends_point: bool = False  # the forward in flight ends at an exact point (several tokens)
+
+    def mark_point(self, cache: Any) -> None:
+        """Every K/V the cache holds now is the full cache's: redo from here."""
+        self.ids = []
+        self.sliding = {
+            i: dict(vars(layer)) for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer)
+        }
+
+
+def install(model: torch.nn.Module) -> None:
+    """Put the two hooks on `model` (once; they do nothing for other caches)."""
+    if getattr(model, _INSTALLED, False):
+        return
+    model.register_forward_pre_hook(_before, with_kwargs=True)
+    model.register_forward_hook(_after, with_kwargs=True)
+    setattr(model, _INSTALLED, True)
+
+
+def top_gap(logits: torch.Tensor) -> torch.Tensor:
+    """logits [b, V] -> [b]: the top logit minus the runner-up's (nats; 0 for a tie)."""
+    top2 = logits.float().topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def _cache_of(kwargs: dict[str, Any]) -> Any:
+    from flashmem.cache.flash_cache import FlashMemoryCache
+
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, FlashMemoryCache) and cache.cfg.exact_on_doubt > 0:
+        return cache
+    return None
+
+
+def _input_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    x = kwargs.get("input_ids", args[0] if args else None)
+    return x if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+
+
+def _before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    cache = _cache_of(kwargs)
+    if cache is None:
+        return
+    st: DoubtState = cache.doubt
+    ids = _input_ids(args, kwargs)
+    mask = kwargs.get("attention_mask")
+    st.checking = st.ends_point = False
+    if ids is None or len(args) > 1 or (mask is not None and mask.dim() != 2):  # a redo could not repeat it
+        st.ids = None
+        return
+    if ids.shape[1] > 1:
+        st.ends_point = True
+        return
+    if cache.get_seq_length() == 0:
+        return
+    if st.ids is None or len(st.ids) >= REDO_MAX_TOKENS:
+        st.mark_point(cache)  # the point moves on: the older generated tokens keep their K/V
+    assert st.ids is not None
+    st.ids.append(ids)
+    st.checking = True
+
+
+def _after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    cache = _cache_of(kwargs)
+    if cache is None:
+        return None
+    st: DoubtState = cache.doubt
+    if st.ends_point:  # a prompt attended exactly is a point; a verify forward selected: no point
+        st.ends_point = False
+        if all(layer.forward_exact for layer in cache.flash_layers if layer.is_initialized):
+            st.mark_point(cache)
+        else:
+            st.ids = None
+        return None
+    logits = getattr(output, "logits", None)
+    if not st.checking or logits is None or logits.dim() != 3:
+        return None
+    st.checking = False
+    st.counts["steps"] += 1
+    if bool((top_gap(logits[:, -1]) >= cache.cfg.exact_on_doubt).all()):
+        return None
+    assert st.ids is not None
+    redo = torch.cat(st.ids, dim=1)  # [b, n]: the tokens since the exact point, this one last
+    n = redo.shape[1]
+    if not _undo(cache, st, n):
+        return None
+    flash = cache.flash_layers
+    for layer in flash:
+        layer.exact_redo = True
+    try:  # forward, not __call__: these hooks stay out of it
+        redone = module.forward(**_repeat_kwargs(args, kwargs, redo))
+    finally:
+        for layer in flash:
+            layer.exact_redo = False
+    st.counts["redone"] += 1
+    st.counts["redone_tokens"] += n
+    st.mark_point(cache)
+    return redone
+
+
+def _repeat_kwargs(args: tuple[Any, ...], kwargs: dict[str, Any], redo: torch.Tensor) -> dict[str, Any]:
+    """The forward's arguments for the n tokens `redo` [b, n] ending at its one token: the same
+    mask (it spans every position), the n positions before and at its own, its last logits only."""
+    out = dict(kwargs)  # input_ids, if it came first by position, is replaced below
+    n = redo.shape[1]
+    out["input_ids"] = redo
+    back = torch.arange(n - 1, -1, -1, device=redo.device)  # n-1 .. 0
+    for key in ("position_ids", "cache_position"):
+        pos = out.get(key)
+        if isinstance(pos, torch.Tensor):
+            out[key] = pos[..., -1:] - back
+    out["logits_to_keep"] = 1  # the step's logits only, as the one-token forward returned
+    return out
+
+
+def _undo(cache: Any, st: DoubtState, n: int) -> bool:
+    """Take the last n tokens back out of every layer (False: a layer cannot, nothing changed)."""
+    flash = [layer for layer in cache.layers if isinstance(layer, FlashLayer) and layer.is_initialized]
+    if any(generation.croppable_tokens(layer) < n for layer in flash):
+        return False  # rows changed since blocks sealed (beam search): they cannot be unsealed
+    unsealed = {id(layer): generation.read_unsealed(layer, n) for layer in flash}
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, FlashLayer):
+            if layer.is_initialized:
+                generation.crop(layer, -n, unsealed[id(layer)])
+        elif isinstance(layer, DynamicSlidingWindowLayer):
+            vars(layer).clear()
+            vars(layer).update(st.sliding[i])
+        elif isinstance(layer, DynamicLayer):
+            layer.crop(-n)
+    return True

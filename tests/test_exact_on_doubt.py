@@ -1,0 +1,155 @@
+"""Exact on doubt (`exact_on_doubt`, cache/doubt.py): a decode step whose top two logits are closer
+than the threshold is undone and run again with every earlier token attended exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import flashmem
+from flashmem.cache import doubt
+from flashmem.errors import ConfigError
+from test_cache import SMALL, reference, run
+from tiny_models import MODELS, tiny_llama
+
+# few pages selected, so a selecting step's logits differ from the full cache's; the prompt exact
+SPARSE = dict(SMALL, lsa_top_k=1, prefill_exact_tokens=4096)
+STEPS = 40  # with 16-token blocks: several seals among the steps, each then undone and redone
+
+
+def _ids(b: int = 1, n: int = 300) -> torch.Tensor:
+    return torch.randint(0, 128, (b, n), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))  # gemma3: sliding layers, restored by reference
+def test_every_step_redone_gives_the_full_caches_logits(arch):
+    model = MODELS[arch]()
+    ids = _ids()
+    ref = reference(model, ids, STEPS)
+    sparse = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE))
+    assert (run(model, sparse, ids, STEPS) - ref)[:, 1:].abs().max() > 1e-2  # selecting steps differ
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=20.0))
+    got = run(model, cache, ids, STEPS)
+    assert (got - ref).abs().max() <= 1e-4  # every step, the prompt's included
+    rep = cache.memory_report()
+    assert rep["doubt_steps"] == rep["doubt_redone"] == STEPS
+    assert rep["sealed_blocks"] == sparse.memory_report()["sealed_blocks"] > 0  # the seals undone and redone
+    assert rep["tokens_seen"] == ids.shape[1] + STEPS
+    # the exact steps stream the cold tier: the device holds what the selecting steps hold
+    assert rep["peak_managed_resident_bytes"] <= 1.05 * sparse.memory_report()["peak_managed_resident_bytes"]
+
+
+def _steps(model, cache, ids, steps):
+    """run()'s token stream, one forward at a time -> [(logits [b, V], redone?)] per step."""
+    out = []
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        tok = torch.full((ids.shape[0], 1), 5)
+        for _ in range(steps):
+            before = cache.doubt.counts["redone"]
+            logits = model(tok, cache=cache, use_cache=True).logits[:, -1]
+            out.append((logits, cache.doubt.counts["redone"] > before))
+            tok = (tok * 7 + 3) % 128
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_a_step_below_the_threshold_is_redone_with_the_full_caches_logits(arch, monkeypatch):
+    """Only steps whose first run's gap is below the threshold are redone; a redone step feeds
+    again every token since the last exact point, so its logits are the full cache's, though the
+    steps before it selected."""
+    model = MODELS[arch]()
+    ids = _ids()
+    ref = reference(model, ids, STEPS)
+    seen: list[float] = []
+    gap = doubt.top_gap
+    monkeypatch.setattr(doubt, "top_gap", lambda logits: (g := gap(logits), seen.extend(g.tolist()))[0])
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=0.1))
+    steps = _steps(model, cache, ids, STEPS)
+    redone = [s for s, (_, r) in enumerate(steps) if r]
+    assert len(seen) == STEPS and [s for s, g in enumerate(seen) if g < 0.1] == redone
+    assert 0 < len(redone) < STEPS
+    for s, (logits, r) in enumerate(steps):
+        err = (logits - ref[:, s + 1]).abs().max()
+        assert err <= 1e-4 if r else True, f"step {s}: redone, {err:.2e} from the full cache"
+    assert max((logits - ref[:, s + 1]).abs().max() for s, (logits, r) in enumerate(steps) if not r) > 1e-2
+    rep = cache.memory_report()
+    # each redo fed every token since the previous one (or since the prompt)
+    assert rep["doubt_redone_tokens"] == redone[-1] + 1
+
+
+def test_a_redo_goes_back_at_most_redo_max_tokens(monkeypatch):
+    monkeypatch.setattr(doubt, "REDO_MAX_TOKENS", 3)
+    model = tiny_llama()
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=0.1))
+    steps = _steps(model, cache, _ids(), STEPS)
+    rep = cache.memory_report()
+    assert rep["doubt_redone"] == sum(r for _, r in steps) > 0
+    assert rep["doubt_redone"] <= rep["doubt_redone_tokens"] <= 3 * rep["doubt_redone"]
+    assert rep["tokens_seen"] == 300 + STEPS
+
+
+def test_off_by_default_and_for_other_caches():
+    model = tiny_llama()
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE))
+    flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=20.0))  # hooks on the model
+    run(model, cache, _ids(), 4)
+    assert cache.memory_report()["doubt_steps"] == 0
+    model.set_attn_implementation("sdpa")
+    dyn = DynamicCache(config=model.config)
+    run(model, dyn, _ids(), 4)  # a DynamicCache goes through untouched
+    assert dyn.get_seq_length() == 300 + 4
+
+
+def test_generate_with_padding_answers_as_the_full_cache():
+    """generate() over a left-padded batch of two: every step redone, the full cache's tokens."""
+    model = tiny_llama()
+    ids = _ids(2, 200)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    model.set_attn_implementation("sdpa")
+    kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    want = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=20.0))
+    got = model.generate(ids, cache=cache, **kw)
+    assert torch.equal(got, want)
+    assert cache.memory_report()["doubt_redone"] == 23  # the first token comes from the prompt forward
+
+
+@pytest.mark.parametrize(
+    ("keys", "match"),
+    [
+        (dict(cold_codec="int8"), "exact_on_doubt: 0.5 reads every earlier token back exactly.*cold_codec: int8"),
+        (
+            dict(position_mode="window", prefill_exact_tokens=0, use_summaries=False),
+            "exact_on_doubt's exact steps attend",
+        ),
+        (dict(exact_on_doubt=-1.0), "exact_on_doubt"),
+    ],
+)
+def test_a_config_it_cannot_serve_is_refused_in_one_line(keys, match):
+    base = {**SPARSE, "exact_on_doubt": 0.5, **keys}
+    with pytest.raises(ConfigError, match=match) as err:
+        flashmem.FlashMemoryConfig(**base)
+    assert "\n" not in str(err.value)
+
+
+def test_a_selecting_forward_of_several_tokens_leaves_no_exact_point():
+    """A verify forward after the prompt selects, so the tokens it brings are not fed again by the
+    next redo (their K/V stay as they are); the exact prompt is a point, so the first step's redo
+    feeds one token."""
+    model = tiny_llama()
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=20.0))
+    counts = cache.doubt.counts
+    with torch.no_grad():
+        model(_ids(), cache=cache, use_cache=True)
+        model(torch.tensor([[5]]), cache=cache, use_cache=True)
+        assert counts["redone_tokens"] == 1
+        model(torch.tensor([[7, 8, 9, 10]]), cache=cache, use_cache=True)  # a verify forward: selects
+        assert cache.doubt.ids is None and counts["steps"] == 1
+        model(torch.tensor([[11]]), cache=cache, use_cache=True)
+        model(torch.tensor([[12]]), cache=cache, use_cache=True)
+    assert counts["steps"] == counts["redone"] == 3 and counts["redone_tokens"] == 3
+    cache.crop(-1)  # transformers' crop: the tokens since the point are not known any more
+    assert cache.doubt.ids is None and cache.get_seq_length() == 300 + 1 + 4 + 1
