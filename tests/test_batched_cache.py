@@ -266,3 +266,11 @@ def test_bad_batches_are_one_line_errors() -> None:
         batch.begin([0])
     with pytest.raises(FlashMemError, match="token lists for a batch of 1"):
         forward(model, batch, [[1], [2]])
+
+
+def test_rows_with_exact_on_doubt_are_refused():
+    """exact_on_doubt's hook undoes a whole forward of one cache: a batch of rows cannot take it."""
+    model = tiny_model()
+    rows = [flashmem.attach(model, tiny_cfg(prefill_exact_tokens=4096, exact_on_doubt=0.5)) for _ in range(2)]
+    with pytest.raises(FlashMemError, match="exact_on_doubt is not allowed in a batch of rows"):
+        BatchedCache(rows)

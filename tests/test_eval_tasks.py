@@ -225,6 +225,34 @@ def test_answered_only_runs_the_other_methods_where_the_full_cache_answered(tmp_
     assert "heldout wordings [3], seeds [10, 11]: 2 prompts" in md and md.count("| streaming |") == 2
 
 
+def test_stored_prompts_runs_the_prompts_the_full_caches_rows_name(tmp_path):
+    """--stored-prompts: the prompts (seed and wording as stored, whatever --seeds says) are those of
+    the file's full-cache rows of the run's families and haystacks; the full rows are not rerun."""
+    import json
+
+    from flashmem_eval.suites import BenchArgs, run_suite
+
+    out = tmp_path / "t.json"
+    full = []
+    for fam, seed, wording, hits in (("keyed", 7, 2, [True]), ("keyed", 9, 0, [False]), ("passage", 5, 1, [True])):
+        key = dict(family=fam, haystack="kjv", length=512, seed=seed, wording=wording)
+        cell = H.cell_id(suite="tasks", model="tiny", method="full", budget=1.0, **key)
+        full.append(dict(suite="tasks", model="tiny", method="full", budget=1.0, **key, cell=cell, hits=hits))
+    out.write_text(json.dumps({"meta": {}, "rows": full}))
+    args = BenchArgs(
+        suite="tasks", model="tiny", methods=["full", "streaming"], budgets=[0.25], lengths=[512], json_out=out,
+        seeds=[0], haystacks=["kjv"], families=["keyed"], answered_only=True, stored_prompts=True, threads=1,
+        progress=False,
+    )  # fmt: skip
+    rows = list(run_suite(args, H.load("tiny")).rows.values())
+    ran = sorted((r["method"], r["family"], r["seed"], r["wording"]) for r in rows)
+    assert ran == [
+        ("full", "keyed", 7, 2), ("full", "keyed", 9, 0), ("full", "passage", 5, 1), ("streaming", "keyed", 7, 2),
+    ]  # fmt: skip
+    assert "output" not in next(r for r in rows if r["method"] == "full")  # given, not rerun
+    assert json.loads(out.read_text())["meta"]["runs"][-1]["stored_prompts"] is True
+
+
 def test_a_seed_keeps_its_wording_whatever_other_seeds_a_run_names():
     """A run of seed 1 alone and a run of seeds 0, 1 give seed 1 the same wording, so a resumed
     or split run reuses (and never silently re-words) its prompts."""

@@ -240,6 +240,24 @@ def test_max_batch_below_1_is_refused() -> None:
         _engine(tiny_model(), EXACT, max_batch=0)
 
 
+def test_exact_on_doubt_serves_one_forward_per_sequence_and_is_refused_batched() -> None:
+    """exact_on_doubt undoes and redoes one cache's forward: with max_batch 1 a selecting server
+    redoes every step (threshold 20) and answers with the exact server's logits; batched, it is
+    refused when the engine starts."""
+    from flashmem.errors import FlashMemError
+
+    model = tiny_model()
+    doubt = tiny_cfg(prefill_exact_tokens=4096, exact_on_doubt=20.0)
+    with pytest.raises(FlashMemError, match="exact_on_doubt 20.0 redoes one sequence's forward, and max_batch 3"):
+        _engine(model, doubt, max_concurrent=3)
+    prompt = _prompt(70, 3)
+    got = _engine(model, doubt, max_concurrent=3, max_batch=1).run_sync(_seq(prompt, 12))
+    _same(got, _alone(model, EXACT, prompt, 12))
+    assert not any((x - y).abs().max() <= TOL for x, y in zip(
+        _alone(model, tiny_cfg(prefill_exact_tokens=4096), prompt, 12).logits[1:], got.logits[1:]
+    ))  # fmt: skip  # selecting alone, no step gives those logits
+
+
 @pytest.mark.parametrize("cfg", [EXACT, tiny_cfg()], ids=["exact", "selecting"])
 def test_prompt_chunks_share_the_decode_forwards_and_answer_as_alone(cfg, tmp_path) -> None:
     """pack_prefill: new requests' prompt chunks (several per prompt, one of them after a

@@ -60,6 +60,9 @@ class BenchArgs:
     # tasks suite: run the other methods only on prompts whose full-cache row answered an item
     # (the share of the full cache's answers counts nothing else); the full cache runs first
     answered_only: bool = False
+    # tasks suite: the prompts are those the store's full-cache rows name (of these families,
+    # haystacks and lengths), not seeds x wordings: new methods on an earlier run's prompts
+    stored_prompts: bool = False
     n_cont: int = 256
     chunk: int = 64
     max_new: int = 12
@@ -95,6 +98,7 @@ def run_suite(args: BenchArgs, loaded: H.Loaded | None = None, store: H.ResultSt
             "families": args.families if args.suite == "tasks" else None,
             "wordings": args.wordings if args.suite == "tasks" else None,
             "answered_only": args.answered_only if args.suite == "tasks" else None,
+            "stored_prompts": args.stored_prompts if args.suite == "tasks" else None,
             "n_cont": args.n_cont if args.suite == "fidelity" else None,
             "chunk": args.chunk,
             "threads": args.threads,

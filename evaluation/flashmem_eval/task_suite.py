@@ -46,6 +46,18 @@ def prompts_for(args: Any) -> list[tuple[str, str, int, int, int]]:
     ]
 
 
+def stored_prompts(args: Any, store: H.ResultStore) -> list[tuple[str, str, int, int, int]]:
+    """(family, haystack, length, seed, wording) of every full-cache row in `store` of the run's
+    families, haystacks and lengths (`--stored-prompts`), by seed, then haystack and family."""
+    keys = {
+        (r["family"], r["haystack"], r["length"], r["seed"], r["wording"])
+        for r in store.rows.values()
+        if r.get("suite") == "tasks" and r.get("method") == "full"
+        and r.get("family") in args.families and r.get("haystack") in args.haystacks and r.get("length") in args.lengths
+    }  # fmt: skip
+    return sorted(keys, key=lambda k: (k[2], k[3], k[1], k[0], k[4]))
+
+
 def full_answered(args: Any, store: H.ResultStore, key: dict[str, Any]) -> bool:
     """Whether the full cache's row for this prompt (family, haystack, length, seed, wording)
     found at least one item; a prompt without a full-cache row counts as answered (run it)."""
@@ -68,7 +80,7 @@ def run_tasks(args: Any, loaded: H.Loaded, methods: list[Method], store: H.Resul
 
     model, tok = loaded.model, loaded.tokenizer
     cells = cells_for(methods, args.budgets)
-    prompts = prompts_for(args)
+    prompts = stored_prompts(args, store) if args.stored_prompts else prompts_for(args)
     prog = _progress(args, len(cells) * len(prompts))
     jobs: list[dict[str, Any]] = []
     bases: dict[str, dict[str, Any]] = {}
@@ -325,6 +337,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--wordings", default="dev", choices=list(WORDING_SETS))
     ap.add_argument("--answered-only", action="store_true")
+    ap.add_argument(
+        "--stored-prompts", action="store_true",
+        help="run the prompts FILE's full-cache rows name (of --families, --haystacks, --lengths) instead of "
+        "--seeds x --wordings: other methods on an earlier run's prompts",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     if a.command == "summary":
@@ -359,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
             families=a.families.split(","),
             wordings=a.wordings,
             answered_only=a.answered_only,
+            stored_prompts=a.stored_prompts,
             threads=a.threads,
             progress=False,
         )

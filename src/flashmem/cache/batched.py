@@ -98,6 +98,11 @@ class BatchedCache(Cache):
         n_layers = len(rows[0].layers)
         if any(len(r.layers) != n_layers for r in rows):
             raise FlashMemError("rows of a batch must be caches of the same model; got different layer counts")
+        if any(r.cfg.exact_on_doubt for r in rows):  # its hook undoes whole forwards of one cache
+            raise FlashMemError(
+                "exact_on_doubt is not allowed in a batch of rows (BatchedCache: the batched server); "
+                "allowed: exact_on_doubt: 0 there, or one FlashMemoryCache per sequence"
+            )
         self.rows = list(rows)
         self.lengths = [1] * len(rows)
         self.offsets = list(range(len(rows)))

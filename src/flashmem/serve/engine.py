@@ -181,6 +181,11 @@ class Engine:
         if max_batch is not None and max_batch < 1:
             raise FlashMemError(f"max_batch {max_batch}: allowed: 1 (one forward per sequence) or more")
         self.max_batch = max_batch or max_concurrent
+        if cfg.exact_on_doubt and self.max_batch > 1:  # its redo undoes one cache's whole forward
+            raise FlashMemError(
+                f"exact_on_doubt {cfg.exact_on_doubt} redoes one sequence's forward, and max_batch "
+                f"{self.max_batch} batches sequences into one; allowed: max_batch 1 with exact_on_doubt, or exact_on_doubt: 0"
+            )
         self.restore_off_thread = restore_off_thread
         self.pack_prefill = pack_prefill and self.max_batch > 1
         self.end_records = end_records
