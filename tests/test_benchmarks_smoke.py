@@ -187,6 +187,15 @@ def test_step_parts_charges_each_operator_to_its_function_on_smollm2(tmp_path: P
     assert all(row["ms"] >= 0 for row in got["op_times"]) and got["parts_ms"]["index scores"] > 0
 
 
+def test_prefill_tail_split_ab_reads_the_cold_tier_once_per_forward(tmp_path: Path):
+    out = tmp_path / "ts.json"
+    run_script(BENCH / "diagnostics" / "prefill_tail_split_ab.py", "--model", "tiny", "--tokens", "600",
+               "--rounds", "1", "--json-out", str(out))  # fmt: skip
+    got = json.loads(out.read_text())
+    assert all(len(v) == 1 and v[0] > 0 for v in got["seconds"].values())
+    assert 0 < got["h2d_bytes"]["one"] < got["h2d_bytes"]["split"] and got["last_logits_max_diff"] < 1e-4
+
+
 @pytest.mark.model
 def test_prefill_fused_ab_on_smollm2_gives_the_same_logits_both_ways(tmp_path: Path):
     out = tmp_path / "pf.json"

@@ -238,3 +238,21 @@ def test_parts_seen_alike_take_the_fused_kernel_and_merge_as_the_scores_do(monke
     want = torch.softmax(logits, -1) @ V
     assert torch.allclose(got, want, atol=1e-5)
     assert torch.allclose(got, attend(False), atol=1e-5)
+
+
+def test_a_streamed_prompt_forward_reads_each_sealed_block_once():
+    """A prompt fed in forwards (as the server and the harness feed it) streams the cold tier
+    once per forward: the tail's queries are not split off into chunks of their own (they select
+    nothing), so each forward copies exactly the blocks sealed before it (by hand: blocks x B
+    tokens x 2 KV heads x 16 dims x K and V x 4 bytes, per layer)."""
+    model = tiny_llama()
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, prefill_exact_tokens=4096))
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    block_bytes = SPARSE["hca_chunk_size"] * 2 * 16 * 2 * 4
+    with torch.no_grad():
+        for s in range(0, 300, 37):
+            sealed = [layer.num_sealed if layer.is_initialized else 0 for layer in cache.flash_layers]
+            before = cache.traffic_report()["totals"]["h2d_bytes"]
+            model(ids[:, s : s + 37], cache=cache, use_cache=True)
+            assert cache.traffic_report()["totals"]["h2d_bytes"] - before == sum(sealed) * block_bytes
+    assert sum(sealed) > 0

@@ -78,8 +78,9 @@ def _layer_step(
                 query[:, :, one], k_new[:, :, one], v_new[:, :, one], valid_new[:, one], scaling
             )
         return out.transpose(1, 2).contiguous(), None
-    # a redo attends exactly and selects nothing: one pass over the tiers, no tail split off
-    split = layer.cfg.prefill_split_tail and not layer.mid_prompt and not layer.exact_redo
+    # the tail splits off to select on its own (TAIL_QUERIES); an exact forward (the prompt, a
+    # redo) selects nothing, and each chunk would stream every earlier token again
+    split = layer.cfg.prefill_split_tail and not layer.mid_prompt and not exact
     outs = [
         layer.step(query[:, :, a:e], k_new[:, :, a:e], v_new[:, :, a:e], valid_new[:, a:e], scaling, exact)
         for a, e in query_chunks(q, layer.cfg.prefill_chunk, split)
