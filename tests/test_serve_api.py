@@ -15,7 +15,7 @@ from serve_helpers import MODEL, make_engine, serving, wait_for  # noqa: E402
 
 # a sampled answer that runs until it is stopped: the tiny tokenizer's <eos> (id 1) never drawn,
 # else at temperature 1 it comes after a few hundred tokens, and a slow test thread sees it ended
-LONG = {"logit_bias": {"1": -100}}
+LONG = {"logit_bias": {"1": -100, "2": -100}}  # the tiny tokenizer's two EOS ids: a stream that must not end
 
 
 @pytest.fixture(scope="module")
