@@ -23,26 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
 from flashmem.cache import int8_dots
-from flashmem_eval.benchkit import cpu_name
+from flashmem_eval.benchkit import cpu_name, median_ms
 
 
 def timed(fn: Callable[[], object], reps: int) -> float:
-    """Median microseconds of `reps` calls after a warm-up."""
-    for _ in range(10):
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(out)
+    """Median microseconds of `reps` calls after 10 warm-up calls."""
+    return 1e3 * median_ms(fn, reps, warm=10)
 
 
 def main() -> None:

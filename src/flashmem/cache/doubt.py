@@ -22,6 +22,11 @@ cannot be cropped once its window is full, gets back the state saved at the exac
 reference: its updates replace its tensors, they never write into them). What the first run
 changed in a layer's working set stays: it is a cache of pages, not part of the attention.
 
+Memory: a sliding-window layer's state at the point is kept by reference, and its next update
+makes new tensors, so while a point is held each sliding layer keeps one more window (up to its
+bytes again; `memory_report()`'s `sliding_layer_bytes` counts the live one only). FlashLayers and
+full layers keep nothing more: they are cropped.
+
 Cost: a redone step runs the model once more, over the tokens since the exact point, and reads
 the whole cold tier once per layer in runs of about one prefill chunk (counted in
 `traffic_report()` as one more forward); the device holds the budget plus one run, as during the
