@@ -16,6 +16,7 @@ from tiny_models import MODELS, tiny_llama
 # few pages selected, so a selecting step's logits differ from the full cache's; the prompt exact
 SPARSE = dict(SMALL, lsa_top_k=1, prefill_exact_tokens=4096)
 STEPS = 40  # with 16-token blocks: several seals among the steps, each then undone and redone
+EVERY = dict(exact_on_doubt_share=1.0)  # no cap: every near tie is redone
 
 
 def _ids(b: int = 1, n: int = 300) -> torch.Tensor:
@@ -29,7 +30,7 @@ def test_every_step_redone_gives_the_full_caches_logits(arch):
     ref = reference(model, ids, STEPS)
     sparse = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE))
     assert (run(model, sparse, ids, STEPS) - ref)[:, 1:].abs().max() > 1e-2  # selecting steps differ
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=20.0))
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, **EVERY, exact_on_doubt=20.0))
     got = run(model, cache, ids, STEPS)
     assert (got - ref).abs().max() <= 1e-4  # every step, the prompt's included
     rep = cache.memory_report()
@@ -65,7 +66,7 @@ def test_a_step_below_the_threshold_is_redone_with_the_full_caches_logits(arch, 
     seen: list[float] = []
     gap = doubt.top_gap
     monkeypatch.setattr(doubt, "top_gap", lambda logits: (g := gap(logits), seen.extend(g.tolist()))[0])
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=0.1))
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, **EVERY, exact_on_doubt=0.1))
     steps = _steps(model, cache, ids, STEPS)
     redone = [s for s, (_, r) in enumerate(steps) if r]
     assert len(seen) == STEPS and [s for s, g in enumerate(seen) if g < 0.1] == redone
@@ -79,10 +80,45 @@ def test_a_step_below_the_threshold_is_redone_with_the_full_caches_logits(arch, 
     assert rep["doubt_redone_tokens"] == redone[-1] + 1
 
 
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_the_share_caps_the_redone_steps_and_the_rest_stay_selected(arch):
+    """Every step a near tie, share 1/4: after n checked steps at most FREE_REDOS + n/4 are redone,
+    so the first FREE_REDOS steps and then one in four; each redone step (fed again from the last
+    exact point, the capped steps included) has the full cache's logits, a capped one does not."""
+    model = MODELS[arch]()
+    ids = _ids()
+    ref = reference(model, ids, STEPS)
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=20.0, exact_on_doubt_share=0.25))
+    steps = _steps(model, cache, ids, STEPS)
+    redone = [s for s, (_, r) in enumerate(steps) if r]
+    # worked out by hand: the k-th redo at the n-th checked step needs k <= 8 + n/4, so the
+    # steps n = 1-10 (10 <= 10.5), then 12, 16, ..., 40 (0-based: 0-9, 11, 15, ..., 39)
+    assert redone == list(range(10)) + list(range(11, STEPS, 4))
+    for s, (logits, r) in enumerate(steps):
+        err = float((logits - ref[:, s + 1]).abs().max())
+        assert err <= 1e-4 if r else err > 1e-3, f"step {s}: redone {r}, {err:.2e} from the full cache"
+    rep = cache.memory_report()
+    assert rep["doubt_steps"] == STEPS and rep["doubt_redone"] == len(redone)
+    assert rep["doubt_capped"] == STEPS - len(redone)
+    # a redo feeds the capped steps since the point too: 1 each for the first ten, then 2, then 4s
+    assert rep["doubt_redone_tokens"] == 10 + 2 + 4 * 7 == STEPS
+    assert rep["doubt_held_bytes"] == 0  # the last step was redone: the point is now, shared
+    with torch.no_grad():
+        model(torch.tensor([[5]]), cache=cache, use_cache=True)  # 41st: 19 > 8 + 41/4, capped
+    rep = cache.memory_report()
+    assert rep["doubt_capped"] == STEPS - len(redone) + 1
+    # a sliding layer's window at the point is held beside the live one (by reference), counted
+    sliding = rep["sliding_layer_bytes"]
+    assert rep["doubt_held_bytes"] == 0 if not sliding else 0 < rep["doubt_held_bytes"] <= sliding
+    assert rep["device_resident_bytes"] == (
+        rep["managed_resident_bytes"] + rep["full_layer_bytes"] + sliding + rep["doubt_held_bytes"]
+    )
+
+
 def test_a_redo_goes_back_at_most_redo_max_tokens(monkeypatch):
     monkeypatch.setattr(doubt, "REDO_MAX_TOKENS", 3)
     model = tiny_llama()
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=0.1))
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, **EVERY, exact_on_doubt=0.1))
     steps = _steps(model, cache, _ids(), STEPS)
     rep = cache.memory_report()
     assert rep["doubt_redone"] == sum(r for _, r in steps) > 0
@@ -93,7 +129,7 @@ def test_a_redo_goes_back_at_most_redo_max_tokens(monkeypatch):
 def test_off_by_default_and_for_other_caches():
     model = tiny_llama()
     cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE))
-    flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=20.0))  # hooks on the model
+    flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, **EVERY, exact_on_doubt=20.0))  # hooks on the model
     run(model, cache, _ids(), 4)
     assert cache.memory_report()["doubt_steps"] == 0
     model.set_attn_implementation("sdpa")
@@ -111,7 +147,7 @@ def test_generate_with_padding_answers_as_the_full_cache():
     model.set_attn_implementation("sdpa")
     kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, min_new_tokens=24)
     want = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=20.0))
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, **EVERY, exact_on_doubt=20.0))
     got = model.generate(ids, cache=cache, **kw)
     assert torch.equal(got, want)
     assert cache.memory_report()["doubt_redone"] == 23  # the first token comes from the prompt forward
@@ -140,7 +176,7 @@ def test_a_selecting_forward_of_several_tokens_leaves_no_exact_point():
     next redo (their K/V stay as they are); the exact prompt is a point, so the first step's redo
     feeds one token."""
     model = tiny_llama()
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, exact_on_doubt=20.0))
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, **EVERY, exact_on_doubt=20.0))
     counts = cache.doubt.counts
     with torch.no_grad():
         model(_ids(), cache=cache, use_cache=True)

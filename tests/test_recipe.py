@@ -37,13 +37,31 @@ def test_cpu_small_yaml_is_the_recipe_at_one_eighth_of_8k_on_smollm2():
     # for SmolLM2 on a CPU (fp32, as load_model loads it): the recipe with the CPU's key copy
     assert yaml_cfg == FlashMemoryConfig.for_budget(1 / 8, 8192, _smollm2_shaped_on_cpu(), prefetch_threads=0)
     # by name (the calculator's SmolLM2) and by its geometry, the device is not known: no copy
-    on_cpu = {"lsa_rerank_mirror": "int8"}
+    on_cpu = {"lsa_rerank_mirror": "int8", "exact_on_doubt": 0.5}
     by_name = FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2", prefetch_threads=0)
-    assert by_name.lsa_rerank_mirror == "none" and yaml_cfg == by_name.model_copy(update=on_cpu)
+    assert by_name.lsa_rerank_mirror == "none" and by_name.exact_on_doubt == 0
+    assert yaml_cfg == by_name.model_copy(update=on_cpu)
     by_geometry = FlashMemoryConfig.for_budget(1 / 8, 8192, group=3, head_dim=64, dtype_bytes=4, prefetch_threads=0)
     assert yaml_cfg == by_geometry.model_copy(update=on_cpu)
     for key, value in recipe_keys(1 / 8).items():
         assert getattr(yaml_cfg, key) == value, key
+
+
+def test_a_model_on_the_cpu_decides_near_ties_exactly_where_its_cold_tier_can_be_read_back():
+    """HOST_DOUBT: a CPU model gets `exact_on_doubt` with a memory cold tier of exact codes at real
+    positions, at every length; not a disk or lossy tier, not `position_mode: window`, not a model
+    whose device is not known, and a value the caller names stands."""
+    model = tiny_llama()
+    for budget, tokens in [(1 / 8, 8192), (1 / 16, 32768), (1 / 8, 131072)]:
+        assert FlashMemoryConfig.for_budget(budget, tokens, model).exact_on_doubt == 0.5
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2").exact_on_doubt == 0  # device unknown
+    disk = FlashMemoryConfig.for_budget(1 / 8, 8192, model, cold_store="disk", cold_dir=str(ROOT / "unused"))
+    assert disk.exact_on_doubt == 0  # a redo would read the whole disk tier
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, cold_codec="int8").exact_on_doubt == 0
+    window = FlashMemoryConfig.for_budget(1 / 8, 8192, model, position_mode="window", prefill_exact_tokens=0)
+    assert window.exact_on_doubt == 0
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, exact_on_doubt=0.2).exact_on_doubt == 0.2
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, exact_on_doubt=0).exact_on_doubt == 0
 
 
 def test_a_model_on_the_cpu_reranks_an_int8_key_copy_where_it_reranks_in_place():
@@ -225,7 +243,8 @@ def test_the_open_blocks_room_buys_pages_and_no_step_passes_the_peak():
     ids = torch.randint(0, 128, (1, 2048), generator=torch.Generator().manual_seed(3))
     geo = model_geometry(model)
     for room in (True, False):
-        cache = _attach(model, budget=1 / 16, tokens=2048, lsa_open_room=room)
+        # exact_on_doubt off: a redone step attends exactly and leaves no working set to count
+        cache = _attach(model, budget=1 / 16, tokens=2048, lsa_open_room=room, exact_on_doubt=0)
         pages, over = [], []
         try:
             with torch.no_grad():

@@ -247,7 +247,7 @@ def test_exact_on_doubt_serves_one_forward_per_sequence_and_is_refused_batched()
     from flashmem.errors import FlashMemError
 
     model = tiny_model()
-    doubt = tiny_cfg(prefill_exact_tokens=4096, exact_on_doubt=20.0)
+    doubt = tiny_cfg(prefill_exact_tokens=4096, exact_on_doubt=20.0, exact_on_doubt_share=1.0)
     with pytest.raises(FlashMemError, match="exact_on_doubt 20.0 redoes one sequence's forward, and max_batch 3"):
         _engine(model, doubt, max_concurrent=3)
     prompt = _prompt(70, 3)

@@ -603,13 +603,39 @@ def test_serve_dtype_and_layout_reach_the_model_and_size_the_default_recipe(tmp_
         main(["serve", "--prefix-dir", str(tmp_path / "p"), *argv])
     assert seen["dtype"] == dtype
     assert seen["layout"] == ("out_major" if "--weight-layout" in flags else "auto")
+    batched = {"exact_on_doubt": 0.0}  # served batched (--max-concurrent 4): the recipe's redo off
     if sized:
         want = FlashMemoryConfig.for_budget(1 / 8, 8192, tiny_model().to(dtype), prefetch_threads=0)
-        assert seen["cfg"] == want
+        assert want.exact_on_doubt > 0 and seen["cfg"] == want.model_copy(update=batched)
         # float32's pages would be twice the share of a bf16 cache: sized for 2 bytes, fewer
         assert (
             seen["cfg"].lsa_top_k
             < FlashMemoryConfig.for_budget(1 / 8, 8192, tiny_model(), prefetch_threads=0).lsa_top_k
         )
     else:
-        assert seen["cfg"] == FlashMemoryConfig.from_yaml(small)
+        assert seen["cfg"] == FlashMemoryConfig.from_yaml(small).model_copy(update=batched)
+
+
+@pytest.mark.parametrize(("flags", "doubt"), [([], 0.0), (["--max-batch", "1"], 0.5), (["--max-concurrent", "1"], 0.5)])
+def test_serve_turns_the_recipes_near_tie_redo_off_where_it_batches(tmp_path, monkeypatch, capsys, flags, doubt):
+    """configs/cpu-small.yaml decides near ties exactly (exact_on_doubt), which one sequence's
+    forward can undo and a batched one cannot: a batching server turns it off and says so."""
+    import flashmem
+    from flashmem.cli.main import main
+
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def engine(model, tok, cfg, **options):
+        seen["cfg"] = cfg
+        raise Stop
+
+    monkeypatch.setattr(flashmem, "load_model", lambda *a, **k: (tiny_model(), None))
+    monkeypatch.setattr("flashmem.serve.engine.Engine", engine)
+    with pytest.raises(Stop):
+        main(["serve", "--prefix-dir", str(tmp_path / "p"), *flags])
+    assert seen["cfg"].exact_on_doubt == doubt
+    said = "exact_on_doubt: off" in capsys.readouterr().err
+    assert said is (doubt == 0)

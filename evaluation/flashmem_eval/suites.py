@@ -209,7 +209,7 @@ def local_answer(
         row["ratio_peak"] = end.get("ratio_peak")
         rep = cache.memory_report()
         if rep.get("doubt_steps"):  # exact_on_doubt: decode steps checked and run again exactly
-            row.update({k: rep[k] for k in ("doubt_steps", "doubt_redone", "doubt_redone_tokens")})
+            row.update({k: rep[k] for k in ("doubt_steps", "doubt_redone", "doubt_redone_tokens", "doubt_capped")})
     return gen, info
 
 

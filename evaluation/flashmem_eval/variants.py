@@ -60,8 +60,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "b128": {**RECIPE, "hca_chunk_size": 128},
     # exact_on_doubt (cache/doubt.py): a decode step whose top two logits are this close (nats)
     # runs again with every earlier token attended exactly (issue 31's near ties; stop 60)
+    # Since stop 61 a model on the CPU gets it in the recipe (recipe.HOST_DOUBT) with its cost
+    # capped (exact_on_doubt_share 1/8): nodoubt is the CPU recipe before, doubt1 without the cap
     "doubt": {**RECIPE, "exact_on_doubt": 0.5},
     "doubt0.2": {**RECIPE, "exact_on_doubt": 0.2},
+    "doubt1": {**RECIPE, "exact_on_doubt": 0.5, "exact_on_doubt_share": 1.0},
+    "nodoubt": {**RECIPE, "exact_on_doubt": 0.0},
     "block": {**RECIPE, "lsa_page_tokens": None, "lsa_index_dtype": "model", "use_summaries": True},
     "lowrank": {**RECIPE, "lsa_scorer": "lowrank"},
     "learned": {**RECIPE, "lsa_scorer": "learned"},

@@ -270,6 +270,16 @@ class FlashMemoryConfig(BaseModel):
         "decided as the full cache decides them, at the price of reading the cold tier on those steps "
         "(counted in traffic_report and memory_report's doubt counts); needs an exact cold tier; 0: off",
     )
+    exact_on_doubt_share: float = Field(
+        0.125,
+        gt=0.0,
+        le=1.0,
+        description="exact_on_doubt redoes at most this share of the one-token forwards it checks, "
+        "past its first 8 (cache/doubt.py FREE_REDOS): after n checked steps at most "
+        "8 + share x n have been redone, so a model whose every step is a near tie (random weights, "
+        "sampling at high temperature) pays a bounded cost; near ties past it are kept as "
+        "selected and counted (memory_report's doubt_capped); 1: every near tie is redone",
+    )
     lsa_prefill_queries: int = Field(
         0,
         ge=0,

@@ -159,6 +159,17 @@ DEVICE_RERANK: dict[str, Any] = {"lsa_rerank_codec": "int4", "lsa_rerank_on_devi
 # copy is 13% of an fp32 model's cold tier in RAM (allocated by doubling: up to 2x that), which a
 # disk tier is there to save.
 HOST_RERANK: dict[str, Any] = {"lsa_rerank_mirror": "int8"}
+# A model on the CPU also decides near ties exactly (`exact_on_doubt`, cache/doubt.py): a step
+# whose top two next-token logits are within 0.5 nats is run again attending every earlier token
+# exactly, so greedy decoding picks what the full cache picks there. Issue 31's multiquery and
+# vartrack losses at 1/16 were all such ties: SmolLM2 at 4K kept 27 and 10 of the full cache's 33
+# and 17 items without it, 33 and 17 with it, and every item on the other four families and on
+# held-out seeds (docs/results.md, "Near ties decided exactly"). A redo reads the whole cold tier,
+# which a CPU's memory tier holds in the same RAM; on an accelerator it would cross the link, so
+# it is not in the device recipe. Its cost is capped (`exact_on_doubt_share`, 1/8 of the steps
+# past the first 8 redos): SmolLM2 at 8K decoded 1.15x the recipe's mean step (docs/results.md).
+# Memory cold tier with exact codes only (a redo reads the exact K/V back).
+HOST_DOUBT: dict[str, Any] = {"exact_on_doubt": 0.5}
 # What room is left after them holds, per layer and KV head, the pages that most recently left
 # the selection (`lsa_cache_pages`, cache/working_set.py): a page that comes back is not copied
 # again. Gemma3-270m at 16K and 1/8 (the cap binds) on a KJV prompt: a step's selected pages the

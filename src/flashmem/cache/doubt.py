@@ -24,14 +24,17 @@ changed in a layer's working set stays: it is a cache of pages, not part of the 
 
 Memory: a sliding-window layer's state at the point is kept by reference, and its next update
 makes new tensors, so while a point is held each sliding layer keeps one more window (up to its
-bytes again; `memory_report()`'s `sliding_layer_bytes` counts the live one only). FlashLayers and
-full layers keep nothing more: they are cropped.
+bytes again; `memory_report()["doubt_held_bytes"]` counts it, in `device_resident_bytes` too).
+FlashLayers and full layers keep nothing more: they are cropped.
 
 Cost: a redone step runs the model once more, over the tokens since the exact point, and reads
 the whole cold tier once per layer in runs of about one prefill chunk (counted in
 `traffic_report()` as one more forward); the device holds the budget plus one run, as during the
 prompt. `memory_report()["doubt_steps"]` and `["doubt_redone"]` count the one-token forwards
-checked and redone, `["doubt_redone_tokens"]` the tokens fed again.
+checked and redone, `["doubt_redone_tokens"]` the tokens fed again. The cost is capped:
+after n checked steps at most FREE_REDOS + `exact_on_doubt_share` x n have been redone, and
+a near tie past that stays as selected (`["doubt_capped"]`). A model whose every step is a
+near tie (random weights give flat logits) then pays for one redo in 8 steps, not every step.
 
 Installed on the model by `flashmem.attach` when the config asks for it, as a forward pre-hook
 and hook on the model's top module. They act only for a FlashMemoryCache whose config has
@@ -55,13 +58,18 @@ from flashmem.cache.flash_layer import FlashLayer
 
 _INSTALLED = "_flashmem_doubt_hooks"
 REDO_MAX_TOKENS = 64  # generated tokens a redo feeds again at most (one chunk of a few pages)
+# Redos allowed before `exact_on_doubt_share` binds: after n checked steps at most
+# FREE_REDOS + share x n have been redone. The measured prompts redid at most 11 of 39 steps and
+# 9 of 23 (docs/results.md, "A cap on the redone steps"), so 8 plus 1/8 of the steps covers an
+# answer's near ties, while a model whose every step is one (random weights) is redone on 1 step in 8.
+FREE_REDOS = 8
 
 
 @dataclass
 class DoubtState:
     """A cache's bookkeeping since its last exact point."""
 
-    counts: dict[str, int] = field(default_factory=lambda: {"steps": 0, "redone": 0, "redone_tokens": 0})
+    counts: dict[str, int] = field(default_factory=lambda: {"steps": 0, "redone": 0, "redone_tokens": 0, "capped": 0})
     ids: list[torch.Tensor] | None = None  # the one-token inputs [b, 1] since the point; None: no point
     sliding: dict[int, dict[str, Any]] = field(default_factory=dict)  # sliding layers' state at the point
     checking: bool = False  # the forward in flight is a one-token step to check
@@ -73,6 +81,26 @@ class DoubtState:
         self.sliding = {
             i: dict(vars(layer)) for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer)
         }
+
+    def may_redo(self, share: float) -> bool:
+        """Whether one more redo stays within FREE_REDOS + share x the steps checked so far."""
+        return self.counts["redone"] + 1 <= FREE_REDOS + share * self.counts["steps"] + 1e-9
+
+    def held_bytes(self, cache: Any) -> int:
+        """Bytes of the sliding layers' saved state that the live layers no longer share."""
+        live = {
+            t.data_ptr()
+            for layer in cache.layers
+            if isinstance(layer, DynamicSlidingWindowLayer)
+            for t in vars(layer).values()
+            if isinstance(t, torch.Tensor)
+        }
+        return sum(
+            t.numel() * t.element_size()
+            for state in self.sliding.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in live
+        )
 
 
 def install(model: torch.nn.Module) -> None:
@@ -145,6 +173,9 @@ def _after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     st.checking = False
     st.counts["steps"] += 1
     if bool((top_gap(logits[:, -1]) >= cache.cfg.exact_on_doubt).all()):
+        return None
+    if not st.may_redo(cache.cfg.exact_on_doubt_share):  # the cap: this near tie stays as selected
+        st.counts["capped"] += 1
         return None
     assert st.ids is not None
     redo = torch.cat(st.ids, dim=1)  # [b, n]: the tokens since the exact point, this one last

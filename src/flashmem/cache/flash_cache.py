@@ -186,7 +186,8 @@ class FlashMemoryCache(Cache):
 
         `device_resident_bytes` counts every tensor the cache keeps on the device:
         the FlashMemory tiers, the working set of selected blocks, plain full
-        layers and sliding-window layers. `cold_bytes` is what the cold tier holds.
+        layers and sliding-window layers, and the sliding windows exact_on_doubt holds
+        at its exact point (`doubt_held_bytes`). `cold_bytes` is what the cold tier holds.
         """
         tiers = tier_names.zeros(tier_names.LAYER_TIERS)
         for layer in self.flash_layers:
@@ -206,7 +207,8 @@ class FlashMemoryCache(Cache):
         managed = sum(tiers.values())
         tokens = self.get_seq_length()
         full_cache = self.full_cache_bytes(tokens)
-        device = managed + full + sliding
+        held = self.doubt.held_bytes(self)
+        device = managed + full + sliding + held
         return {
             "tokens_seen": tokens,
             "tiers": tiers,
@@ -243,6 +245,10 @@ class FlashMemoryCache(Cache):
             "doubt_steps": self.doubt.counts["steps"],
             "doubt_redone": self.doubt.counts["redone"],
             "doubt_redone_tokens": self.doubt.counts["redone_tokens"],
+            # ... near ties left as selected by exact_on_doubt_share's cap, and the sliding layers'
+            # state saved at the exact point that the live layers no longer share
+            "doubt_capped": self.doubt.counts["capped"],
+            "doubt_held_bytes": held,
             # decode_step: static: layer steps that ran static (the others eager: a seal, the
             # prompt, a row change, or a store whose arena it cannot read)
             "static_decode_steps": sum(layer.static_steps for layer in self.flash_layers if layer.is_initialized),

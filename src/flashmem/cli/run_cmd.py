@@ -446,9 +446,17 @@ def memory_rows(r: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str]]:
         for name in ("full_layer_bytes", "sliding_layer_bytes")
         if mem[name]
     ]
+    if mem.get("doubt_held_bytes"):  # exact_on_doubt's sliding windows at its exact point
+        rows.append(("sliding windows held to redo", int(mem["doubt_held_bytes"])))
     device = int(mem["device_resident_bytes"])
     rows.append(("device resident", device))
     notes = []
+    if mem.get("doubt_steps"):  # cache/doubt.py
+        notes.append(
+            f"near ties (top two next tokens within {r['config'].get('exact_on_doubt')} nats): "
+            f"{mem['doubt_redone']} of {mem['doubt_steps']} decode steps run again attending every token "
+            f"exactly, {mem.get('doubt_capped', 0)} left as selected by the cap (exact_on_doubt_share)"
+        )
     peak = mem["peak_managed_resident_bytes"] + mem["full_layer_bytes"] + mem["sliding_layer_bytes"]
     if peak > device:
         rows.append(("peak (any step)", int(peak)))

@@ -203,7 +203,8 @@ def _load_engine(
     """Load `model` in `dtype` (None: float32; with `threads` torch threads; its linear weights laid
     out as `weight_layout`, flashmem.models.weight_layout) and its Engine;
     size_recipe: `cfg` replaced by the recipe that configs/cpu-small.yaml is for float32 (1/8
-    of 8K), sized for the loaded model's bytes and device. engine_options: Engine's keywords."""
+    of 8K), sized for the loaded model's bytes and device; its `exact_on_doubt` is turned off
+    for a batch (unbatched_doubt). engine_options: Engine's keywords."""
     import torch
 
     import flashmem
@@ -220,7 +221,23 @@ def _load_engine(
         typer.echo(f"linear weights: a oneDNN copy of each, {packed_bytes(mdl) / 1e6:.0f} MB more", err=True)
     if size_recipe:
         cfg = sized_default_config(mdl)
+    cfg = unbatched_doubt(cfg, engine_options.get("max_batch"), engine_options.get("max_concurrent", 4))
     return Engine(mdl, tok, cfg, prefix_store=store, **engine_options)
+
+
+def unbatched_doubt(cfg: Any, max_batch: int | None, max_concurrent: int) -> Any:
+    """`cfg` for a server that batches (--max-batch, default --max-concurrent, above 1):
+    `exact_on_doubt` off, said on stderr. Its redo undoes one sequence's forward, which a batched
+    forward shares (Engine refuses the pair); the CPU recipe and configs/cpu-small.yaml carry it,
+    and they are served batched by default."""
+    batch = max_batch or max_concurrent
+    if not cfg.exact_on_doubt or batch <= 1:
+        return cfg
+    typer.echo(
+        f"exact_on_doubt: off (the recipe's near ties decided exactly need --max-batch 1; batch {batch})",
+        err=True,
+    )
+    return cfg.model_copy(update={"exact_on_doubt": 0.0})
 
 
 def _check_port(host: str, port: int) -> None:

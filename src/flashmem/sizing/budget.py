@@ -21,6 +21,7 @@ from flashmem.config import FlashMemoryConfig, set_budget_solver
 from flashmem.errors import BudgetWarning, ConfigError, FlashMemError
 from flashmem.models import geometry
 from flashmem.recipe import (
+    HOST_DOUBT,
     HOST_RERANK,
     PAGE_CACHE_MAX_SELECTIONS,
     check_budget,
@@ -101,7 +102,8 @@ def budget_config(
     are the same RAM and the codes would cost compute and save nothing), or the
     caller or the variant names a re-rank codec. With `device_codes` False the re-rank
     scores an int8 host copy of the keys instead (flashmem.recipe.HOST_RERANK, memory
-    cold tier only).
+    cold tier only), and near ties are decided exactly (flashmem.recipe.HOST_DOUBT, memory
+    cold tier with exact codes only).
     Small budgets at short lengths can be unreachable (sinks + HCA entries +
     index + the open block already exceed them): the closest config is returned
     and the measured fraction says so.
@@ -161,7 +163,7 @@ def budget_config(
         k = max(1, cap // base.page_tokens)
         sized = _sized(base, w, k, band)
         if not device_codes:
-            return _with_host_mirror(sized, tokens, named)
+            return _with_host_doubt(_with_host_mirror(sized, tokens, named), named)
         rerank_keys = spec.device_rerank
         if rerank_keys and base.lsa_rerank > 1 and not set(rerank_keys) & named:
             # ... or let the re-rank's candidate codes use the room, where they fit in it
@@ -173,7 +175,23 @@ def budget_config(
             sized = _with_page_cache(sized, budget, tokens, group, head_dim, dtype_bytes)
         return FlashMemoryConfig(**sized.model_dump())
     sized = _sized(base, w, k, band)
-    return sized if device_codes else _with_host_mirror(sized, tokens, named)
+    return sized if device_codes else _with_host_doubt(_with_host_mirror(sized, tokens, named), named)
+
+
+def _with_host_doubt(cfg: FlashMemoryConfig, named: set[str]) -> FlashMemoryConfig:
+    """A model on a CPU: near ties decided exactly (flashmem.recipe.HOST_DOUBT), where a redo
+    can read the exact K/V back from a memory cold tier at real positions, unless the caller or
+    the variant names `exact_on_doubt`. Not with a disk tier (a redo would read all of it) nor a
+    lossy one, and not with `position_mode: window` (the config refuses the pair)."""
+    if (
+        "exact_on_doubt" in named
+        or cfg.cold_store != "memory"
+        or cfg.cold_codec != "exact"
+        or cfg.cold_low_rank != "none"
+        or cfg.position_mode == "window"
+    ):
+        return cfg
+    return FlashMemoryConfig(**cfg.model_copy(update=dict(HOST_DOUBT)).model_dump())
 
 
 def _with_host_mirror(cfg: FlashMemoryConfig, tokens: int, named: set[str]) -> FlashMemoryConfig:
