@@ -207,10 +207,16 @@ def local_answer(
         row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
         row["ratio_whole"] = end["ratio_whole"]
         row["ratio_peak"] = end.get("ratio_peak")
-        rep = cache.memory_report()
-        if rep.get("doubt_steps"):  # exact_on_doubt: decode steps checked and run again exactly
-            row.update({k: rep[k] for k in ("doubt_steps", "doubt_redone", "doubt_redone_tokens", "doubt_capped")})
+        doubt_counts(cache, row)
     return gen, info
+
+
+def doubt_counts(cache: Any, row: dict[str, Any]) -> None:
+    """exact_on_doubt's counts into `row` (decode steps checked, redone, tokens fed again,
+    near ties the cap left as selected), where the cache checked any."""
+    rep = cache.memory_report()
+    if rep.get("doubt_steps"):
+        row.update({k: rep[k] for k in ("doubt_steps", "doubt_redone", "doubt_redone_tokens", "doubt_capped")})
 
 
 def done_local(shared: dict[str, Any], loaded: H.Loaded) -> None:
@@ -350,6 +356,7 @@ def _fidelity(args: BenchArgs, loaded: H.Loaded, methods: list[Method], store: H
                         row["ratio_prompt_end"], row["ratio"] = row["ratio"], end["ratio"]
                         row["ratio_peak"] = end.get("ratio_peak")
                         row["static_decode_steps"] = end.get("static_decode_steps")
+                        doubt_counts(cache, row)
                     row.update(H.fidelity_metrics(ref, lp, cont[0]))
                     row.update(info)
                 except Exception as exc:  # recorded; the sweep goes on
