@@ -268,7 +268,8 @@ class FlashMemoryConfig(BaseModel):
         "(nats) in any row is undone and run again with every managed layer attending every earlier "
         "token exactly, read back from the tiers as an exact prompt is (cache/doubt.py): near ties "
         "decided as the full cache decides them, at the price of reading the cold tier on those steps "
-        "(counted in traffic_report and memory_report's doubt counts); needs an exact cold tier; 0: off",
+        "(counted in traffic_report and memory_report's doubt counts); needs an exact cold tier; 0.5 in "
+        "the recipe for a model on a CPU with a memory cold tier (recipe.HOST_DOUBT); 0: off",
     )
     exact_on_doubt_share: float = Field(
         0.125,

@@ -167,7 +167,8 @@ HOST_RERANK: dict[str, Any] = {"lsa_rerank_mirror": "int8"}
 # held-out seeds (docs/results.md, "Near ties decided exactly"). A redo reads the whole cold tier,
 # which a CPU's memory tier holds in the same RAM; on an accelerator it would cross the link, so
 # it is not in the device recipe. Its cost is capped (`exact_on_doubt_share`, 1/8 of the steps
-# past the first 8 redos): SmolLM2 at 8K decoded 1.15x the recipe's mean step (docs/results.md).
+# past the first 8 redos): SmolLM2 at 8K decoded at 1.14x the mean step without it, the same
+# median (docs/results.md, "A cap on the redone steps").
 # Memory cold tier with exact codes only (a redo reads the exact K/V back).
 HOST_DOUBT: dict[str, Any] = {"exact_on_doubt": 0.5}
 # What room is left after them holds, per layer and KV head, the pages that most recently left

@@ -458,6 +458,7 @@ def memory_rows(r: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str]]:
             f"exactly, {mem.get('doubt_capped', 0)} left as selected by the cap (exact_on_doubt_share)"
         )
     peak = mem["peak_managed_resident_bytes"] + mem["full_layer_bytes"] + mem["sliding_layer_bytes"]
+    peak += mem.get("doubt_held_bytes", 0)
     if peak > device:
         rows.append(("peak (any step)", int(peak)))
         cfg = r["config"]
