@@ -102,17 +102,41 @@ def test_the_share_caps_the_redone_steps_and_the_rest_stay_selected(arch):
     assert rep["doubt_capped"] == STEPS - len(redone)
     # a redo feeds the capped steps since the point too: 1 each for the first ten, then 2, then 4s
     assert rep["doubt_redone_tokens"] == 10 + 2 + 4 * 7 == STEPS
-    assert rep["doubt_held_bytes"] == 0  # the last step was redone: the point is now, shared
+    sliding = rep["sliding_layer_bytes"]
+    # the last step was redone, so the point is now: a sliding layer holds a copy of its window's
+    # oldest REDO_MAX_TOKENS tokens, no more
+    assert rep["doubt_held_bytes"] == 0 if not sliding else 0 < rep["doubt_held_bytes"] <= sliding
     with torch.no_grad():
         model(torch.tensor([[5]]), cache=cache, use_cache=True)  # 41st: 19 > 8 + 41/4, capped
     rep = cache.memory_report()
     assert rep["doubt_capped"] == STEPS - len(redone) + 1
-    # a sliding layer's window at the point is held beside the live one (by reference), counted
-    sliding = rep["sliding_layer_bytes"]
     assert rep["doubt_held_bytes"] == 0 if not sliding else 0 < rep["doubt_held_bytes"] <= sliding
     assert rep["device_resident_bytes"] == (
         rep["managed_resident_bytes"] + rep["full_layer_bytes"] + sliding + rep["doubt_held_bytes"]
     )
+
+
+@pytest.mark.parametrize(("window", "before", "since"), [(10, 30, 1), (10, 30, 4), (10, 6, 3), (100, 5, 4), (3, 30, 4)])
+def test_a_sliding_layer_goes_back_to_its_window_at_the_point(monkeypatch, window, before, since):
+    """A sliding layer keeps only its window's oldest REDO_MAX_TOKENS tokens at the point (here
+    4); after `since` more tokens its window at the point is rebuilt exactly: full windows, one
+    not yet full, and one shorter than the tokens since (none of the point's tokens left live)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    monkeypatch.setattr(doubt, "REDO_MAX_TOKENS", 4)
+    gen = torch.Generator().manual_seed(window + before + since)
+    layer = DynamicSlidingWindowLayer(sliding_window=window)
+    for _ in range(before):
+        layer.update(torch.randn(1, 2, 1, 8, generator=gen), torch.randn(1, 2, 1, 8, generator=gen))
+    want = (layer.keys.clone(), layer.values.clone(), layer.cumulative_length)
+    saved = doubt._sliding_point(layer)
+    held = sum(t.numel() for t in saved[doubt._HEAD][:2]) * 4
+    assert held == 2 * min(4, want[0].shape[-2]) * 2 * 8 * 4  # K and V: at most 4 tokens each
+    for _ in range(since):
+        layer.update(torch.randn(1, 2, 1, 8, generator=gen), torch.randn(1, 2, 1, 8, generator=gen))
+    doubt._restore_sliding(layer, saved, since)
+    assert torch.equal(layer.keys, want[0]) and torch.equal(layer.values, want[1])
+    assert layer.cumulative_length == want[2]
 
 
 def test_a_redo_goes_back_at_most_redo_max_tokens(monkeypatch):

@@ -18,13 +18,14 @@ REDO_MAX_TOKENS the exact point moves on, and the older generated tokens keep th
 
 Undoing: a FlashLayer drops the tokens as a crop does (`generation.crop`: a block they sealed is
 unsealed from the exact cold tier); a plain full layer is cropped; a sliding-window layer, which
-cannot be cropped once its window is full, gets back the state saved at the exact point (by
-reference: its updates replace its tensors, they never write into them). What the first run
+cannot be cropped once its window is full, gets back its window at the exact point, rebuilt from
+the live one and the tokens that left it since (saved at the point). What the first run
 changed in a layer's working set stays: it is a cache of pages, not part of the attention.
 
-Memory: a sliding-window layer's state at the point is kept by reference, and its next update
-makes new tensors, so while a point is held each sliding layer keeps one more window (up to its
-bytes again; `memory_report()["doubt_held_bytes"]` counts it, in `device_resident_bytes` too).
+Memory: a sliding-window layer keeps a copy of its window's oldest REDO_MAX_TOKENS tokens at
+the point, the most that can leave the window before a redo goes back to it; the rest of the
+window at the point is still in the live one (`memory_report()["doubt_held_bytes"]` counts the
+copies, in `device_resident_bytes` too: Gemma3-270m's 512-token windows, an eighth more).
 FlashLayers and full layers keep nothing more: they are cropped.
 
 Cost: a redone step runs the model once more, over the tokens since the exact point, and reads
@@ -79,7 +80,9 @@ class DoubtState:
         """Every K/V the cache holds now is the full cache's: redo from here."""
         self.ids = []
         self.sliding = {
-            i: dict(vars(layer)) for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer)
+            i: _sliding_point(layer)
+            for i, layer in enumerate(cache.layers)
+            if isinstance(layer, DynamicSlidingWindowLayer)
         }
 
     def may_redo(self, share: float) -> bool:
@@ -87,7 +90,7 @@ class DoubtState:
         return self.counts["redone"] + 1 <= FREE_REDOS + share * self.counts["steps"] + 1e-9
 
     def held_bytes(self, cache: Any) -> int:
-        """Bytes of the sliding layers' saved state that the live layers no longer share."""
+        """Bytes of the sliding layers' saved state that the live layers do not share."""
         live = {
             t.data_ptr()
             for layer in cache.layers
@@ -95,12 +98,56 @@ class DoubtState:
             for t in vars(layer).values()
             if isinstance(t, torch.Tensor)
         }
+        saved = [t for state in self.sliding.values() for t in [*state.values(), *state.get(_HEAD, ())]]
         return sum(
-            t.numel() * t.element_size()
-            for state in self.sliding.values()
-            for t in state.values()
-            if isinstance(t, torch.Tensor) and t.data_ptr() not in live
+            t.numel() * t.element_size() for t in saved if isinstance(t, torch.Tensor) and t.data_ptr() not in live
         )
+
+
+_HEAD = "_doubt_head"  # a sliding layer's oldest tokens at the point: (keys, values, window length)
+
+
+def _sliding_point(layer: DynamicSlidingWindowLayer) -> dict[str, Any]:
+    """A sliding layer's state at the exact point. The redo goes back to the point from at most
+    REDO_MAX_TOKENS tokens later, and by then at most that many of the window's oldest tokens
+    have left it, so those are copied (`_HEAD`) and the rest is rebuilt from the live window
+    (`_restore_sliding`); a layer that records its past (assisted decoding) or has no window
+    yet is kept whole, by reference."""
+    state = dict(vars(layer))
+    keys, values = state.get("keys"), state.get("values")
+    if (
+        getattr(layer, "record_past", False)
+        or not isinstance(keys, torch.Tensor)
+        or not isinstance(values, torch.Tensor)
+    ):
+        return state
+    n = min(REDO_MAX_TOKENS, keys.shape[-2])
+    state.pop("keys"), state.pop("values")
+    state[_HEAD] = (keys[:, :, :n].clone(), values[:, :, :n].clone(), keys.shape[-2])  # [b, h, n, d] each
+    return state
+
+
+def _restore_sliding(layer: DynamicSlidingWindowLayer, state: dict[str, Any], n: int) -> None:
+    """Take the last n tokens (all of them since the point) back out of a sliding layer: its
+    window at the point is the tokens that left since (the saved head's first ones) followed by
+    the live window's tokens that were already in it."""
+    head = state.get(_HEAD)
+    rest = {k: v for k, v in state.items() if k != _HEAD}
+    if head is None:
+        vars(layer).clear()
+        vars(layer).update(rest)
+        return
+    k0, v0, length = head
+    live_k, live_v = layer.keys, layer.values
+    assert live_k is not None and live_v is not None  # initialized at the point, so still
+    keep = max(0, live_k.shape[-2] - n)  # the live window's tokens from before the point
+    left = length - keep  # ... and those that left it since, at most n <= REDO_MAX_TOKENS
+    assert left <= k0.shape[-2], "a redo goes back at most REDO_MAX_TOKENS tokens"
+    keys = torch.cat([k0[:, :, :left], live_k[:, :, :keep]], dim=-2)
+    values = torch.cat([v0[:, :, :left], live_v[:, :, :keep]], dim=-2)
+    vars(layer).clear()
+    vars(layer).update(rest)
+    layer.keys, layer.values = keys, values
 
 
 def install(model: torch.nn.Module) -> None:
@@ -222,8 +269,7 @@ def _undo(cache: Any, st: DoubtState, n: int) -> bool:
             if layer.is_initialized:
                 generation.crop(layer, -n, unsealed[id(layer)])
         elif isinstance(layer, DynamicSlidingWindowLayer):
-            vars(layer).clear()
-            vars(layer).update(st.sliding[i])
+            _restore_sliding(layer, st.sliding[i], n)
         elif isinstance(layer, DynamicLayer):
             layer.crop(-n)
     return True
