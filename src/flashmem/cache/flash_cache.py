@@ -186,8 +186,9 @@ class FlashMemoryCache(Cache):
 
         `device_resident_bytes` counts every tensor the cache keeps on the device:
         the FlashMemory tiers, the working set of selected blocks, plain full
-        layers and sliding-window layers, and the sliding windows exact_on_doubt holds
-        at its exact point (`doubt_held_bytes`). `cold_bytes` is what the cold tier holds.
+        layers and sliding-window layers, and the copy of each sliding window's oldest tokens
+        exact_on_doubt holds at its exact point (`doubt_held_bytes`). `cold_bytes` is what the
+        cold tier holds.
         """
         tiers = tier_names.zeros(tier_names.LAYER_TIERS)
         for layer in self.flash_layers:
@@ -245,8 +246,8 @@ class FlashMemoryCache(Cache):
             "doubt_steps": self.doubt.counts["steps"],
             "doubt_redone": self.doubt.counts["redone"],
             "doubt_redone_tokens": self.doubt.counts["redone_tokens"],
-            # ... near ties left as selected by exact_on_doubt_share's cap, and the sliding layers'
-            # state saved at the exact point that the live layers no longer share
+            # ... near ties left as selected by exact_on_doubt_share's cap, and what the sliding
+            # layers keep for a redo beside the live window (their oldest tokens at the point)
             "doubt_capped": self.doubt.counts["capped"],
             "doubt_held_bytes": held,
             # decode_step: static: layer steps that ran static (the others eager: a seal, the

@@ -446,8 +446,8 @@ def memory_rows(r: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str]]:
         for name in ("full_layer_bytes", "sliding_layer_bytes")
         if mem[name]
     ]
-    if mem.get("doubt_held_bytes"):  # exact_on_doubt's sliding windows at its exact point
-        rows.append(("sliding windows held to redo", int(mem["doubt_held_bytes"])))
+    if mem.get("doubt_held_bytes"):  # exact_on_doubt's copy of the sliding windows' oldest tokens
+        rows.append(("sliding tokens held to redo", int(mem["doubt_held_bytes"])))
     device = int(mem["device_resident_bytes"])
     rows.append(("device resident", device))
     notes = []

@@ -163,7 +163,7 @@ def budget_config(
         k = max(1, cap // base.page_tokens)
         sized = _sized(base, w, k, band)
         if not device_codes:
-            return _with_host_doubt(_with_host_mirror(sized, tokens, named), named)
+            return _on_host(sized, tokens, named)
         rerank_keys = spec.device_rerank
         if rerank_keys and base.lsa_rerank > 1 and not set(rerank_keys) & named:
             # ... or let the re-rank's candidate codes use the room, where they fit in it
@@ -175,7 +175,12 @@ def budget_config(
             sized = _with_page_cache(sized, budget, tokens, group, head_dim, dtype_bytes)
         return FlashMemoryConfig(**sized.model_dump())
     sized = _sized(base, w, k, band)
-    return sized if device_codes else _with_host_doubt(_with_host_mirror(sized, tokens, named), named)
+    return sized if device_codes else _on_host(sized, tokens, named)
+
+
+def _on_host(cfg: FlashMemoryConfig, tokens: int, named: set[str]) -> FlashMemoryConfig:
+    """A model on a CPU: the host's re-rank keys and near ties decided exactly, where they apply."""
+    return _with_host_doubt(_with_host_mirror(cfg, tokens, named), named)
 
 
 def _with_host_doubt(cfg: FlashMemoryConfig, named: set[str]) -> FlashMemoryConfig:
