@@ -168,7 +168,9 @@ def main() -> None:
                 step = caches[name].traffic_report()["per_decode_step_median"]
                 row["traffic_per_decode_step"] = {k: step[k] for k in step}
                 if rep["doubt_steps"]:  # exact_on_doubt: steps checked, redone, tokens fed again
-                    row["doubt"] = {k: rep[f"doubt_{k}"] for k in ("steps", "redone", "redone_tokens", "capped")}
+                    row["doubt"] = {
+                        k: rep[f"doubt_{k}"] for k in ("steps", "redone", "redone_tokens", "capped", "changed")
+                    }
                 row["config"] = {
                     k: getattr(configs[name], k)
                     for k in (

@@ -317,12 +317,31 @@ def test_hardware_model_when_the_full_cache_does_not_fit(capsys):
         (["--hardware", "h200", "--fetch-share", "0.3"], "--fetch-share: needs --static"),
         (["--hardware", "h200", "--static", "--fetch-share", "1.5"], "--fetch-share: 1.5 is not allowed"),
         (["--static"], "--static: only with --hardware"),
+        (["--doubt-redo-fraction", "0.1"], "--doubt-redo-fraction: only with --hardware"),
+        (["--hardware", "h200", "--doubt-redo-fraction", "2"], "--doubt-redo-fraction: 2.0 is not allowed"),
         (["--hardware", "h200", "--static", "--select-every", "4"], "--static: one selection a step"),
     ],
 )
 def test_hardware_mistakes_are_one_line(capsys, args, needle):
     code, _, err = run(capsys, "estimate", "-m", "llama-3.1-8b", "-t", "32K", *args)
     assert_one_line_error(code, err, needle)
+
+
+def test_a_config_that_redoes_near_ties_pays_for_the_cold_tier_over_the_link(capsys):
+    """configs/cpu-small.yaml carries exact_on_doubt: modelled on an accelerator, its redone
+    steps read the whole cold tier over the link, which then bounds the largest batch."""
+    cpu = str(ROOT / "configs" / "cpu-small.yaml")
+    base = ("estimate", "-m", "llama-3.1-8b", "-t", "128K", "--hardware", "h200", "-c", cpu, "--json")
+    code, out, _ = run(capsys, *base)
+    assert code == 0
+    flash = json.loads(out)["hardware_model"]["rows"]["flashmem"]
+    assert "exact_on_doubt: 0.12 of the steps redone" in flash["note"]
+    code, out, _ = run(capsys, *base, "--doubt-redo-fraction", "0")
+    none = json.loads(out)["hardware_model"]["rows"]["flashmem"]
+    assert "exact_on_doubt" not in none["note"]
+    # 0.12 of the 16 GiB cold tier a step (at most that; the working set's new pages besides)
+    assert flash["link_bytes_per_step"] - none["link_bytes_per_step"] == pytest.approx(0.12 * 2**34, rel=0.01)
+    assert flash["bound_at_largest"] == "link" and flash["step_s_at_largest"] > none["step_s_at_largest"]
 
 
 def test_hardware_needs_params_for_an_unknown_model(capsys):

@@ -238,12 +238,15 @@ def test_memory_table_says_how_many_near_ties_were_redone_and_what_the_redo_hold
     from flashmem.cli.run_cmd import memory_rows
 
     assert not any("near ties" in n for n in memory_rows(_result())[1])  # exact_on_doubt off: no note
-    r = _result(doubt_steps=40, doubt_redone=13, doubt_capped=5, doubt_held_bytes=700, sliding_layer_bytes=800)
+    r = _result(
+        doubt_steps=40, doubt_redone=13, doubt_capped=5, doubt_changed=4, doubt_held_bytes=700, sliding_layer_bytes=800
+    )
     r["config"]["exact_on_doubt"] = 0.5
     rows, notes = memory_rows(r)
     assert dict(rows)["sliding tokens held to redo"] == 700
     assert "within 0.5 nats): 13 of 40 decode steps run again" in " ".join(notes)
     assert "5 left as selected by the cap" in " ".join(notes)
+    assert "exactly (4 of them given another token)" in " ".join(notes)
 
 
 def test_speed_lines_give_time_per_token_in_readable_units():

@@ -227,6 +227,7 @@ def test_flashmem_method_adapter(tmp_path, loaded):
     r = rows["flashmem"]
     assert r["doubt_steps"] == 15 and 0 < r["doubt_redone"] <= 8 + 15 / 8
     assert r["doubt_redone"] + r["doubt_capped"] <= 15 and r["doubt_redone_tokens"] >= r["doubt_redone"]
+    assert 0 <= r["doubt_changed"] <= r["doubt_redone"]
     assert loaded.model.config._attn_implementation == impl  # restored for the other methods
 
 

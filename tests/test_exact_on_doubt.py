@@ -35,6 +35,7 @@ def test_every_step_redone_gives_the_full_caches_logits(arch):
     assert (got - ref).abs().max() <= 1e-4  # every step, the prompt's included
     rep = cache.memory_report()
     assert rep["doubt_steps"] == rep["doubt_redone"] == STEPS
+    assert 0 < rep["doubt_changed"] <= STEPS  # random weights: flat logits, so some redos pick another token
     assert rep["sealed_blocks"] == sparse.memory_report()["sealed_blocks"] > 0  # the seals undone and redone
     assert rep["tokens_seen"] == ids.shape[1] + STEPS
     # the exact steps stream the cold tier: the device holds what the selecting steps hold
@@ -64,12 +65,21 @@ def test_a_step_below_the_threshold_is_redone_with_the_full_caches_logits(arch, 
     ids = _ids()
     ref = reference(model, ids, STEPS)
     seen: list[float] = []
+    chosen: list[int] = []  # the selecting run's next token, each step
     gap = doubt.top_gap
-    monkeypatch.setattr(doubt, "top_gap", lambda logits: (g := gap(logits), seen.extend(g.tolist()))[0])
+
+    def spy(logits):
+        chosen.append(int(logits[0].argmax()))
+        return (g := gap(logits), seen.extend(g.tolist()))[0]
+
+    monkeypatch.setattr(doubt, "top_gap", spy)
     cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SPARSE, **EVERY, exact_on_doubt=0.1))
     steps = _steps(model, cache, ids, STEPS)
     redone = [s for s, (_, r) in enumerate(steps) if r]
     assert len(seen) == STEPS and [s for s, g in enumerate(seen) if g < 0.1] == redone
+    # doubt_changed: the redone steps whose returned (exact) token is not the selecting run's
+    changed = sum(int(steps[s][0][0].argmax()) != chosen[s] for s in redone)
+    assert cache.memory_report()["doubt_changed"] == changed
     assert 0 < len(redone) < STEPS
     for s, (logits, r) in enumerate(steps):
         err = (logits - ref[:, s + 1]).abs().max()

@@ -565,3 +565,37 @@ def test_the_operator_counts_are_the_committed_runs():
         (hwm.FLASH_REUSE_LAYER_OPS, "flashmem_reusing_step_1_16"),
     ):
         assert (const.kernels, const.views, const.waits) == (per[key]["kernels"], per[key]["views"], per[key]["waits"])
+
+
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_near_ties_redone_read_the_whole_cold_tier(store, h200, tmp_path):
+    """exact_on_doubt: a redone step reads every sealed token's K/V over the link (and off a
+    disk tier), so a step carries the redo share of the whole cold tier on average; its second
+    forward reads the weights again and runs 1 / share tokens attending every earlier one."""
+    from flashmem.cache.doubt import REDO_MAX_TOKENS
+
+    assert hwm.REDO_MAX_TOKENS == REDO_MAX_TOKENS
+    tier = dict(cold_store=store, cold_dir=str(tmp_path)) if store == "disk" else {}
+    plain = small_traffic(small_config(**tier))
+    doubt = small_traffic(small_config(**tier, exact_on_doubt=0.5))
+    # 126 sealed blocks x 64 tokens x 256 B (K+V, both layers), 0.12 of the steps (measured)
+    cold = 126 * 64 * 256
+    assert doubt.redo_fraction == hwm.DOUBT_REDO_FRACTION == 0.12 and doubt.redo_tokens == 8
+    assert doubt.parts["doubt_redo"] == pytest.approx(0.12 * cold)
+    assert doubt.link_bytes == pytest.approx(plain.link_bytes + 0.12 * cold)
+    assert doubt.disk_bytes == pytest.approx(plain.disk_bytes + (0.12 * cold if store == "disk" else 0))
+    assert plain.redo_fraction == 0 and plain.parts["doubt_redo"] == 0
+    # the cap binds a lower share; an assumed share replaces the measured one; 1 / share tokens, at most 64
+    capped = small_traffic(small_config(**tier, exact_on_doubt=0.5, exact_on_doubt_share=0.05))
+    assert capped.redo_fraction == 0.05 and capped.redo_tokens == 20
+    rare = small_traffic(small_config(exact_on_doubt=0.5), hwm.Assumptions(dispatch="off", doubt_redo_fraction=0.01))
+    assert rare.redo_fraction == 0.01 and rare.redo_tokens == REDO_MAX_TOKENS
+    with pytest.raises(ConfigError, match="--doubt-redo-fraction: 1.5 is not allowed; allowed: 0 to 1"):
+        hwm.Assumptions(doubt_redo_fraction=1.5).check()
+    # the row: the weights once more per redo and sequence, the redo's FLOPs (8 tokens over 8,192)
+    hw, cost, a = h200
+    zero = hwm.FlashTraffic(**{**vars(doubt), "link_bytes": 0.0, "disk_bytes": 0.0, "host_read_bytes": 0.0})
+    row = hwm.flashmem_row(hw, cost, 8192, 3, a, zero, 0.0, None)
+    assert row.hbm_bytes_per_step == pytest.approx(cost.weight_bytes * (1 + 3 * 0.12) + 3 * doubt.device_read_bytes)
+    base = hwm.flashmem_row(hw, cost, 8192, 3, a, hwm.FlashTraffic(**{**vars(zero), "redo_fraction": 0.0}), 0.0, None)
+    assert row.step_s > base.step_s

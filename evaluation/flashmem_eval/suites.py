@@ -213,10 +213,12 @@ def local_answer(
 
 def doubt_counts(cache: Any, row: dict[str, Any]) -> None:
     """exact_on_doubt's counts into `row` (decode steps checked, redone, tokens fed again,
-    near ties the cap left as selected), where the cache checked any."""
+    near ties the cap left as selected, redone steps given another token), where the cache
+    checked any."""
     rep = cache.memory_report()
     if rep.get("doubt_steps"):
-        row.update({k: rep[k] for k in ("doubt_steps", "doubt_redone", "doubt_redone_tokens", "doubt_capped")})
+        keys = ("doubt_steps", "doubt_redone", "doubt_redone_tokens", "doubt_capped", "doubt_changed")
+        row.update({k: rep[k] for k in keys})
 
 
 def done_local(shared: dict[str, Any], loaded: H.Loaded) -> None:

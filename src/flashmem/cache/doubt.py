@@ -32,7 +32,8 @@ Cost: a redone step runs the model once more, over the tokens since the exact po
 the whole cold tier once per layer in runs of about one prefill chunk (counted in
 `traffic_report()` as one more forward); the device holds the budget plus one run, as during the
 prompt. `memory_report()["doubt_steps"]` and `["doubt_redone"]` count the one-token forwards
-checked and redone, `["doubt_redone_tokens"]` the tokens fed again. The cost is capped:
+checked and redone, `["doubt_redone_tokens"]` the tokens fed again, `["doubt_changed"]` the
+redone steps whose next token (greedy, in some row) the redo changed. The cost is capped:
 after n checked steps at most FREE_REDOS + `exact_on_doubt_share` x n have been redone, and
 a near tie past that stays as selected (`["doubt_capped"]`). A model whose every step is a
 near tie (random weights give flat logits) then pays for one redo in 8 steps, not every step.
@@ -70,7 +71,9 @@ FREE_REDOS = 8
 class DoubtState:
     """A cache's bookkeeping since its last exact point."""
 
-    counts: dict[str, int] = field(default_factory=lambda: {"steps": 0, "redone": 0, "redone_tokens": 0, "capped": 0})
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"steps": 0, "redone": 0, "redone_tokens": 0, "capped": 0, "changed": 0}
+    )
     ids: list[torch.Tensor] | None = None  # the one-token inputs [b, 1] since the point; None: no point
     sliding: dict[int, dict[str, Any]] = field(default_factory=dict)  # sliding layers' state at the point
     checking: bool = False  # the forward in flight is a one-token step to check
@@ -232,6 +235,7 @@ def _after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     flash = cache.flash_layers
     for layer in flash:
         layer.exact_redo = True
+    chosen = logits[:, -1].argmax(-1)  # [b]: the selecting run's next tokens
     try:  # forward, not __call__: these hooks stay out of it
         redone = module.forward(**_repeat_kwargs(args, kwargs, redo))
     finally:
@@ -239,6 +243,8 @@ def _after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             layer.exact_redo = False
     st.counts["redone"] += 1
     st.counts["redone_tokens"] += n
+    # a redo that picks another next token for some row: what the redos change, not only cost
+    st.counts["changed"] += int(bool((redone.logits[:, -1].argmax(-1) != chosen).any()))
     st.mark_point(cache)
     return redone
 

@@ -135,6 +135,12 @@ def estimate_command(
         help="with codes on the device: share of a step's candidates whose codes cross the link "
         "(default: the new-page fraction)",
     ),
+    doubt_redo_fraction: float | None = typer.Option(
+        None,
+        "--doubt-redo-fraction",
+        help="with a config's exact_on_doubt: share of decode steps redone exactly, each reading the whole cold "
+        "tier (0-1; default 0.12, measured, at most the config's exact_on_doubt_share)",
+    ),
     activation_gib: float = typer.Option(2.0, "--activation-gib", help="HBM set aside beyond weights and KV, GiB"),
     flops_fraction: float = typer.Option(0.5, "--flops-fraction", help="fraction of peak FLOP/s reached"),
     no_overlap: bool = typer.Option(False, "--no-overlap", help="add link, HBM and compute times instead of max"),
@@ -161,7 +167,8 @@ def estimate_command(
             {**overrides, "traffic": traffic, "params": params, "host_gib": host_gib, "budget": budget,
              "rerank_codec": rerank_codec, "rerank_on_device": rerank_on_device,
              "select_every": select_every, "new_candidate_fraction": new_candidate_fraction,
-             "dispatch": dispatch, "op_us": op_us, "static": static or None, "fetch_share": fetch_share}
+             "dispatch": dispatch, "op_us": op_us, "static": static or None, "fetch_share": fetch_share,
+             "doubt_redo_fraction": doubt_redo_fraction}
         )  # fmt: skip
     dtype_given = dtype
     dtype = assumed_dtype(model, dtype)
@@ -171,7 +178,7 @@ def estimate_command(
     if hardware is not None:
         hw, a = _hardware_and_assumptions(
             hardware, overrides, activation_gib, flops_fraction, not no_overlap, new_page_fraction, rerank_keys,
-            new_candidate_fraction, dispatch, op_us,
+            new_candidate_fraction, dispatch, op_us, doubt_redo_fraction,
         )  # fmt: skip
         hw_model = hardware_model(model, est, hw, a, config=config, budget=budget, params=params, traffic=traffic,
                                   host_gib=host_gib, dims=(layers, kv_heads, head_dim),
@@ -193,7 +200,7 @@ def _refuse_hardware_only(given: dict[str, Any]) -> None:
 def _hardware_and_assumptions(
     hardware: str, overrides: dict[str, float | None], activation_gib: float, flops_fraction: float, overlap: bool,
     new_page_fraction: float, rerank_keys: str, new_candidate_fraction: float | None = None,
-    dispatch: str | None = None, op_us: float | None = None,
+    dispatch: str | None = None, op_us: float | None = None, doubt_redo_fraction: float | None = None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The accelerator (its constants, with the --*-gbps/--hbm-gib/--tflops overrides) and the checked assumptions."""
     from flashmem.sizing import hardware as hwm
@@ -210,6 +217,7 @@ def _hardware_and_assumptions(
         new_page_fraction=new_page_fraction,
         rerank_keys=rerank_keys,
         new_candidate_fraction=new_candidate_fraction,
+        doubt_redo_fraction=doubt_redo_fraction,
         **given,
     )
     a.check()

@@ -455,7 +455,8 @@ def memory_rows(r: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str]]:
         notes.append(
             f"near ties (top two next tokens within {r['config'].get('exact_on_doubt')} nats): "
             f"{mem['doubt_redone']} of {mem['doubt_steps']} decode steps run again attending every token "
-            f"exactly, {mem.get('doubt_capped', 0)} left as selected by the cap (exact_on_doubt_share)"
+            f"exactly ({mem.get('doubt_changed', 0)} of them given another token), "
+            f"{mem.get('doubt_capped', 0)} left as selected by the cap (exact_on_doubt_share)"
         )
     peak = mem["peak_managed_resident_bytes"] + mem["full_layer_bytes"] + mem["sliding_layer_bytes"]
     peak += mem.get("doubt_held_bytes", 0)

@@ -301,6 +301,9 @@ class Assumptions:
     # upper bound) or "off" (not counted, as the model was before 2026-12-03; what CUDA graphs or
     # a compiled step would approach)
     dispatch: str = "overlap"
+    # with `exact_on_doubt` (cache/doubt.py): the share of decode steps redone exactly. None:
+    # DOUBT_REDO_FRACTION, at most the config's cap (`exact_on_doubt_share`)
+    doubt_redo_fraction: float | None = None
 
     @property
     def candidate_fraction(self) -> float:
@@ -321,6 +324,9 @@ class Assumptions:
             raise ConfigError(f"--rerank-keys: {self.rerank_keys!r} is not allowed; allowed: host, link, device")
         if self.dispatch not in ("overlap", "serial", "off"):
             raise ConfigError(f"--dispatch: {self.dispatch!r} is not allowed; allowed: overlap, serial, off")
+        f = self.doubt_redo_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 1):
+            raise ConfigError(f"--doubt-redo-fraction: {f!r} is not allowed; allowed: 0 to 1")
         if not (0 <= self.op_launch_s < 1e-3 and 0 <= self.view_op_s < 1e-3):
             raise ConfigError(f"--op-us: {self.op_launch_s * 1e6!r} is not allowed; allowed: 0 to 1000")
 
@@ -443,6 +449,10 @@ MEASURED_NEW_PAGE_FRACTIONS = (
 # when they are at least 1/IN_PLACE_CANDIDATES of the sealed pages (cache/ranking.py's constant
 # of the same name; tests/test_hardware_model.py checks that they agree)
 IN_PLACE_CANDIDATES = 3
+# exact_on_doubt's redone share of decode steps, measured: SmolLM2 at 4K and 1/16 on the task
+# families' answers, 153 of 1,374 steps (11%), then 30 of 273 and 38 of 315 on held-out seeds
+# (12%; docs/results.md, "Near ties decided exactly" and "A cap on the redone steps")
+DOUBT_REDO_FRACTION = 0.12
 # FLOPs per score beyond its dot product (2 x head_dim): the scaling, the softmax's max-subtract,
 # exp and sum. An exp takes more than one instruction; at head_dim 128 this is still ~2-4%.
 SOFTMAX_FLOPS_PER_SCORE = 4
@@ -480,6 +490,12 @@ class FlashTraffic:
     select_every: int = 1
     # `decode_step: static`: fixed-size page reads, no host waits (`FLASH_STATIC_LAYER_OPS`)
     static: bool = False
+    # exact_on_doubt: the share of steps redone and the tokens a redo feeds again. A redo's read
+    # of the whole cold tier is in link_bytes (and disk_bytes) already, as the mean a step; its
+    # second forward (the weights read again, the FLOPs of `redo_tokens` tokens attending every
+    # earlier one) is added by `flashmem_row`
+    redo_fraction: float = 0.0
+    redo_tokens: int = 0
 
 
 def rebuild_fraction(cfg: Any, head_dim: int | None, dtype_bytes: float | None) -> float:
@@ -632,6 +648,12 @@ def predicted_traffic(
     index_skipped = (1 - 1 / every) * float(flash.tiers.get("index", 0.0))
     # worst case: no host RAM cache hits
     disk = new_exact + disk_keys if cfg.cold_store in ("disk", "lmdb") else 0.0
+    # exact_on_doubt: a redone step attends every sealed token exactly, read from the cold tier
+    # as the streamed exact prompt reads it: the whole cold tier over the link (and off the disk)
+    redo, redo_tokens = doubt_redo(cfg, a)
+    redo_bytes = redo * float(counts["cold_tokens"]) * cold_tok
+    link += redo_bytes
+    disk += redo_bytes if cfg.cold_store in ("disk", "lmdb") else 0.0
     # the streamed exact prompt (issue 27 item 3): chunk j of C tokens reads every earlier token
     # that is not resident (sinks + window) from the cold tier
     chunk = max(1, int(cfg.prefill_chunk))
@@ -669,12 +691,19 @@ def predicted_traffic(
             )
             + (over if rerank or held else "")
             + (f", re-rank {what} read and scored on the host{where}" if host else "")
+            + (
+                f", exact_on_doubt: {redo:g} of the steps redone, each reading the whole cold tier and "
+                f"running {redo_tokens} tokens again"
+                if redo
+                else ""
+            )
         ),
         parts={
             "new_pages": new_pages,
             "rerank_keys": rerank,
             "rerank_keys_on_host": host,
             "rerank_decoded_keys": decoded,
+            "doubt_redo": redo_bytes,
         },
         working_set_merge_bytes=merge,
         assembly_bytes=assembly,
@@ -684,7 +713,27 @@ def predicted_traffic(
         held_code_bytes=held,
         select_every=every,
         static=static,
+        redo_fraction=redo,
+        redo_tokens=redo_tokens,
     )
+
+
+# cache/doubt.py's REDO_MAX_TOKENS (tests/test_hardware_model.py checks that they agree)
+REDO_MAX_TOKENS = 64
+
+
+def doubt_redo(cfg: Any, a: Assumptions) -> tuple[float, int]:
+    """(share of decode steps redone, tokens a redo feeds again) for a config with
+    `exact_on_doubt` (0, 0 without): `a.doubt_redo_fraction`, else DOUBT_REDO_FRACTION, never
+    more than the cap lets through over a long answer (`exact_on_doubt_share`). A redo feeds
+    again every token since the last one: 1 / share of them on average, at most REDO_MAX_TOKENS."""
+    if not float(getattr(cfg, "exact_on_doubt", 0.0) or 0.0) > 0:
+        return 0.0, 0
+    share = DOUBT_REDO_FRACTION if a.doubt_redo_fraction is None else float(a.doubt_redo_fraction)
+    share = min(share, float(cfg.exact_on_doubt_share))
+    if share <= 0:
+        return 0.0, 0
+    return share, min(REDO_MAX_TOKENS, max(1, round(1 / share)))
 
 
 def assembly_bytes(
@@ -974,10 +1023,15 @@ def flashmem_row(
     ops = flash_layer_ops(traffic)
     dispatch = ops.seconds(a, m.layers)  # rows of one cache share each operator
 
+    # exact_on_doubt: each sequence's redone steps run a second forward of redo_tokens tokens
+    # that attend every earlier token (its cold-tier read is in link_bytes already)
+    redo, n = traffic.redo_fraction, traffic.redo_tokens
+    redo_flops = redo * (2.0 * m.params * n + m.attention_flops(n, tokens)) if redo else 0.0
+
     def at(b: int) -> tuple[float, str, float, float]:
-        hbm = m.weight_bytes + b * traffic.device_read_bytes
+        hbm = m.weight_bytes * (1 + b * redo) + b * traffic.device_read_bytes
         link = b * traffic.link_bytes
-        flops = b * (2.0 * m.params + m.attention_flops(1, attended) + traffic.rerank_device_flops)
+        flops = b * (2.0 * m.params + m.attention_flops(1, attended) + traffic.rerank_device_flops + redo_flops)
         t, bound = step_time(
             hw, a, hbm=hbm, link=link, disk=b * traffic.disk_bytes, host=b * traffic.host_read_bytes, flops=flops,
             host_flops=b * traffic.host_flops, dispatch=dispatch, waits=ops.waits > 0,
