@@ -125,3 +125,8 @@ def test_answered_only_tasks_run_is_the_task_suite_command_and_notes_are_kept():
     )
     assert report.runs_markdown([run]).endswith("--threads 1` (rows copied)")
     assert report.run_command({**run, "command": "flashmem bench tasks --exact"}) == "flashmem bench tasks --exact"
+    # prompts taken from the file's full-cache rows: no seeds or wordings, which the run did not use
+    assert report.run_command({**run, "stored_prompts": True}) == (
+        "python -m flashmem_eval.task_suite run results/t.json --answered-only --stored-prompts --model smollm2 "
+        "--methods full,flashmem --budgets 1/32 --lengths 4096 --haystacks kjv --families keyed,vartrack --threads 1"
+    )

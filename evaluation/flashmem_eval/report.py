@@ -297,7 +297,8 @@ def _frac(b: Any) -> str:
 def run_command(run: dict[str, Any]) -> str:
     """The command that makes `run` again, from its recorded arguments (`command` where the run
     recorded one): `flashmem bench`, or `python -m flashmem_eval.task_suite run` for a tasks run
-    with --answered-only (`flashmem bench` has no such flag)."""
+    with --answered-only (`flashmem bench` has no such flag), and --stored-prompts in place of its
+    seeds and wordings where the run took its prompts from the file's full-cache rows."""
     import shlex
 
     if run.get("command"):
@@ -308,6 +309,7 @@ def run_command(run: dict[str, Any]) -> str:
 
     suite = str(run.get("suite") or "?")
     path = str(run.get("path") or run.get("file") or "?")
+    stored = bool(run.get("stored_prompts"))  # the file's full-cache rows name the prompts, not seeds x wordings
     opts: list[tuple[str, Any]] = [("--model", run.get("model"))]
     for key, flag, fmt in (
         ("methods", "--methods", join),
@@ -319,12 +321,13 @@ def run_command(run: dict[str, Any]) -> str:
         ("haystacks", "--haystacks", join),
         ("families", "--families", join),
     ):
-        if run.get(key):
+        if run.get(key) and not (stored and key == "seeds"):
             opts.append((flag, fmt(run[key])))
-    if run.get("wordings"):
+    if run.get("wordings") and not stored:
         opts.append(("--wordings", run["wordings"]))
     if run.get("answered_only"):
         head = ["python -m flashmem_eval.task_suite run", shlex.quote(path), "--answered-only"]
+        head += ["--stored-prompts"] if stored else []
         tail: list[tuple[str, Any]] = [("--threads", run.get("threads"))]
     else:
         head = [f"flashmem bench {suite}"]
