@@ -45,7 +45,8 @@ table() {
   local F="--model smollm2 --lengths 4096 --seeds 0,1 --n-cont 256 $C --json-out $O/fidelity_smollm2_4k.json"
   flashmem bench fidelity --methods full,quanto-int2,hqq-int2,kivi-int2,flashmem --budgets 1/8 $F
   flashmem bench fidelity --methods quanto-int4,hqq-int4,kivi-int4,flashmem --budgets 1/6 $F
-  flashmem bench fidelity --methods flashmem --budgets 1/16 $F
+  flashmem bench fidelity --methods flashmem --budgets 1/16,1/32 $F
+  flashmem bench fidelity --methods streaming,snapkv --budgets 1/6,1/8,1/16,1/32 $F
   local T="--model smollm2 --lengths 4096 --haystacks kjv,stdlib-doc"
   T="$T --families keyed,multivalue,multiquery,vartrack,aggregation,passage --threads ${THREADS:-1}"
   local TJ="$O/tasks_smollm2_4k.json"
