@@ -249,6 +249,26 @@ def test_memory_table_says_how_many_near_ties_were_redone_and_what_the_redo_hold
     assert "exactly (4 of them given another token)" in " ".join(notes)
 
 
+def test_traffic_lines_give_the_redos_apart_from_the_decode_steps():
+    from flashmem.cli.run_cmd import traffic_lines
+
+    zero = dict.fromkeys(("device_read_bytes", "h2d_bytes", "host_read_bytes", "disk_read_bytes"), 0)
+    t = {
+        "steps": {"prefill_forwards": 2, "decode_steps": 40, "redo_forwards": 0, "redo_tokens": 0},
+        "totals": dict(zero, h2d_bytes=9 * 10**6),
+        "per_decode_step_median": dict(zero, h2d_bytes=10**5, full_cache_bytes=10**7),
+        "per_redo_forward_median": dict(zero),
+        "page_cache": {"hit_rate": 0.5},
+    }
+    lines = traffic_lines({"traffic": t})
+    assert len(lines) == 2 and "(the prompt read back included)" in lines[1]
+    t["steps"].update(redo_forwards=5, redo_tokens=12)
+    t["per_redo_forward_median"]["h2d_bytes"] = 3 * 10**6
+    lines = traffic_lines({"traffic": t})
+    assert "near ties redone: 5 of 40 decode steps, each copying 3.0 MB from the cold tier" in lines[1]
+    assert "(the prompt read back and the redos included)" in lines[2]
+
+
 def test_speed_lines_give_time_per_token_in_readable_units():
     from flashmem.cli.run_cmd import speed_lines
 

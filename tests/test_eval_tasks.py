@@ -456,3 +456,18 @@ def test_add_forced_feeds_each_method_the_full_caches_answer(tmp_path, monkeypat
     store.rows[full["cell"]].update(hits=[True] + [False] * (n - 1), output="something else")
     assert ts.add_forced(store, ld) == (0, 1)
     assert "not reproduced" in H.ResultStore(out).rows[fm["cell"]]["forced_error"]
+
+
+def test_report_names_each_lengths_model_when_the_tables_pool_several():
+    """Task runs of two models (SmolLM2 at 4K, Gemma3 at 16K) pool into one block: each length's
+    heading and each answered prompt name the model, and one model's headings stay bare."""
+    rows = []
+    for model, length in (("smollm2", 4096), ("gemma3-270m", 16384)):
+        key = dict(suite="tasks", model=model, family="keyed", haystack="kjv", length=length, seed=0, wording=0)
+        rows.append(dict(key, method="full", budget=1.0, hits=[True], score=1.0, items=["1"], output="1"))
+        rows.append(dict(key, method="flashmem", budget=0.0625, hits=[True], score=1.0))
+    md = report.tasks_results_markdown(rows)
+    assert "4K (smollm2):" in md and "16K (gemma3-270m):" in md and "All lengths (gemma3-270m, smollm2):" in md
+    assert "- keyed, kjv, 16K (gemma3-270m), seed 0, wording 0: score 1.00" in md
+    one = report.tasks_results_markdown([r for r in rows if r["model"] == "smollm2"])
+    assert "4K:" in one and "(smollm2)" not in one

@@ -254,6 +254,31 @@ def test_the_caches_own_traffic_names_are_accepted(h200):
     assert tr.prefill_link_bytes == 256 * 10**8 and tr.link_bytes == 50 * 10**6
 
 
+def test_counted_redos_join_a_step_as_their_share_of_the_decode_steps(h200):
+    """A run with exact_on_doubt counts its redo forwards apart (`steps.redo_forwards`,
+    `per_redo_forward_median`): 4 of 16 steps redone, each copying 2 GB and feeding 6 tokens
+    again, add a quarter of 2 GB to a step's link bytes and a second forward of 6 tokens at that
+    share, as a predicted redo does."""
+    hw, cost, a = h200
+    plain = synthetic_report(10**9, 50 * 10**6, 10**8, 256)
+    report = json.loads(json.dumps(plain))
+    report["steps"].update(redo_forwards=4, redo_tokens=24)
+    report["per_redo_forward_median"] = dict(plain["per_prefill_chunk_median"], h2d_bytes=2 * 10**9)
+    hwm.check_traffic(report)
+    tr = hwm.counted_traffic(report, 2**30, 0, "redone")
+    assert (tr.redo_fraction, tr.redo_tokens) == (0.25, 6)
+    assert tr.link_bytes == pytest.approx(50 * 10**6 + 0.25 * 2 * 10**9)
+    assert "4 of its 16 decode steps redone" in tr.source
+    base = hwm.counted_traffic(plain, 2**30, 0, "plain")
+    assert base.redo_fraction == 0 and base.link_bytes == 50 * 10**6
+    row, row0 = (hwm.flashmem_row(hw, cost, TOKENS, 1, a, t, KV_SEQ, None) for t in (tr, base))
+    assert row.step_s > row0.step_s and row.prefill_link_bytes == row0.prefill_link_bytes
+    del report["per_redo_forward_median"]
+    with pytest.raises(ConfigError, match="'per_redo_forward_median' is missing") as err:
+        hwm.check_traffic(report)
+    assert "\n" not in str(err.value)
+
+
 def test_a_cache_that_does_not_fit_has_no_ratio():
     """At 1M tokens Llama-3.1-8B's cache (128 GiB) does not fit an H100 next to its weights:
     the full row has no batch, and the targets say so instead of printing a ratio."""

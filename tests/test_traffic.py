@@ -66,7 +66,7 @@ def test_decode_traffic_matches_bytes_worked_out_by_hand():
     copied = after["totals"]["device_copy_bytes"] - before["device_copy_bytes"]
     assert copied == len(layers) * 2 * 102 * per_token
     assert after["per_decode_step_median"]["full_cache_bytes"] > 0
-    assert after["steps"] == {"prefill_forwards": 1, "decode_steps": 2}
+    assert after["steps"] == {"prefill_forwards": 1, "decode_steps": 2, "redo_forwards": 0, "redo_tokens": 0}
     # a full cache reads all 102 tokens in every layer at the last step
     assert cache.full_cache_bytes(102) == 102 * per_token * len(model.model.layers)
     assert after["page_cache"]["hits"] > 0
@@ -238,3 +238,29 @@ def test_counts_handed_over_as_tensors_are_read_when_the_step_closes():
     t.pages(torch.tensor(6), torch.tensor(0), 7)
     report = t.report()  # closes the open one too
     assert report["page_cache"]["hits"] == 10 and report["page_cache"]["misses"] == 7
+
+
+def test_a_redo_on_doubt_is_counted_apart_and_reads_every_sealed_block():
+    """exact_on_doubt: a redone decode step is its decode step plus a redo forward counted apart,
+    so the prompt's and the decode steps' counts are those of the same run without the key; the
+    redo streams every sealed block of every layer from the cold tier (K and V, fp32); with every
+    step redone, each redo feeds again only its own token (the last exact point is the step before)."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
+    base = dict(SMALL, lsa_top_k=1, prefill_exact_tokens=4096, prefetch_threads=0)
+    reports = {}
+    for name, keys in (("plain", {}), ("doubt", dict(exact_on_doubt=20.0, exact_on_doubt_share=1.0))):
+        cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**base, **keys))
+        with torch.no_grad():
+            model(ids[:, :100], cache=cache, use_cache=True)
+            for t in range(100, 103):
+                model(ids[:, t : t + 1], cache=cache, use_cache=True)
+        reports[name] = cache.traffic_report()
+    plain, doubt = reports["plain"], reports["doubt"]
+    assert doubt["steps"] == dict(plain["steps"], redo_forwards=3, redo_tokens=3)
+    assert doubt["per_prefill_forward_median"] == plain["per_prefill_forward_median"]
+    layers = cache.flash_layers
+    h, d = layers[0].sink_k.shape[1], layers[0].sink_k.shape[-1]
+    sealed = sum(layer.num_sealed for layer in layers) * layers[0].cfg.hca_chunk_size  # none sealed in 3 steps
+    assert doubt["per_redo_forward_median"]["h2d_bytes"] == sealed * 2 * h * d * 4 > 0
+    assert plain["per_redo_forward_median"]["h2d_bytes"] == 0

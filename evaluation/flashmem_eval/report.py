@@ -644,17 +644,24 @@ def full_answers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         if r.get("suite") == "tasks" and r.get("method") == "full" and not r.get("error") and r.get("score"):
-            keep = ("family", "haystack", "length", "seed", "wording", "score", "items", "output")
+            keep = ("model", "family", "haystack", "length", "seed", "wording", "score", "items", "output")
             out.append({k: r.get(k) for k in keep})
     return sorted(out, key=lambda r: (r["family"], r["haystack"], r["length"], r["seed"]))
 
 
 def tasks_results_markdown(rows: list[dict[str, Any]]) -> str:
     """The tasks pivot per length and pooled, then the prompts the full cache answers."""
-    lengths = sorted({int(r["length"]) for r in rows if r.get("suite") == "tasks"})
+    tasks = [r for r in rows if r.get("suite") == "tasks"]
+    lengths = sorted({int(r["length"]) for r in tasks})
+    several = len({r.get("model") for r in tasks}) > 1  # then each heading names its models
+
+    def heading(L: int) -> str:
+        models = sorted({str(r.get("model")) for r in tasks if not L or int(r["length"]) == L})
+        return (f"{L // 1024}K" if L else "All lengths") + (f" ({', '.join(models)})" if several else "") + ":"
+
     parts = []
     for L in [*lengths, 0] if len(lengths) > 1 else lengths:
-        parts.append(f"{L // 1024}K:" if L else "All lengths:")
+        parts.append(heading(L))
         parts.append(tasks_markdown(rows, L))
     margins = tasks_margin_markdown(rows)
     if margins:
@@ -672,8 +679,9 @@ def tasks_results_markdown(rows: list[dict[str, Any]]) -> str:
         parts.append(forced)
     answered = full_answers(rows)
     lines = [
-        f"- {a['family']}, {a['haystack']}, {a['length'] // 1024}K, seed {a['seed']}, wording {a['wording']}: "
-        f"score {a['score']:.2f}"
+        f"- {a['family']}, {a['haystack']}, {a['length'] // 1024}K"
+        + (f" ({a['model']})" if several else "")
+        + f", seed {a['seed']}, wording {a['wording']}: score {a['score']:.2f}"
         for a in answered
     ]
     parts.append(f"Prompts the full cache answers ({len(answered)}):\n\n" + "\n".join(lines))

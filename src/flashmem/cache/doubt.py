@@ -30,7 +30,7 @@ FlashLayers and full layers keep nothing more: they are cropped.
 
 Cost: a redone step runs the model once more, over the tokens since the exact point, and reads
 the whole cold tier once per layer in runs of about one prefill chunk (counted in
-`traffic_report()` as one more forward); the device holds the budget plus one run, as during the
+`traffic_report()` as a redo forward: `steps.redo_forwards`, `per_redo_forward_median`); the device holds the budget plus one run, as during the
 prompt. `memory_report()["doubt_steps"]` and `["doubt_redone"]` count the one-token forwards
 checked and redone, `["doubt_redone_tokens"]` the tokens fed again, `["doubt_changed"]` the
 redone steps whose next token (greedy, in some row) the redo changed. The cost is capped:
@@ -236,6 +236,7 @@ def _after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     for layer in flash:
         layer.exact_redo = True
     chosen = logits[:, -1].argmax(-1)  # [b]: the selecting run's next tokens
+    cache.traffic.expect_redo()  # counted apart from decode steps and prompt forwards
     try:  # forward, not __call__: these hooks stay out of it
         redone = module.forward(**_repeat_kwargs(args, kwargs, redo))
     finally:

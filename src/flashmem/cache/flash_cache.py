@@ -272,9 +272,15 @@ class FlashMemoryCache(Cache):
         per = self._full_per_layer_token * rows
         return sum(per * (tokens if cap is None else min(tokens, cap)) for cap in self._full_layer_caps)
 
+    @property
+    def traffic(self) -> Traffic:
+        """The cache's byte counters (`traffic_report()` reads them)."""
+        return self._traffic
+
     def traffic_report(self) -> dict[str, Any]:
-        """Bytes moved per model forward, by path (cache/traffic.py): totals, per decode step
-        and per prefill forward medians, beside what a full cache reads for the same steps.
+        """Bytes moved per model forward, by path (cache/traffic.py): totals, per decode step,
+        per prefill forward and per redo forward (`exact_on_doubt`) medians, beside what a full
+        cache reads for the same steps.
 
         `device_read_bytes`: read from device-resident tiers; `h2d_bytes`: copied from the cold
         tier to the device; `host_read_bytes`: read by compute where the cold tier holds it;

@@ -25,7 +25,10 @@ make the host wait for the device's queue.
 One `Traffic` is shared by a cache's layers; the cache opens a step at the first
 layer's update (`begin_step`) and `report()` gives totals and per-step medians
 beside the full cache's bytes for the same steps (a full cache reads every
-token's K/V in every layer each step).
+token's K/V in every layer each step). A decode step redone by `exact_on_doubt`
+(cache/doubt.py) is its decode step plus a redo forward, counted apart: the decode
+medians stay those of a selecting step, the prompt's those of the prompt, and the
+redos' share and median give what near ties add.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ _RAM_TIERS = frozenset({"memory", "ram"})
 
 @dataclass
 class StepTraffic:
-    kind: str  # "prefill" (a forward of several tokens) or "decode" (one token)
+    kind: str  # "prefill" (a forward of several tokens), "decode" (one token) or "redo" (exact_on_doubt's)
     tokens_before: int  # tokens the cache held when the step began
     queries: int
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
@@ -88,17 +91,24 @@ class Traffic:
         self.steps: list[StepTraffic] = []
         self._store: ColdStore | None = None
         self._disk_mark = 0
+        self._redo_next = False
 
     def watch(self, store: ColdStore) -> None:
         """Count `store`'s disk-tier reads per step."""
         self._store = store
         self._disk_mark = self._disk_bytes()
 
+    def expect_redo(self) -> None:
+        """The next forward is exact_on_doubt's redo of a decode step (cache/doubt.py): counted
+        apart, as what the step it redoes cost besides its own forward."""
+        self._redo_next = True
+
     def begin_step(self, queries: int, tokens_before: int, full_cache_bytes: int) -> None:
         """A new model forward of `queries` tokens over `tokens_before` cached ones; a full
         cache reads `full_cache_bytes` of K/V for it (every earlier token's and the new ones')."""
         self._close_step()
-        kind = "decode" if queries == 1 else "prefill"
+        kind = "redo" if self._redo_next else "decode" if queries == 1 else "prefill"
+        self._redo_next = False
         self.steps.append(StepTraffic(kind, tokens_before, queries, full_cache_bytes=full_cache_bytes))
 
     def add(self, path: str, nbytes: int) -> None:
@@ -136,10 +146,14 @@ class Traffic:
     def report(self) -> dict[str, Any]:
         """Totals, per-step medians (decode steps, prefill forwards) and the full cache's."""
         self._close_step()
+        redos = [s for s in self.steps if s.kind == "redo"]
         out: dict[str, Any] = {
             "steps": {
                 "prefill_forwards": sum(s.kind == "prefill" for s in self.steps),
                 "decode_steps": sum(s.kind == "decode" for s in self.steps),
+                # exact_on_doubt's redone decode steps, and the tokens their forwards fed again
+                "redo_forwards": len(redos),
+                "redo_tokens": sum(s.queries for s in redos),
             },
             "totals": {p: sum(s.counts[p] for s in self.steps) for p in PATHS},
             "full_cache_bytes": sum(s.full_cache_bytes for s in self.steps),
@@ -155,7 +169,11 @@ class Traffic:
         c_hits, c_misses = sum(s.candidate_hits for s in decode), sum(s.candidate_misses for s in decode)
         if c_hits + c_misses:  # the re-rank's candidates as a cache (codes held on the device)
             out["candidate_cache"] = {"hits": c_hits, "misses": c_misses, "hit_rate": c_hits / (c_hits + c_misses)}
-        for kind, name in (("decode", "per_decode_step_median"), ("prefill", "per_prefill_forward_median")):
+        for kind, name in (
+            ("decode", "per_decode_step_median"),
+            ("prefill", "per_prefill_forward_median"),
+            ("redo", "per_redo_forward_median"),
+        ):
             steps = [s for s in self.steps if s.kind == kind]
             med = {p: int(statistics.median(s.counts[p] for s in steps)) if steps else 0 for p in PATHS}
             med["full_cache_bytes"] = int(statistics.median(s.full_cache_bytes for s in steps)) if steps else 0

@@ -430,8 +430,18 @@ def traffic_lines(r: dict[str, Any]) -> list[str]:
         f"{mb(d['disk_read_bytes'])}; a full cache reads {mb(d['full_cache_bytes'])}; pages already held "
         f"{t['page_cache']['hit_rate']:.0%}"
     ]
+    redos = t["steps"].get("redo_forwards", 0)
+    if redos:  # exact_on_doubt: near ties redone, apart from the decode steps above
+        r = t["per_redo_forward_median"]
+        lines.append(
+            f"near ties redone: {redos:,} of {t['steps']['decode_steps']:,} decode steps, each copying "
+            f"{mb(r['h2d_bytes'])} from the cold tier (median; every sealed token read back)"
+        )
     if tot["h2d_bytes"] and t["steps"]["prefill_forwards"]:
-        lines.append(f"whole request: copied from the cold tier {mb(tot['h2d_bytes'])} (the prompt read back included)")
+        lines.append(
+            f"whole request: copied from the cold tier {mb(tot['h2d_bytes'])} (the prompt read back"
+            + (" and the redos included)" if redos else " included)")
+        )
     return lines
 
 

@@ -828,6 +828,16 @@ def check_traffic(data: Any, where: str = "traffic") -> None:
             count(values["device_copy_bytes"], f"{section}.device_copy_bytes")
     count(data.get("full_cache_bytes"), "full_cache_bytes")
     count(data.get("layers"), "layers")
+    # exact_on_doubt's redo forwards (optional: files from before they were counted apart have none)
+    for k in ("redo_forwards", "redo_tokens"):
+        if k in data["steps"]:
+            count(data["steps"][k], f"steps.{k}")
+    if data["steps"].get("redo_forwards"):
+        redo = data.get("per_redo_forward_median")
+        if not isinstance(redo, dict):
+            raise bad("steps.redo_forwards is counted, but the object 'per_redo_forward_median' is missing")
+        for k in TRAFFIC_KEYS:
+            count(redo.get(k), f"per_redo_forward_median.{k}")
 
 
 def _prefill_median(data: dict[str, Any]) -> Any:
@@ -849,19 +859,37 @@ def counted_traffic(report: dict[str, Any], resident_bytes: int, prompt_bytes: i
     figures are for the run's own model, length and config."""
     step = report["per_decode_step_median"]
     chunk = _prefill_median(report)
+    # exact_on_doubt: a redone step's second forward, counted apart (`steps.redo_forwards`); its
+    # median reads join a step's as the mean over steps, as `predicted_traffic` adds them
+    steps = report["steps"]
+    redos, decodes = int(steps.get("redo_forwards", 0) or 0), int(steps.get("decode_steps", 0) or 0)
+    redo = redos / decodes if redos and decodes else 0.0
+    per_redo = report.get("per_redo_forward_median") or {}
+
+    def mean(path: str) -> float:
+        return float(step.get(path, 0)) + redo * float(per_redo.get(path, 0))
+
     return FlashTraffic(
         resident_bytes=resident_bytes,
         prompt_bytes=prompt_bytes,
         # the copies attention and the index make count as HBM traffic too (older files: none)
-        device_read_bytes=float(step["device_read_bytes"]) + float(step.get("device_copy_bytes", 0)),
-        link_bytes=float(step["h2d_bytes"]),
-        disk_bytes=float(step["disk_read_bytes"]),
-        host_read_bytes=float(step["host_read_bytes"]),
+        device_read_bytes=mean("device_read_bytes") + mean("device_copy_bytes"),
+        link_bytes=mean("h2d_bytes"),
+        disk_bytes=mean("disk_read_bytes"),
+        host_read_bytes=mean("host_read_bytes"),
         prefill_link_bytes=float(chunk["h2d_bytes"]) * int(_prefill_count(report)),
         attended_tokens=0,
-        assembly_bytes=float(step.get("device_copy_bytes", 0)),
+        assembly_bytes=mean("device_copy_bytes"),
         # a run counts bytes, not FLOPs: its host reads bound the host's DRAM time only
-        source=f"counted: {source} (per-decode-step medians of that run; host FLOPs not counted)",
+        source=f"counted: {source} (per-decode-step medians of that run; host FLOPs not counted"
+        + (
+            f"; {redos} of its {decodes} decode steps redone on doubt, their median redo's reads added "
+            f"as the mean a step)"
+            if redo
+            else ")"
+        ),
+        redo_fraction=redo,
+        redo_tokens=round(int(steps.get("redo_tokens", 0) or 0) / redos) if redos else 0,
     )
 
 
