@@ -167,10 +167,9 @@ def main() -> None:
                 # bytes a decode step moved, by path, beside what the full cache reads for it
                 step = caches[name].traffic_report()["per_decode_step_median"]
                 row["traffic_per_decode_step"] = {k: step[k] for k in step}
-                if rep["doubt_steps"]:  # exact_on_doubt: steps checked, redone, tokens fed again
-                    row["doubt"] = {
-                        k: rep[f"doubt_{k}"] for k in ("steps", "redone", "redone_tokens", "capped", "changed")
-                    }
+                if rep["doubt_steps"]:  # exact_on_doubt: steps checked, redone, tokens fed again, ...
+                    keys = ("steps", "redone", "redone_tokens", "capped", "changed", "flat")
+                    row["doubt"] = {k: rep[f"doubt_{k}"] for k in keys}
                 row["config"] = {
                     k: getattr(configs[name], k)
                     for k in (
@@ -183,6 +182,7 @@ def main() -> None:
                         "lsa_fetch_share",
                         "exact_on_doubt",
                         "exact_on_doubt_share",
+                        "exact_on_doubt_min_mass",
                     )  # fmt: skip
                 }
                 caches[name].close()

@@ -165,7 +165,12 @@ def test_selected_pages_are_capped_at_long_prompts(tokens, budget):
     # of the keys in host memory, recipe.HOST_RERANK, and it decides near ties exactly,
     # recipe.HOST_DOUBT: tests/test_recipe.py)
     on_cpu = budget_config(budget, tokens, device_codes=False)
-    back = {"lsa_top_k": full.lsa_top_k, "lsa_rerank_mirror": "none", "exact_on_doubt": 0.0}
+    back = {
+        "lsa_top_k": full.lsa_top_k,
+        "lsa_rerank_mirror": "none",
+        "exact_on_doubt": 0.0,
+        "exact_on_doubt_min_mass": 0.0,
+    }
     assert on_cpu.lsa_cache_pages == 0 and on_cpu.model_copy(update=back) == full
     assert predicted_ratio(on_cpu, tokens, peak=True) < 0.9 * budget
     assert predicted_ratio(full, tokens, peak=True) == pytest.approx(budget, rel=0.05)

@@ -247,6 +247,11 @@ def test_memory_table_says_how_many_near_ties_were_redone_and_what_the_redo_hold
     assert "within 0.5 nats): 13 of 40 decode steps run again" in " ".join(notes)
     assert "5 left as selected by the cap" in " ".join(notes)
     assert "exactly (4 of them given another token)" in " ".join(notes)
+    assert "flat distribution" not in " ".join(notes)
+    r["memory"]["doubt_flat"] = 3
+    assert "5 left as selected by the cap (exact_on_doubt_share), 3 in a flat distribution" in " ".join(
+        memory_rows(r)[1]
+    )
 
 
 def test_traffic_lines_give_the_redos_apart_from_the_decode_steps():

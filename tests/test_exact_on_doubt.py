@@ -223,3 +223,33 @@ def test_a_selecting_forward_of_several_tokens_leaves_no_exact_point():
     assert counts["steps"] == counts["redone"] == 3 and counts["redone_tokens"] == 3
     cache.crop(-1)  # transformers' crop: the tokens since the point are not known any more
     assert cache.doubt.ids is None and cache.get_seq_length() == 300 + 1 + 4 + 1
+
+
+def test_a_near_tie_in_a_flat_distribution_is_left_as_selected(monkeypatch):
+    """exact_on_doubt_min_mass m: a near tie is redone only where its two tokens hold at least m
+    of the probability; the others stay as selected and are counted (doubt_flat). Every step of
+    the random model is a near tie here; m is the median of its steps' top-two mass."""
+    model = tiny_llama()
+    ids = _ids()
+    ref = reference(model, ids, STEPS)
+    base = dict(SPARSE, **EVERY, exact_on_doubt=20.0)
+    masses: list[float] = []
+    mass = doubt.top_two_mass
+
+    def spy(logits):
+        return (m := mass(logits), masses.extend(m.tolist()))[0]
+
+    monkeypatch.setattr(doubt, "top_two_mass", spy)
+    _steps(model, flashmem.attach(model, flashmem.FlashMemoryConfig(**base, exact_on_doubt_min_mass=1e-9)), ids, STEPS)
+    floor = sorted(masses)[STEPS // 2]
+    masses.clear()
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**base, exact_on_doubt_min_mass=floor))
+    steps = _steps(model, cache, ids, STEPS)
+    assert len(masses) == STEPS
+    redone = [r for _, r in steps]
+    assert redone == [m >= floor for m in masses] and 0 < sum(redone) < STEPS
+    for s, (logits, r) in enumerate(steps):
+        err = float((logits - ref[:, s + 1]).abs().max())
+        assert err <= 1e-4 if r else err > 1e-3, f"step {s}: redone {r}, {err:.2e} from the full cache"
+    rep = cache.memory_report()
+    assert rep["doubt_flat"] == STEPS - sum(redone) and rep["doubt_redone"] == sum(redone)

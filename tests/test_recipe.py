@@ -37,7 +37,7 @@ def test_cpu_small_yaml_is_the_recipe_at_one_eighth_of_8k_on_smollm2():
     # for SmolLM2 on a CPU (fp32, as load_model loads it): the recipe with the CPU's key copy
     assert yaml_cfg == FlashMemoryConfig.for_budget(1 / 8, 8192, _smollm2_shaped_on_cpu(), prefetch_threads=0)
     # by name (the calculator's SmolLM2) and by its geometry, the device is not known: no copy
-    on_cpu = {"lsa_rerank_mirror": "int8", "exact_on_doubt": 0.5}
+    on_cpu = {"lsa_rerank_mirror": "int8", "exact_on_doubt": 0.5, "exact_on_doubt_min_mass": 0.05}
     by_name = FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2", prefetch_threads=0)
     assert by_name.lsa_rerank_mirror == "none" and by_name.exact_on_doubt == 0
     assert yaml_cfg == by_name.model_copy(update=on_cpu)
@@ -53,7 +53,9 @@ def test_a_model_on_the_cpu_decides_near_ties_exactly_where_its_cold_tier_can_be
     whose device is not known, and a value the caller names stands."""
     model = tiny_llama()
     for budget, tokens in [(1 / 8, 8192), (1 / 16, 32768), (1 / 8, 131072)]:
-        assert FlashMemoryConfig.for_budget(budget, tokens, model).exact_on_doubt == 0.5
+        cfg = FlashMemoryConfig.for_budget(budget, tokens, model)
+        assert (cfg.exact_on_doubt, cfg.exact_on_doubt_min_mass) == (0.5, 0.05)  # flat ties left as selected
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, exact_on_doubt_min_mass=0).exact_on_doubt_min_mass == 0
     assert FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2").exact_on_doubt == 0  # device unknown
     disk = FlashMemoryConfig.for_budget(1 / 8, 8192, model, cold_store="disk", cold_dir=str(ROOT / "unused"))
     assert disk.exact_on_doubt == 0  # a redo would read the whole disk tier

@@ -217,7 +217,7 @@ def doubt_counts(cache: Any, row: dict[str, Any]) -> None:
     checked any."""
     rep = cache.memory_report()
     if rep.get("doubt_steps"):
-        keys = ("doubt_steps", "doubt_redone", "doubt_redone_tokens", "doubt_capped", "doubt_changed")
+        keys = ("doubt_steps", "doubt_redone", "doubt_redone_tokens", "doubt_capped", "doubt_changed", "doubt_flat")
         row.update({k: rep[k] for k in keys})
 
 

@@ -281,6 +281,15 @@ class FlashMemoryConfig(BaseModel):
         "sampling at high temperature) pays a bounded cost; near ties past it are kept as "
         "selected and counted (memory_report's doubt_capped); 1: every near tie is redone",
     )
+    exact_on_doubt_min_mass: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="exact_on_doubt redoes a near tie only where its two tokens hold at least this much "
+        "probability together (in the row whose gap is below the threshold); a flatter next-token "
+        "distribution (random weights, a word among many) stays as selected and is counted "
+        "(memory_report's doubt_flat); 0: every near tie",
+    )
     lsa_prefill_queries: int = Field(
         0,
         ge=0,

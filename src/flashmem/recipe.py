@@ -169,8 +169,13 @@ HOST_RERANK: dict[str, Any] = {"lsa_rerank_mirror": "int8"}
 # it is not in the device recipe. Its cost is capped (`exact_on_doubt_share`, 1/8 of the steps
 # past the first 8 redos): SmolLM2 at 8K decoded at 1.14x the mean step without it, the same
 # median (docs/results.md, "A cap on the redone steps").
+# A near tie whose two tokens hold under 5% of the probability together is not redone
+# (`exact_on_doubt_min_mass`): the model prefers neither (random weights give every step such a
+# flat tie). On issue 31's multiquery and vartrack prompts at 1/16 the 153 redone ties held
+# 0.091-0.96, the 20 whose redo changed the token 0.104-0.92 (docs/results.md, "Near ties in a
+# flat distribution").
 # Memory cold tier with exact codes only (a redo reads the exact K/V back).
-HOST_DOUBT: dict[str, Any] = {"exact_on_doubt": 0.5}
+HOST_DOUBT: dict[str, Any] = {"exact_on_doubt": 0.5, "exact_on_doubt_min_mass": 0.05}
 # What room is left after them holds, per layer and KV head, the pages that most recently left
 # the selection (`lsa_cache_pages`, cache/working_set.py): a page that comes back is not copied
 # again. Gemma3-270m at 16K and 1/8 (the cap binds) on a KJV prompt: a step's selected pages the

@@ -30,13 +30,16 @@ FlashLayers and full layers keep nothing more: they are cropped.
 
 Cost: a redone step runs the model once more, over the tokens since the exact point, and reads
 the whole cold tier once per layer in runs of about one prefill chunk (counted in
-`traffic_report()` as a redo forward: `steps.redo_forwards`, `per_redo_forward_median`); the device holds the budget plus one run, as during the
-prompt. `memory_report()["doubt_steps"]` and `["doubt_redone"]` count the one-token forwards
-checked and redone, `["doubt_redone_tokens"]` the tokens fed again, `["doubt_changed"]` the
-redone steps whose next token (greedy, in some row) the redo changed. The cost is capped:
-after n checked steps at most FREE_REDOS + `exact_on_doubt_share` x n have been redone, and
-a near tie past that stays as selected (`["doubt_capped"]`). A model whose every step is a
-near tie (random weights give flat logits) then pays for one redo in 8 steps, not every step.
+`traffic_report()` as a redo forward: `steps.redo_forwards`, `per_redo_forward_median`); the
+device holds the budget plus one run, as during the prompt. `memory_report()["doubt_steps"]`
+and `["doubt_redone"]` count the one-token forwards checked and redone,
+`["doubt_redone_tokens"]` the tokens fed again, `["doubt_changed"]` the redone steps whose next
+token (greedy, in some row) the redo changed. The cost is capped: after n checked steps at most
+FREE_REDOS + `exact_on_doubt_share` x n have been redone, and a near tie past that stays as
+selected (`["doubt_capped"]`). A model whose every step is a near tie (random weights give flat
+logits) then pays for one redo in 8 steps, not every step. With `exact_on_doubt_min_mass` m, a
+near tie whose two tokens hold less than m of the probability together (a flat distribution,
+where neither is the model's answer) is not redone either (`["doubt_flat"]`).
 
 Installed on the model by `flashmem.attach` when the config asks for it, as a forward pre-hook
 and hook on the model's top module. They act only for a FlashMemoryCache whose config has
@@ -72,7 +75,7 @@ class DoubtState:
     """A cache's bookkeeping since its last exact point."""
 
     counts: dict[str, int] = field(
-        default_factory=lambda: {"steps": 0, "redone": 0, "redone_tokens": 0, "capped": 0, "changed": 0}
+        default_factory=lambda: {"steps": 0, "redone": 0, "redone_tokens": 0, "capped": 0, "changed": 0, "flat": 0}
     )
     ids: list[torch.Tensor] | None = None  # the one-token inputs [b, 1] since the point; None: no point
     sliding: dict[int, dict[str, Any]] = field(default_factory=dict)  # sliding layers' state at the point
@@ -168,6 +171,11 @@ def top_gap(logits: torch.Tensor) -> torch.Tensor:
     return top2[:, 0] - top2[:, 1]
 
 
+def top_two_mass(logits: torch.Tensor) -> torch.Tensor:
+    """logits [b, V] -> [b]: the probability the top two tokens hold together."""
+    return logits.float().softmax(-1).topk(2, dim=-1).values.sum(-1)
+
+
 def _cache_of(kwargs: dict[str, Any]) -> Any:
     from flashmem.cache.flash_cache import FlashMemoryCache
 
@@ -222,7 +230,12 @@ def _after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         return None
     st.checking = False
     st.counts["steps"] += 1
-    if bool((top_gap(logits[:, -1]) >= cache.cfg.exact_on_doubt).all()):
+    tied = top_gap(logits[:, -1]) < cache.cfg.exact_on_doubt  # [b]
+    if not bool(tied.any()):
+        return None
+    floor = cache.cfg.exact_on_doubt_min_mass
+    if floor > 0 and not bool((tied & (top_two_mass(logits[:, -1]) >= floor)).any()):
+        st.counts["flat"] += 1  # a near tie in a flat distribution: left as selected
         return None
     if not st.may_redo(cache.cfg.exact_on_doubt_share):  # the cap: this near tie stays as selected
         st.counts["capped"] += 1

@@ -250,6 +250,7 @@ class FlashMemoryCache(Cache):
             # layers keep for a redo beside the live window (their oldest tokens at the point)
             "doubt_capped": self.doubt.counts["capped"],
             "doubt_changed": self.doubt.counts["changed"],  # redone steps whose next token changed
+            "doubt_flat": self.doubt.counts["flat"],  # near ties below exact_on_doubt_min_mass: kept
             "doubt_held_bytes": held,
             # decode_step: static: layer steps that ran static (the others eager: a seal, the
             # prompt, a row change, or a store whose arena it cannot read)

@@ -467,6 +467,11 @@ def memory_rows(r: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str]]:
             f"{mem['doubt_redone']} of {mem['doubt_steps']} decode steps run again attending every token "
             f"exactly ({mem.get('doubt_changed', 0)} of them given another token), "
             f"{mem.get('doubt_capped', 0)} left as selected by the cap (exact_on_doubt_share)"
+            + (
+                f", {mem['doubt_flat']} in a flat distribution (exact_on_doubt_min_mass)"
+                if mem.get("doubt_flat")
+                else ""
+            )
         )
     peak = mem["peak_managed_resident_bytes"] + mem["full_layer_bytes"] + mem["sliding_layer_bytes"]
     peak += mem.get("doubt_held_bytes", 0)

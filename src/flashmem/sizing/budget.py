@@ -186,8 +186,9 @@ def _on_host(cfg: FlashMemoryConfig, tokens: int, named: set[str]) -> FlashMemor
 def _with_host_doubt(cfg: FlashMemoryConfig, named: set[str]) -> FlashMemoryConfig:
     """A model on a CPU: near ties decided exactly (flashmem.recipe.HOST_DOUBT), where a redo
     can read the exact K/V back from a memory cold tier at real positions, unless the caller or
-    the variant names `exact_on_doubt`. Not with a disk tier (a redo would read all of it) nor a
-    lossy one, and not with `position_mode: window` (the config refuses the pair)."""
+    the variant names `exact_on_doubt` (a floor it names, `exact_on_doubt_min_mass`, stands).
+    Not with a disk tier (a redo would read all of it) nor a lossy one, and not with
+    `position_mode: window` (the config refuses the pair)."""
     if (
         "exact_on_doubt" in named
         or cfg.cold_store != "memory"
@@ -196,7 +197,8 @@ def _with_host_doubt(cfg: FlashMemoryConfig, named: set[str]) -> FlashMemoryConf
         or cfg.position_mode == "window"
     ):
         return cfg
-    return FlashMemoryConfig(**cfg.model_copy(update=dict(HOST_DOUBT)).model_dump())
+    keys = {k: v for k, v in HOST_DOUBT.items() if k not in named}
+    return FlashMemoryConfig(**cfg.model_copy(update=keys).model_dump())
 
 
 def _with_host_mirror(cfg: FlashMemoryConfig, tokens: int, named: set[str]) -> FlashMemoryConfig:
