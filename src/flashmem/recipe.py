@@ -172,7 +172,7 @@ HOST_RERANK: dict[str, Any] = {"lsa_rerank_mirror": "int8"}
 # A near tie whose two tokens hold under 5% of the probability together is not redone
 # (`exact_on_doubt_min_mass`): the model prefers neither (random weights give every step such a
 # flat tie). On issue 31's multiquery and vartrack prompts at 1/16 the 153 redone ties held
-# 0.091-0.96, the 20 whose redo changed the token 0.104-0.92 (docs/results.md, "Near ties in a
+# 0.091-0.996, the 20 whose redo changed the token 0.104-0.918 (docs/results.md, "Near ties in a
 # flat distribution").
 # Memory cold tier with exact codes only (a redo reads the exact K/V back).
 HOST_DOUBT: dict[str, Any] = {"exact_on_doubt": 0.5, "exact_on_doubt_min_mass": 0.05}
