@@ -3,9 +3,8 @@
 Runs the task suite (`python -m flashmem_eval.task_suite`, the arguments after `--`) with a hook
 on exact_on_doubt's redo (cache/doubt.py) that appends one JSON line per redone step to --out:
 the prompt's ordinal in the run, the selecting step's top-two logit gap and probabilities, the
-redo's top probability, and whether the redo gave another next token. Rows with the `model`'s
-outputs go where the suite writes them, as usual. docs/results.md, "Near ties in a flat
-distribution" (stop 63):
+redo's top probability, and whether the redo gave another next token. The suite writes its
+own rows as usual. docs/results.md, "Near ties in a flat distribution" (stop 63):
 
     OMP_NUM_THREADS=1 python benchmarks/diagnostics/doubt_masses.py --out masses.jsonl -- run FILE.json \\
       --stored-prompts --answered-only --model smollm2 --methods flashmem:doubt --budgets 1/16 \\
@@ -31,14 +30,14 @@ def hook_redos(out_path: str, family: str) -> None:
         redone = after(module, args, kwargs, output)
         if redone is None or cache is None:
             return redone
-        sel, red = output.logits[0, -1].float(), redone.logits[0, -1].float()  # row 0: the suite runs one
-        top = sel.softmax(-1).topk(2).values
+        sel, red = output.logits[:1, -1].float(), redone.logits[:1, -1].float()  # [1, V]: the suite runs one row
+        top = sel.softmax(-1).topk(2).values[0]
         row = {
             "family": family,
             "prompt": prompts.setdefault(id(cache), len(prompts)),
-            "gap": float(top.log().diff().neg()),
+            "gap": float(doubt.top_gap(sel)[0]),  # what the redo was decided on
             "p1": float(top[0]),
-            "p2": float(top[1]),
+            "p2": float(top[1]),  # p1 + p2: doubt.top_two_mass, what exact_on_doubt_min_mass reads
             "changed": int(sel.argmax()) != int(red.argmax()),
             "redo_p1": float(red.softmax(-1).max()),
         }

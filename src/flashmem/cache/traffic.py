@@ -144,7 +144,7 @@ class Traffic:
         self._disk_mark = self._disk_bytes()
 
     def report(self) -> dict[str, Any]:
-        """Totals, per-step medians (decode steps, prefill forwards) and the full cache's."""
+        """Totals, per-step medians (decode steps, prefill forwards, redo forwards) and the full cache's."""
         self._close_step()
         redos = [s for s in self.steps if s.kind == "redo"]
         out: dict[str, Any] = {
