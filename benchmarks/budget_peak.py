@@ -13,10 +13,14 @@ prompt read back (`traffic_report()`), next to what a full cache holds.
 With `--rank-on-host` the re-rank scores its candidates where the cold tier holds them (as
 on an accelerator; `BlockReader.rank_on_host`), and the row gives the link's bytes per decode
 step over the bytes of the pages that step newly attends (`h2d_over_new_pages`). With
-`--cold-store disk` the row also gives the process's peak RSS over the request, less the RSS
-before the prompt (after one forward of a prompt chunk without a cache, so the model's own
-first-forward memory is not counted), against the budget (on a CPU the disk tier is what takes the cold K/V out
-of RAM).
+`--cold-store disk` the row also gives the process's RSS against the budget (on a CPU the disk
+tier is what takes the cold K/V out of RAM), over its RSS before the prompt, which is taken after
+one forward without a cache of `--forward-tokens` tokens (the prompt's forwards are as long, so
+the model's own first-forward memory is not counted) and with the C heap's free pages handed back
+(cache/host_heap.py): the prompt's peak (the model's activations for a forward included; that
+forward alone: `rss_forward_peak_over_budget`), the RSS when the prompt is in, the decode steps'
+peak, what is left after them with the free pages handed back (`rss_retained_over_budget`), and
+attention's reused buffers (`scratch_over_budget`), all over the budget's bytes.
 
     python benchmarks/budget_peak.py --model tiny --lengths 8192,32768 --budget 0.125
     python benchmarks/budget_peak.py --model smollm2 --lengths 4096,8192 --budget 0.0625
@@ -53,6 +57,8 @@ import torch
 
 import flashmem
 from flashmem.cache.block_reads import BlockReader
+from flashmem.cache.host_heap import release_free_memory
+from flashmem.cache.prefill import DEFAULT_CHUNK
 from flashmem.sizing.budget import full_kv_bytes
 from flashmem_eval.live_bytes import LiveBytes
 
@@ -103,6 +109,7 @@ def measure(
     question: str = QUESTION,
     live_bytes: bool = False,
     variant: str = "default",
+    forward_tokens: int = DEFAULT_CHUNK,
 ) -> dict[str, Any]:
     model, tok = _model(name, tokens)
     vocab = model.config.vocab_size
@@ -131,28 +138,36 @@ def measure(
         cache = flashmem.attach(model, cfg, tokenizer=tok)
     else:
         cache = flashmem.attach(model, budget=budget, tokens=tokens + steps, tokenizer=tok, **keys)
-    # the baseline after one forward of a prompt chunk with no cache: the model's own first forward
-    # keeps about 0.5 GB (SmolLM2, 512 tokens: its activations and logits, held by the allocator),
-    # which is not the cache's part
+    # the baseline after one forward of a prompt chunk with no cache, as long as the prompt's
+    # forwards: the model's own first forward keeps about 0.5 GB (SmolLM2, 512 tokens: its
+    # activations and logits, held by the allocator), which is not the cache's part. The C heap's
+    # free pages go back to the OS before each baseline, so what glibc kept is not counted.
+    release_free_memory()
     rss_w = _rss_kib("VmRSS") if _reset_peak_rss() else None
     forward_live = LiveBytes() if live_bytes else contextlib.nullcontext()
     with torch.no_grad(), forward_live:
-        model(ids[:, : cache.cfg.prefill_chunk], use_cache=False)
+        model(ids[:, :forward_tokens], use_cache=False)
     # what that forward alone raised the peak by: the model's part of a chunk's peak, for comparison
     hwm_w = _rss_kib("VmHWM")
     forward_peak = None if rss_w is None or hwm_w is None else (hwm_w - rss_w) * 1024
+    release_free_memory()
     rss0 = _rss_kib("VmRSS")
     rss_ok = _reset_peak_rss() and rss0 is not None
     live = LiveBytes(exclude=("store.",)) if live_bytes else contextlib.nullcontext()
     with live:
         t0 = time.perf_counter()
-        logits = flashmem.prefill(model, cache, ids)
+        logits = flashmem.prefill(model, cache, ids, chunk=forward_tokens)
         prefill_s = time.perf_counter() - t0
+        rss_prompt_peak = _rss_kib("VmHWM")
+        rss_prompt_end = _rss_kib("VmRSS")  # flashmem.prefill trimmed the heap with a disk tier
+        _reset_peak_rss()
         nxt = logits[:, -1:].argmax(-1)
         with torch.no_grad():
             for _ in range(steps):
                 nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    rss_peak = _rss_kib("VmHWM")
+    rss_decode_peak = _rss_kib("VmHWM")
+    release_free_memory()
+    rss_retained = _rss_kib("VmRSS")  # what the cache (and its store) holds live after the request
     mem, traffic = cache.memory_report(), cache.traffic_report()
     full = mem["full_cache_bytes"]
     # the budget is over the managed layers (docs/design.md, "Budget"); a model's own sliding
@@ -206,15 +221,23 @@ def measure(
         "cold_pending_mb": cold_pending_mb if cold_store == "disk" else None,
         "prefill_chunk": cache.cfg.prefill_chunk,
         "prefill_s": round(prefill_s, 1),
+        "forward_tokens": forward_tokens,
     }
     if isinstance(live, LiveBytes) and isinstance(forward_live, LiveBytes):
         row["live_peak_over_budget"] = live.peak / (budget * managed_full)
         row["live_forward_peak_over_budget"] = forward_live.peak / (budget * managed_full)
         row["live_at_peak"] = live.summary(6)["at_peak"]  # bytes by the flashmem function that made them
-    if rss_ok and rss_peak is not None and rss0 is not None:
-        # the process's peak RSS over the request less its RSS before the prompt: the cache's
-        # part, transients (activations, attention's buffers) included, in RAM
-        row["rss_peak_over_budget"] = (rss_peak - rss0) * 1024 / (budget * managed_full)
+    if rss_ok and None not in (rss_prompt_peak, rss_prompt_end, rss_decode_peak, rss_retained):
+        # the process's RSS over its RSS before the prompt (KiB -> bytes), over the budget's bytes:
+        # the cache's part, transients (attention's buffers, blocks read back) included, in RAM;
+        # the prompt's peak also holds the model's activations for a forward (rss_forward_...)
+        over = 1024 / (budget * managed_full)
+        row["rss_prompt_peak_over_budget"] = (rss_prompt_peak - rss0) * over  # type: ignore[operator]
+        row["rss_prompt_end_over_budget"] = (rss_prompt_end - rss0) * over  # type: ignore[operator]
+        row["rss_decode_peak_over_budget"] = (rss_decode_peak - rss0) * over  # type: ignore[operator]
+        row["rss_peak_over_budget"] = max(row["rss_prompt_peak_over_budget"], row["rss_decode_peak_over_budget"])
+        row["rss_retained_over_budget"] = (rss_retained - rss0) * over  # type: ignore[operator]
+        row["scratch_over_budget"] = mem["scratch_bytes"] / (budget * managed_full)
         if forward_peak is not None:  # one chunk's forward without a cache, from the same start
             row["rss_forward_peak_over_budget"] = forward_peak / (budget * managed_full)
     cache.close()
@@ -254,6 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--variants", default="default", help="comma list: the recipe (default) or evaluation variants (wincap32, ...)"
     )
+    p.add_argument(
+        "--forward-tokens",
+        type=int,
+        default=DEFAULT_CHUNK,
+        help="prompt tokens per model forward (flashmem.prefill's chunk), the same for the warm-up forward",
+    )
     p.add_argument("--out", default=None, help="JSON lines of the rows")
     a = p.parse_args(argv)
     extra: dict[str, Any] = {}
@@ -274,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = measure(
                     a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb,
                     a.text, a.text_seed, extra, a.as_device, a.question, a.live_bytes, variant,
+                    a.forward_tokens,
                 )  # fmt: skip
                 rows.append({**row, "variant": variant})
                 print(json.dumps(rows[-1]))

@@ -296,13 +296,19 @@ def test_budget_peak_host_ranking_on_disk(tmp_path: Path):
     run_script(
         BENCH / "budget_peak.py",
         *("--lengths", "2048", "--budget", "0.25", "--steps", "6", "--codecs", "exact"),
-        *("--rank-on-host", "--cold-store", "disk", "--prefill-chunk", "512", "--out", str(out)),
+        *("--rank-on-host", "--cold-store", "disk", "--prefill-chunk", "512", "--forward-tokens", "1024"),
+        *("--out", str(out)),
     )
     (row,) = map(json.loads, out.read_text().splitlines())
     assert row["rank_on_host"] and row["cold_store"] == "disk" and row["prefill_chunk"] == 512
+    assert row["forward_tokens"] == 1024  # the prompt's forwards and the warm-up forward alike
     assert row["h2d_over_new_pages"] is None or 0 < row["h2d_over_new_pages"] <= 1.5
     assert row["peak_over_budget"] < 1.2
-    assert "rss_peak_over_budget" in row
+    # the RSS by phase: the request's peak is the larger of the prompt's and the decode steps'
+    phases = (row["rss_prompt_peak_over_budget"], row["rss_decode_peak_over_budget"])
+    assert row["rss_peak_over_budget"] == max(phases)
+    assert "rss_retained_over_budget" in row and "rss_prompt_end_over_budget" in row
+    assert row["scratch_over_budget"] > 0  # a decode step's attention buffers, regrown after the prompt
 
 
 def test_ops_per_step_counts_each_caches_operators(tmp_path: Path):

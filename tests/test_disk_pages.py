@@ -4,6 +4,7 @@ equal to cutting them from whole blocks, each 4-token unit checked against sums 
 from __future__ import annotations
 
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -65,6 +66,31 @@ def test_pages_equal_those_cut_from_whole_blocks(tmp_path, dtype, durable):
         only = torch.rand(blocks.shape, generator=torch.Generator().manual_seed(3)) < 0.5
         k1, v1 = s.gather_pages(1, blocks, within, PPB, "cpu", values=False, only=only)
         assert v1 is None and torch.equal(k1, expected(1, blocks, within, dtype, only)[0])
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_pages_asked_once_are_read_into_place(tmp_path, durable):
+    """Pages asked for once each (a re-rank's sorted candidates: every page of 40 blocks, per row
+    and KV head) are read straight into the result: the pages cut from whole blocks, with no
+    buffer of the pages' size beside it (numpy's allocations, which tracemalloc sees; before,
+    the units were read into one and gathered into the result)."""
+    n_blocks = 40
+    with DiskStore(str(tmp_path), dtype=torch.float32, sync=False) as s:
+        for j in range(n_blocks):
+            s.put((1, j), *block(1, j))
+        if durable:
+            s.flush()
+        ids = torch.arange(n_blocks * PPB).expand(SHAPE[0], SHAPE[1], -1)
+        blocks, within = ids // PPB, ids % PPB
+        tracemalloc.start()
+        try:
+            k, v = s.gather_pages(1, blocks, within, PPB, "cpu")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        ek, ev = expected(1, blocks, within, torch.float32)
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+        assert peak < (k.nbytes + v.nbytes) / 4, (peak, k.nbytes + v.nbytes)
 
 
 def test_damaged_page_is_refused_and_others_still_read(tmp_path):

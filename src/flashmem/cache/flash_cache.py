@@ -29,6 +29,7 @@ from flashmem.cache import generation
 from flashmem.cache.doubt import DoubtState
 from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
 from flashmem.cache.guard import StepGuard
+from flashmem.cache.host_heap import release_free_memory
 from flashmem.cache.latent import make_latent
 from flashmem.cache.scratch import thread_scratch
 from flashmem.cache.traffic import Traffic
@@ -70,6 +71,9 @@ class FlashMemoryCache(Cache):
         self._guard = StepGuard(n_layers)
         # exact_on_doubt: the steps checked and redone, and what a redo goes back to (cache/doubt.py)
         self.doubt = DoubtState()
+        # the tokens of the last model forward, and whether a prompt's end was seen (`prompt_done`)
+        self._last_forward_tokens = 0
+        self._prompt_end_seen = False
         self._finalizer = weakref.finalize(self, _close_cold_tier, self.prefetcher, self.store)
         sliding = [geometry.keeps_window(kind, text_cfg) for kind in layer_types]
         managed = [i for i in range(n_layers) if not sliding[i] and i not in full]
@@ -340,6 +344,9 @@ class FlashMemoryCache(Cache):
         try:
             if layer_idx == 0:  # a new model forward
                 tokens, q = self.get_seq_length(), int(key_states.shape[-2])
+                if q == 1 and self._last_forward_tokens > 1 and not self._prompt_end_seen:
+                    self.prompt_done()  # generate(): the prompt is in (not again after a verify forward)
+                self._last_forward_tokens = q
                 self._traffic.begin_step(q, tokens, self.full_cache_bytes(tokens + q))
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         except BaseException as exc:
@@ -347,6 +354,19 @@ class FlashMemoryCache(Cache):
             raise
         finally:
             self._guard.leave(layer_idx)
+
+    def prompt_done(self) -> None:
+        """The prompt is in (`flashmem.prefill` says so at its end; under generate() the cache's
+        first one-token forward after a longer one does): attention's reused buffers,
+        sized for a prompt chunk's rows (a tail chunk's mask over its selection: 36.5 MB at 64K on
+        the tiny model), are dropped for the decode steps to regrow what one row needs; and with a
+        cold tier off RAM, where RAM is what the budget saves, the C heap's free pages go back to
+        the OS (cache/host_heap.py): the prompt's freed activations would otherwise stay in the
+        RSS (docs/results.md, "The process's RAM with a disk cold tier")."""
+        self._prompt_end_seen = True
+        thread_scratch().clear()
+        if self.cfg.cold_store != "memory":
+            release_free_memory()
 
     # ------------------------------------------------------------ generate() (cache/generation.py)
     def crop(self, tokens_to_remove: int) -> None:

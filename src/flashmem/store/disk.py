@@ -113,13 +113,18 @@ class DiskStore(OnDiskStore):
         uniq, inverse = torch.unique(key.reshape(-1), return_inverse=True)
         owner, units = uniq // (2 * part_units), (uniq % (2 * part_units)).numpy()
         cuts = torch.searchsorted(owner, torch.tensor(ids + [ids[-1] + 1])).tolist()
-        data = np.empty((uniq.numel(), nb), dtype=np.uint8)
+        # each unit asked for once (a page is not asked twice): read straight into its place in
+        # the result, so a read holds one buffer of the pages' bytes, not that and a gathered copy
+        once = uniq.numel() == inverse.numel()
+        data = torch.empty(inverse.numel() if once else uniq.numel(), nb, dtype=torch.uint8)
+        place = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(inverse.numel())) if once else None
         for i, j in enumerate(ids):
-            got = core.read_units((int(layer_idx), j), units[cuts[i] : cuts[i + 1]], nb)
+            c0, c1 = cuts[i], cuts[i + 1]
+            rows = np.arange(c0, c1) if place is None else place[c0:c1].numpy()
+            got = core.read_units((int(layer_idx), j), units[c0:c1], nb, data.numpy(), rows)
             if got is None:
                 return None  # it left the store or was replaced since `layout`
-            data[cuts[i] : cuts[i + 1]] = got
-        pieces = torch.from_numpy(data)[inverse].view(len(parts), blk.numel(), per_page * nb)
+        pieces = (data if once else data[inverse]).view(len(parts), blk.numel(), per_page * nb)
         res = [pieces[i].view(dtype).view(-1, P, d) for i in range(len(parts))]
         if only is None:
             res = [t.view(b, h, k, P, d) for t in res]

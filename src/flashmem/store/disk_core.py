@@ -168,11 +168,23 @@ class DiskCore(WriteBehindCore):
             loc = self.index.get(key)
             return (loc.shape, loc.dtype) if loc is not None and key in self.page_sums else None
 
-    def read_units(self, key: BlockKey, units: np.ndarray, nbytes: int) -> np.ndarray | None:
+    def read_units(
+        self,
+        key: BlockKey,
+        units: np.ndarray,
+        nbytes: int,
+        out: np.ndarray | None = None,
+        dst: np.ndarray | None = None,
+    ) -> np.ndarray | None:
         """Units `units` (sorted unique indices into the payload's units of `nbytes` bytes) of a
         block -> uint8 [len(units), nbytes]: from memory while pending, else read from its
         segment file in runs of consecutive units, each unit checked against its sum
-        (ChecksumError naming the block and offset); None where `layout` is None."""
+        (ChecksumError naming the block and offset); None where `layout` is None. With `out`
+        (uint8 [N, nbytes]) and `dst` (distinct rows of it, one per unit) unit i is written to
+        out[dst[i]] and `out` is returned: a caller's buffer, no copy of its own."""
+        if out is None:
+            out, dst = np.empty((len(units), nbytes), dtype=np.uint8), np.arange(len(units))
+        assert dst is not None and len(dst) == len(units)
         with self.lock:
             if self.closed:
                 raise ColdStoreError(f"cold store {self.folder}: get after close; allowed: a new store")
@@ -182,24 +194,26 @@ class DiskCore(WriteBehindCore):
                     return None
                 self.stats.gets += 1
                 self.stats.extra["pending_hits"] = self.stats.extra.get("pending_hits", 0) + 1
-                return item.payload.numpy().reshape(-1, nbytes)[units]
+                out[dst] = item.payload.numpy().reshape(-1, nbytes)[units]
+                return out
             loc, sums = self.index.get(key), self.page_sums.get(key)
             if loc is None or sums is None:
                 return None
             fd = self._read_fd(loc.entry.segment)
-        out = np.empty((len(units), nbytes), dtype=np.uint8)
         start = loc.entry.offset + HEADER_SIZE
-        breaks = np.flatnonzero(np.diff(units) != 1) + 1  # runs of consecutive units: one pread each
+        # runs of units consecutive in the file and in `out`: one pread each
+        breaks = np.flatnonzero((np.diff(units) != 1) | (np.diff(dst) != 1)) + 1
         t0 = time.perf_counter()
         for i0, i1 in zip(np.r_[0, breaks], np.r_[breaks, len(units)]):
-            got = pread_into(fd, [out[i0:i1]], start + int(units[i0]) * nbytes)
+            d0 = int(dst[i0])
+            got = pread_into(fd, [out[d0 : d0 + i1 - i0]], start + int(units[i0]) * nbytes)
             if got < (i1 - i0) * nbytes:
                 raise ChecksumError(
                     f"{os.path.join(self.folder, segment_name(loc.entry.segment))}: block (layer {key[0]}, "
                     f"block {key[1]}) at offset {loc.entry.offset}: record truncated"
                 )
         dt = time.perf_counter() - t0
-        bad = np.flatnonzero(unit_sums(out) != sums[units])
+        bad = np.flatnonzero(unit_sums(out[dst]) != sums[units])
         if bad.size:
             raise ChecksumError(
                 f"{os.path.join(self.folder, segment_name(loc.entry.segment))}: block (layer {key[0]}, block "
@@ -208,7 +222,7 @@ class DiskCore(WriteBehindCore):
             )
         with self.lock:
             self.stats.gets += 1
-            self.stats.bytes_read += out.nbytes
+            self.stats.bytes_read += len(units) * nbytes
             self.stats.extra["read_s"] = self.stats.extra.get("read_s", 0.0) + dt
             self.stats.extra["page_reads"] = self.stats.extra.get("page_reads", 0) + 1
         return out

@@ -19,6 +19,7 @@ import numpy as np
 
 SUM_TOKENS = 4  # tokens per checksummed unit; a page must be a multiple of it
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+SUM_ROWS_BYTES = 1 << 20  # units summed at a time (their products' temporary)
 
 
 def unit_bytes(shape: tuple[int, ...], itemsize: int) -> int | None:
@@ -31,15 +32,21 @@ def unit_bytes(shape: tuple[int, ...], itemsize: int) -> int | None:
 
 
 def unit_sums(units: np.ndarray) -> np.ndarray:
-    """units: uint8 [n, unit_bytes] (unit_bytes a multiple of 8) -> uint64 [n]."""
+    """units: uint8 [n, unit_bytes] (unit_bytes a multiple of 8) -> uint64 [n]. Summed
+    SUM_ROWS_BYTES of units at a time: the products are a temporary as large as what they
+    sum, and a page read checks a whole layer's candidates (17 MB at 32K on the tiny model)."""
     words = np.ascontiguousarray(units).view(np.uint64)  # [n, unit_bytes / 8]
     weights = (np.arange(words.shape[1], dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * _GOLDEN
+    out = np.empty(words.shape[0], dtype=np.uint64)
+    step = max(1, SUM_ROWS_BYTES // max(1, words.shape[1] * 8))
     with np.errstate(over="ignore"):
-        s = (words * weights).sum(axis=1, dtype=np.uint64)
-        s ^= s >> np.uint64(29)
-        s *= _GOLDEN
-        s ^= s >> np.uint64(32)
-    return s
+        for i in range(0, words.shape[0], step):
+            s = (words[i : i + step] * weights).sum(axis=1, dtype=np.uint64)
+            s ^= s >> np.uint64(29)
+            s *= _GOLDEN
+            s ^= s >> np.uint64(32)
+            out[i : i + step] = s
+    return out
 
 
 def payload_sums(payload: np.ndarray, shape: tuple[int, ...], itemsize: int) -> np.ndarray | None:
