@@ -13,6 +13,9 @@
 #              the README's generated block
 #   retrieval  Gemma3-270m retrieval at 1/8, 1/16, 1/32 over 2K-16K merged with the full cache,
 #              eviction and kvpress rows into retrieval_gemma3_current.json
+#   stored     the README's task tables as built (docs/results.md, stops 62-63): the recipe rerun on
+#              every prompt the committed runs' full cache answers (SmolLM2 4K: 103 prompts at 1/8,
+#              1/16, 1/32; 8K: 13; Gemma3-270m 16K: 13), into $OUT/<run>_rerun.json (hours on one core)
 #   heldout    needle formats the suite does not use (benchmarks/page_retrieval.py), seed 51
 #   fidelity   SmolLM2 KL against the full cache at every budget, vs StreamingLLM and SnapKV
 #   needle     the needle's page at the answer step, per scorer (benchmarks/needle_selected.py)
@@ -115,6 +118,23 @@ retrieval() {
     --json-out "$O/retrieval_smollm2_seeds12.json"
 }
 
+stored() {
+  # the full cache's rows of each committed run copied, then the recipe on their prompts
+  local F="--families keyed,multivalue,multiquery,vartrack,aggregation,passage --haystacks kjv,stdlib-doc"
+  local run model length budgets
+  while read -r run model length budgets; do
+    python -m flashmem_eval.task_suite prompts "results/$run.json" --to "$O/${run}_rerun.json"
+    # shellcheck disable=SC2086
+    python -m flashmem_eval.task_suite run "$O/${run}_rerun.json" --answered-only --stored-prompts --methods flashmem \
+      --model "$model" --lengths "$length" --budgets "$budgets" $F --threads "${THREADS:-1}"
+  done <<'RUNS'
+tasks_smollm2_4k_recipe_b16_b32 smollm2 4096 1/16,1/32
+tasks_smollm2_4k_recipe_b8 smollm2 4096 1/8
+tasks_smollm2_8k_recipe smollm2 8192 1/16,1/8
+tasks_gemma3_16k_recipe gemma3-270m 16384 1/16,1/8
+RUNS
+}
+
 heldout() {
   python benchmarks/page_retrieval.py 4096 0.03125 full,default,default@0.0625,default@0.125 \
     word_nt,code_stdlib,date_pydoc,qfirst_kjv 51 0.3,0.7 --model gemma3-270m \
@@ -166,7 +186,7 @@ serve() {
 for s in $SECTIONS; do
   case $s in
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d' && exit 0 ;;
-    main | table | retrieval | heldout | fidelity | needle | speed | scale | serve) echo "== $s" && $s ;;
-    *) echo "reproduce.sh: unknown section '$s' (allowed: main table retrieval heldout fidelity needle speed scale serve)" >&2 && exit 2 ;;
+    main | table | stored | retrieval | heldout | fidelity | needle | speed | scale | serve) echo "== $s" && $s ;;
+    *) echo "reproduce.sh: unknown section '$s' (allowed: main table stored retrieval heldout fidelity needle speed scale serve)" >&2 && exit 2 ;;
   esac
 done

@@ -253,6 +253,31 @@ def test_stored_prompts_runs_the_prompts_the_full_caches_rows_name(tmp_path):
     assert json.loads(out.read_text())["meta"]["runs"][-1]["stored_prompts"] is True
 
 
+def test_prompts_copies_a_runs_full_cache_rows_for_a_rerun(tmp_path, capsys):
+    """`task_suite prompts SRC --to NEW`: NEW holds SRC's full-cache rows only (the prompts a
+    --stored-prompts rerun takes), and a second copy adds nothing; no full rows or no --to: one line."""
+    import json
+
+    from flashmem_eval.task_suite import main
+
+    src, new = tmp_path / "src.json", tmp_path / "new.json"
+    rows = []
+    for method, budget in (("full", 1.0), ("flashmem", 0.0625), ("full", 1.0)):
+        key = dict(family="keyed", haystack="kjv", length=512, seed=len(rows), wording=0)
+        cell = H.cell_id(suite="tasks", model="tiny", method=method, budget=budget, **key)
+        rows.append(dict(suite="tasks", model="tiny", method=method, budget=budget, **key, cell=cell, hits=[True]))
+    src.write_text(json.dumps({"meta": {}, "rows": rows}))
+    main(["prompts", str(src), "--to", str(new)])
+    doc = json.loads(new.read_text())
+    assert [r["cell"] for r in doc["rows"]] == [rows[0]["cell"], rows[2]["cell"]]
+    assert doc["meta"]["prompts_from"] == str(src)
+    main(["prompts", str(src), "--to", str(new)])
+    assert "0 full-cache rows copied" in capsys.readouterr().out.splitlines()[-1]
+    for argv in (["prompts", str(new)], ["prompts", str(tmp_path / "none.json"), "--to", str(new)]):
+        with pytest.raises(SystemExit, match="allowed: a tasks run's JSON"):
+            main(argv)
+
+
 def test_a_seed_keeps_its_wording_whatever_other_seeds_a_run_names():
     """A run of seed 1 alone and a run of seeds 0, 1 give seed 1 the same wording, so a resumed
     or split run reuses (and never silently re-words) its prompts."""

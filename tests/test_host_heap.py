@@ -84,3 +84,22 @@ def test_under_generate_the_first_one_token_forward_ends_the_prompt(monkeypatch,
         model(ids[:, :1], cache=cache, use_cache=True)
     assert calls == [1]  # the prompt ends once: the buffers a verify forward grew are kept
     cache.close()
+
+
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_prefill_feeds_a_disk_tiers_prompt_in_forwards_of_its_prefill_chunk(store, tmp_path):
+    """Off RAM a forward's activations are most of the prompt's peak RSS: the default forward is
+    the cache's prefill_chunk there, DEFAULT_CHUNK (here: the whole prompt) elsewhere."""
+    model, cache = _cache(store, tmp_path)
+    sizes: list[int] = []
+
+    def record(mod, args, kw):
+        sizes.append((args[0] if args else kw["input_ids"]).shape[1])
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        flashmem.prefill(model, cache, torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(0)))
+    finally:
+        hook.remove()
+        cache.close()
+    assert sizes == ([32, 32, 32, 4] if store == "disk" else [100])

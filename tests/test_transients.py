@@ -58,3 +58,16 @@ def test_the_memory_tier_keeps_one_arena_per_layer_as_it_grows():
     assert data <= live.live <= 1.3 * data
     assert torch.equal(store.get((0, 3))[1], k + 1) and torch.equal(store.get((0, 999))[0], k)
     store.close()
+
+
+def test_the_index_mass_of_a_score_block_holds_two_copies_beside_it():
+    """A prompt chunk's pooled mass from a block of scores [b, h, nq, n] (up to SCORE_BLOCK_BYTES):
+    the logits and their softmax beside the scores, the masking and the zeroed rows in place (it
+    held three copies before); the same mass as the out-of-place formula."""
+    scores = torch.randn(1, 4, 256, 1024, generator=torch.Generator().manual_seed(0))
+    valid = torch.rand(1, 1024, generator=torch.Generator().manual_seed(1)) > 0.2
+    with LiveBytes() as live:
+        mass = selection.index_mass(scores, valid, 0.125)
+    assert live.peak <= 2 * scores.nbytes + 64 * 1024, live.peak / scores.nbytes
+    logits = (scores * 0.125).masked_fill(~valid[:, None, None, :], float("-inf"))
+    assert torch.equal(mass, torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=-2))

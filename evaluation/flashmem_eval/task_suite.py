@@ -320,14 +320,18 @@ def main(argv: list[str] | None = None) -> None:
     `python -m flashmem_eval.task_suite margins FILE.json [--model smollm2]`: the full cache's
     decision margins for a run made before they were recorded (`add_margins`).
     `python -m flashmem_eval.task_suite forced FILE.json [--model smollm2]`: whether each
-    method's cache writes the full cache's items when fed its answer (`add_forced`)."""
+    method's cache writes the full cache's items when fed its answer (`add_forced`).
+    `python -m flashmem_eval.task_suite prompts FILE.json --to NEW.json`: NEW.json with FILE's
+    full-cache rows only (a row NEW already has stays), for `run NEW.json --stored-prompts` to
+    rerun other methods on the prompts of a committed run (benchmarks/reproduce.sh, `stored`)."""
     import argparse
     import json
     from pathlib import Path
 
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("command", choices=["rescore", "run", "summary", "margins", "forced"])
+    ap.add_argument("command", choices=["rescore", "run", "summary", "margins", "forced", "prompts"])
     ap.add_argument("file", type=Path)
+    ap.add_argument("--to", type=Path, default=None, help="prompts: the file the full-cache rows go to")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--methods", default="full,flashmem")
     ap.add_argument("--budgets", default="1/16,1/32")
@@ -346,6 +350,17 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.command == "summary":
         print(summary_markdown(H.ResultStore(a.file).rows.values()))
+        return
+    if a.command == "prompts":
+        full = [r for r in H.ResultStore(a.file).rows.values() if r.get("method") == "full"]
+        if a.to is None or not full:
+            why = "no --to file" if a.to is None else f"{a.file} has no full-cache rows"
+            raise SystemExit(f"task_suite prompts: {why}; allowed: a tasks run's JSON with them and --to NEW.json")
+        dst = H.ResultStore(a.to, meta={"prompts_from": str(a.file)})
+        new = [r for r in full if not dst.done(r["cell"])]
+        dst.rows.update((r["cell"], r) for r in new)
+        dst.write()
+        print(f"{a.to}: {len(new)} full-cache rows copied from {a.file} ({len(full)} there)")
         return
     if a.command == "margins":
         torch.set_num_threads(a.threads)

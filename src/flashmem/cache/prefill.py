@@ -27,26 +27,35 @@ def prefill(
     cache: Any,
     input_ids: torch.Tensor,
     *,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run `input_ids` [b, n] through `model` into `cache` in forwards of `chunk` tokens.
+
+    chunk None: DEFAULT_CHUNK, or the cache's `prefill_chunk` where its cold tier is off RAM
+    (disk): there RAM is what the budget saves, and a forward's activations are most of the
+    prompt's peak RSS (SmolLM2 at 8K and 1/8: 8.35x the budget with 8K-token forwards, 4.06x
+    with 512-token ones; the tiny model at 64K: 9.05x and 5.07x; at 0.95-1.08x the prefill
+    time: docs/results.md, "The process's RAM with a disk cold tier").
 
     attention_mask: the 2D padding mask [b, n] of the prompt (None: no padding).
     A chunk longer than the cache's `prefill_chunk` is cut to a multiple of it, and only
     the last forward splits off the prompt's tail (`prefill_split_tail`), so the cache
     ends in the state one forward over the whole prompt leaves. Returns the logits of the prompt's last position, [b, 1, vocab], as
     `model(input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits`."""
-    if chunk < 1:
-        raise ValueError(f"chunk: {chunk}; allowed: a positive number of tokens")
+    cfg = getattr(cache, "cfg", None)
+    step = chunk if chunk is not None else DEFAULT_CHUNK
+    if chunk is None and cfg is not None and getattr(cfg, "cold_store", "memory") != "memory":
+        step = int(cfg.prefill_chunk)  # a cold tier off RAM: a forward's activations bound the RSS
+    if step < 1:
+        raise ValueError(f"chunk: {step}; allowed: a positive number of tokens")
     n = int(input_ids.shape[1])
     if n == 0:
         raise ValueError("input_ids: empty prompt; allowed: at least one token")
     layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, FlashLayer)]
-    cfg = getattr(cache, "cfg", None)
-    if cfg is not None and chunk > cfg.prefill_chunk:
+    if cfg is not None and step > cfg.prefill_chunk:
         # whole internal chunks: the cache then pools the same queries per selection as one forward would
-        chunk -= chunk % cfg.prefill_chunk
+        step -= step % cfg.prefill_chunk
     past = cache.get_seq_length()
     if attention_mask is not None and past:
         # transformers reads the 2D mask over every position seen so far: earlier tokens are real
@@ -54,8 +63,8 @@ def prefill(
         attention_mask = torch.cat([ones, attention_mask], dim=-1)
     logits = None
     with torch.no_grad():
-        for a in range(0, n, chunk):
-            e = min(n, a + chunk)
+        for a in range(0, n, step):
+            e = min(n, a + step)
             kwargs: dict[str, Any] = {}
             if attention_mask is not None:
                 kwargs["attention_mask"] = attention_mask[:, : past + e]

@@ -45,8 +45,13 @@ def index_mass(
 ) -> torch.Tensor:
     """The pooled expected attention mass per unit [b, h, n] of scores [b, h, nq, n]: each
     query's softmax over the valid units (block_valid [b, n]), pooled (see pool_mass)."""
-    logits = (scores.float() * scaling).masked_fill(~block_valid[:, None, None, :], float("-inf"))
-    return pool_mass(torch.softmax(logits, dim=-1).nan_to_num(0.0), pool, share_heads)
+    # in place where it can be: a prompt chunk's scores are a block of up to SCORE_BLOCK_BYTES, and
+    # each out-of-place step held one more copy (three beside the scores before, two now)
+    logits = scores.float() * scaling
+    logits.masked_fill_(~block_valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    del logits
+    return pool_mass(probs.nan_to_num_(0.0), pool, share_heads)
 
 
 def blocked_index_mass(
