@@ -6,7 +6,7 @@ memory that grows with the prompt even though the cache itself is bounded.
 `prefill` feeds `chunk` tokens per forward instead, so peak memory is set by
 the chunk, not the prompt. The cache sees the same tokens in the same order,
 so the result equals one forward over the whole prompt (tests/test_scale.py).
-At the end the cache is told the prompt is in (`FlashCache.prompt_done`: attention's
+At the end the cache is told the prompt is in (`FlashMemoryCache.prompt_done`: attention's
 prompt-sized buffers dropped and, with a cold tier off RAM, the C heap's free pages
 handed back to the OS).
 """
@@ -78,6 +78,6 @@ def prefill(
             logits = out.logits
     assert logits is not None
     done = getattr(cache, "prompt_done", None)
-    if done is not None:  # attention's prompt-sized buffers dropped, the heap handed back (FlashCache)
+    if done is not None:  # attention's prompt-sized buffers dropped, the heap handed back (FlashMemoryCache)
         done()
     return logits
