@@ -121,18 +121,16 @@ retrieval() {
 stored() {
   # the full cache's rows of each committed run copied, then the recipe on their prompts
   local F="--families keyed,multivalue,multiquery,vartrack,aggregation,passage --haystacks kjv,stdlib-doc"
-  local run model length budgets
-  while read -r run model length budgets; do
+  local spec run model length budgets
+  # a for loop, not `while read` from a here-doc: the commands inside would share its stdin
+  for spec in "tasks_smollm2_4k_recipe_b16_b32 smollm2 4096 1/16,1/32" "tasks_smollm2_4k_recipe_b8 smollm2 4096 1/8" \
+    "tasks_smollm2_8k_recipe smollm2 8192 1/16,1/8" "tasks_gemma3_16k_recipe gemma3-270m 16384 1/16,1/8"; do
+    read -r run model length budgets <<<"$spec"
     python -m flashmem_eval.task_suite prompts "results/$run.json" --to "$O/${run}_rerun.json"
     # shellcheck disable=SC2086
     python -m flashmem_eval.task_suite run "$O/${run}_rerun.json" --answered-only --stored-prompts --methods flashmem \
       --model "$model" --lengths "$length" --budgets "$budgets" $F --threads "${THREADS:-1}"
-  done <<'RUNS'
-tasks_smollm2_4k_recipe_b16_b32 smollm2 4096 1/16,1/32
-tasks_smollm2_4k_recipe_b8 smollm2 4096 1/8
-tasks_smollm2_8k_recipe smollm2 8192 1/16,1/8
-tasks_gemma3_16k_recipe gemma3-270m 16384 1/16,1/8
-RUNS
+  done
 }
 
 heldout() {

@@ -31,7 +31,7 @@ def test_free_heap_pages_go_back_to_the_os():
     held = [torch.ones(16 * 1024) for _ in range(3000)]
     del held[::2]
     before = _rss_kib()
-    assert host_heap.release_free_memory() in (True, False)
+    assert host_heap.release_free_memory() is True  # glibc says it released memory
     after = _rss_kib()
     assert before - after > 40 * 1024, (before, after)  # about 94 MiB of holes
     assert all(float(t[0]) == 1.0 for t in held)  # live memory untouched
