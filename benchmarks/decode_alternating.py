@@ -4,7 +4,7 @@
                                             [--json results/decode_alternating_tiny.json]
                                             [--variants norerank] [--no-fixed] [--budget 0.125]
                                             [--model smollm2] [--rebuild] [--ranked]
-                                            [--config configs/cpu-small.yaml]
+                                            [--config configs/cpu-small.yaml] [--whole]
 
 `--dtype bfloat16` (SmolLM2): the model, both caches and the recipe's sizing in that dtype.
 
@@ -24,6 +24,8 @@ them alike (as bench_target_8k.py does on SmolLM2):
 - `recipe:ranked` (`--ranked`): the recipe with a layer whose pages the budget covers all
   ranked and given a rest entry anyway, as before stop 48 (`tiered_attention.selects_every_page`
   off for its steps);
+- `recipe:whole` (`--whole`): the recipe with every decode step's keys and values attended in
+  one run whatever their bytes, as before stop 65 (`assembly.DECODE_KV_BYTES` unbounded);
 - `dynamic`: DynamicCache filled with random K/V of the length (its O(n^2)
   prefill would take hours here; decode cost does not depend on the values).
 
@@ -44,9 +46,10 @@ import torch
 from transformers import DynamicCache
 
 import flashmem
-from flashmem.cache import tiered_attention
+from flashmem.cache import assembly, tiered_attention
 
 every_page = tiered_attention.selects_every_page
+DECODE_KV_BYTES = assembly.DECODE_KV_BYTES
 
 
 def never(*_: object) -> bool:
@@ -81,6 +84,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
     ap.add_argument("--rebuild", action="store_true", help="add the recipe with its working sets rebuilt every step")
     ap.add_argument("--ranked", action="store_true", help="add the recipe ranking pages it selects all of")
+    ap.add_argument("--whole", action="store_true", help="add the recipe attending a step's K/V in one run")
     ap.add_argument("--config", default=None, help="a YAML config in place of the recipe (variants need the recipe)")
     ap.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -111,6 +115,8 @@ def main() -> None:
             configs["recipe:rebuild"] = configs["recipe"]
         if args.ranked:
             configs["recipe:ranked"] = configs["recipe"]
+        if args.whole:
+            configs["recipe:whole"] = configs["recipe"]
         if not args.no_fixed:
             configs["fixed"] = flashmem.FlashMemoryConfig(gpu_cache_limit=1024, lsa_top_k=16, use_summaries=False)
         caches: dict = {}
@@ -138,10 +144,13 @@ def main() -> None:
                 for name in order:
                     if name == "recipe:ranked":
                         tiered_attention.selects_every_page = never
+                    if name == "recipe:whole":
+                        assembly.DECODE_KV_BYTES = 1 << 62
                     t0 = time.perf_counter()
                     out = model(nxt[name], cache=caches[name], use_cache=True)
                     dt = time.perf_counter() - t0
                     tiered_attention.selects_every_page = every_page
+                    assembly.DECODE_KV_BYTES = DECODE_KV_BYTES
                     nxt[name] = out.logits[:, -1].argmax(-1, keepdim=True)
                     if step:  # the first step of each is a warm-up
                         times[name].append(dt)

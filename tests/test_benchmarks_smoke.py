@@ -102,11 +102,11 @@ def test_reproduce_script_help_and_refusal():
 
 def test_decode_alternating_tiny(tmp_path: Path):
     out = tmp_path / "da.json"
-    args = ("--lengths", "1024", "--steps", "1", "--no-fixed", "--rebuild", "--json", str(out))
+    args = ("--lengths", "1024", "--steps", "1", "--no-fixed", "--rebuild", "--whole", "--json", str(out))
     run_script(BENCH / "decode_alternating.py", *args)
     rows = json.loads(out.read_text())["rows"]
     caches = {r["cache"] for r in rows}
-    assert {"recipe", "recipe:rebuild", "dynamic"} <= caches, caches
+    assert {"recipe", "recipe:rebuild", "recipe:whole", "dynamic"} <= caches, caches
     recipe = next(r for r in rows if r["cache"] == "recipe")
     assert recipe["tokens"] == 1024 and recipe["decode_ms_median"] > 0
     assert 0 < recipe["decode_resident_fraction"] < 0.5  # the recipe at 1/8 holds a fraction while decoding

@@ -4,7 +4,9 @@ The layer adds its parts in order (sinks | HCA entries | CSA entries | working s
 | open block | window), each with an additive bias per key (padding and left-out
 summaries -inf; `summary_bias` on fused entries); `attend` appends the new tokens
 (causal among themselves) and an optional rest entry, writes keys, values and the
-mask into reused buffers (`cache/scratch.py`) and runs SDPA once.
+mask into reused buffers (`cache/scratch.py`) and runs SDPA once; a decode step whose
+decoded keys and values would pass DECODE_KV_BYTES attends them in runs of keys instead,
+merged by their log-sum-exp, so its buffers stay that size as the context grows.
 
 Shapes: parts [b, h, n, d] (or int8 (codes, scale [b, h, n, 1]), decoded into place);
 biases [b, h or 1, n]; queries [b, Hq, m, d] -> out [b, Hq, m, d].
@@ -26,6 +28,20 @@ NEG = float("-inf")
 # The most one attention's mask may take: a chunk whose [b, Hq, m, L] mask is larger attends
 # in slices of its queries (a 4096-token chunk over 4.7K selected keys: 600 MB at one layer).
 MASK_BYTES = 64 << 20
+# The most a decode step's decoded keys and values may take at once (both, in attention's
+# dtype): a wider working set attends in runs of keys merged by their log-sum-exp
+# (`Assembly._attend_in_runs`), so the step's buffers stay this size whatever the context.
+# Each run costs a dozen operators more. On a CPU, where the buffers are the process's RAM,
+# 4 MiB (SmolLM2's widest layer at 8K and 1/8 in three runs, about 0.1 ms more); on an
+# accelerator, where a launch costs more than the bytes, 64 MiB (Llama-3.1-8B in bf16: a
+# layer's 4-5K selected tokens at 128K and 1/16 in one run, 16K tokens a run at 1M).
+DECODE_KV_BYTES = 4 << 20
+DECODE_KV_BYTES_ACCELERATOR = 64 << 20
+
+
+def decode_kv_bytes(device: torch.device) -> int:
+    """DECODE_KV_BYTES on a CPU, DECODE_KV_BYTES_ACCELERATOR elsewhere."""
+    return DECODE_KV_BYTES if device.type == "cpu" else DECODE_KV_BYTES_ACCELERATOR
 
 
 def step_scratch() -> Scratch:
@@ -82,6 +98,11 @@ class Assembly:
         entry (its value written last into the values, `RestEntry.value`) -> [b, Hq, m, d]."""
         b, hkv, m = self.b, self.hkv, q.shape[2]
         dev = k_new.device
+        L = sum(bias.shape[-1] for bias in self.biases) + m + (rest is not None)
+        if m == 1 and not torch.is_grad_enabled():
+            run = decode_kv_bytes(dev) // (2 * b * hkv * k_new.shape[-1] * k_new.element_size())
+            if L > run:
+                return self._attend_in_runs(q, k_new, v_new, scaling, rest, max(1, run))
         new_bias = None  # a decode step's one token sees itself, padded or not: bias 0, no mask built
         if m > 1:
             causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
@@ -89,7 +110,6 @@ class Assembly:
             new_bias = torch.full((b, 1, m, m), NEG, dtype=q.dtype, device=dev).masked_fill_(allowed[:, None], 0.0)
         keys, values = [*self.keys, k_new], [*self.values, v_new]
         group = q.shape[1] // hkv
-        L = sum(bias.shape[-1] for bias in self.biases) + m + (rest is not None)
         scratch = step_scratch()
         if rest is not None:  # a zero key: its logit is all bias, per query head and query
             keys.append(k_new.new_zeros(b, hkv, 1, k_new.shape[-1]))
@@ -138,6 +158,79 @@ class Assembly:
                 sdpa.attention(q[:, :, i0:i1], K, V, part.reshape(b, hkv * group, i1 - i0, L), scaling, group > 1)
             )
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _attend_in_runs(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        scaling: float,
+        rest: RestEntry | None,
+        run: int,
+    ) -> torch.Tensor:
+        """`attend` for a decode step, its keys in runs of at most `run` tokens: each run's
+        parts (sliced where one spans two runs) written into the reused buffers, attended by each
+        KV head's group of query heads with its log-sum-exp (`sdpa.attention_lse`), the runs
+        and the rest entry then merged by those. The same attention within float tolerance;
+        the working set's values the rest entry subtracts are summed run by run.
+        q [b, Hq, 1, d]; k_new, v_new [b, h, 1, d] -> [b, Hq, 1, d]."""
+        b, hkv, dev = self.b, self.hkv, k_new.device
+        hq, d = q.shape[1], q.shape[-1]
+        qg = q.reshape(b, hkv, hq // hkv, d)  # query head h * group + g reads KV head h
+        keys, values = [*self.keys, k_new], [*self.values, v_new]
+        biases = [*self.biases, k_new.new_zeros(b, hkv, 1)]  # the token sees itself
+        scratch = step_scratch()
+        outs, lses = [], []
+        # [b, h, 1, d] fp32: the working set's values, weighted, as attention reads them
+        ws_sum: torch.Tensor | None = None
+        self.copied_bytes = 0
+        for pieces in runs([part_len(p) for p in keys], run):
+            ks = [slice_part(keys[i], a, e) for i, a, e in pieces]
+            vs = [slice_part(values[i], a, e) for i, a, e in pieces]
+            K = concat(ks, lambda shape: scratch.take("keys", shape, k_new.dtype, dev))
+            V = concat(vs, lambda shape: scratch.take("values", shape, v_new.dtype, dev))
+            self.copied_bytes += copy_bytes(ks, K) + copy_bytes(vs, V)
+            bias = [biases[i][..., a:e] for i, a, e in pieces]
+            out, lse = sdpa.attention_lse(qg, K, V, bias[0] if len(bias) == 1 else torch.cat(bias, -1), scaling)
+            outs.append(out)
+            lses.append(lse)
+            at = 0
+            for i, a, e in pieces:
+                if rest is not None and rest.ws_weight is not None and i == self.working_set_part:
+                    part = torch.matmul(rest.ws_weight[:, :, None, a:e], V[:, :, at : at + e - a].float())
+                    ws_sum = part if ws_sum is None else ws_sum.add_(part)
+                at += e - a
+        if rest is not None:  # its key is zero: the logit is all bias, and the value is the entry's
+            outs.append(rest.mean(ws_sum).expand(b, hkv, hq // hkv, d))
+            lses.append(rest.logit.view(b, hkv, hq // hkv))
+        weights = torch.softmax(torch.stack(lses), dim=0)  # [runs, b, h, group]: each run's mass
+        out = torch.sum(torch.stack(outs).mul_(weights[..., None]), dim=0)
+        return out.view(b, hq, 1, d).to(q.dtype)
+
+
+def runs(lengths: list[int], run: int) -> list[list[tuple[int, int, int]]]:
+    """Parts of these lengths, in order, cut into runs of at most `run` tokens: per run its
+    pieces (part, start, end); a part that does not fit where its run has room goes on in the next."""
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = run
+    for i, n in enumerate(lengths):
+        a = 0
+        while a < n:
+            if room == 0:
+                out.append([])
+                room = run
+            e = min(n, a + room)
+            out[-1].append((i, a, e))
+            room -= e - a
+            a = e
+    return out
+
+
+def slice_part(p: Part, a: int, e: int) -> Part:
+    """Tokens a:e of a part [b, h, n, d] (of an int8 part, its codes and scales alike)."""
+    if isinstance(p, tuple):
+        return p[0][:, :, a:e], p[1][:, :, a:e]
+    return p[:, :, a:e]
 
 
 def part_len(p: Part) -> int:
@@ -226,10 +319,18 @@ class RestEntry:
         """The left-out tokens' mean value [b, h, 1, d] (fp32): v_sum less the working set's
         values ws_values [b, h, n, d] as attention reads them (one weighted sum, a GEMV per
         head)."""
-        v_sum = self.v_sum[:, :, None, :]
+        ws_sum = None
         if self.ws_weight is not None and ws_values is not None:
             vals = ws_values if ws_values.dtype == torch.float32 else ws_values.float()
-            v_sum = v_sum - torch.matmul(self.ws_weight[:, :, None, :], vals)
+            ws_sum = torch.matmul(self.ws_weight[:, :, None, :], vals)
+        return self.mean(ws_sum)
+
+    def mean(self, ws_sum: torch.Tensor | None) -> torch.Tensor:
+        """The left-out tokens' mean value [b, h, 1, d] (fp32), given the working set's weighted
+        value sum ws_sum [b, h, 1, d] (None: no working set)."""
+        v_sum = self.v_sum[:, :, None, :]
+        if ws_sum is not None:
+            v_sum = v_sum - ws_sum
         return v_sum / self.n_left.clamp_min(1)[..., None, None]
 
 

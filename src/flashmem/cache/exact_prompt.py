@@ -33,6 +33,7 @@ import torch
 
 from flashmem.cache import sdpa
 from flashmem.cache.assembly import bias_from_valid, step_scratch
+from flashmem.cache.sdpa import FLASH_CPU
 
 if TYPE_CHECKING:
     from flashmem.cache.flash_layer import FlashLayer
@@ -112,10 +113,6 @@ class ExactPrompt:
         mask.zero_().masked_fill_(~allowed[:, None], -math.inf)
         K, V = self.k[:, :, :need], self.v[:, :, :need]
         return sdpa.attention(q, K, V, mask, scaling, q.shape[1] > hkv)
-
-
-# PyTorch's fused flash attention on a CPU, which also returns each query's log-sum-exp
-FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 class OnlineSoftmax:

@@ -76,6 +76,27 @@ def attention(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+# PyTorch's fused flash attention on a CPU, which also returns each query's log-sum-exp
+FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [b, h, r, d] over k, v [b, h, n, d] with an additive bias [b, h, n] on
+    each key (every row of a head alike), and its log-sum-exp: -> (out [b, h, r, d] fp32, lse
+    [b, h, r] fp32; a head that sees none of the keys: out 0, lse -inf, so it weighs nothing
+    when parts are merged). By the fused flash kernel on a CPU in fp32, else by the scores."""
+    if FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == k.dtype == torch.float32:
+        out, lse = FLASH_CPU(q, k, v, 0.0, False, attn_mask=bias[:, :, None, :], scale=scale)
+        # the kernel gives a head that sees no key lse 0, which would be a mass of 1
+        return out, lse.masked_fill_((bias.amax(-1) == float("-inf"))[..., None], float("-inf"))
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale).add_(bias.float()[:, :, None, :])
+    lse = torch.logsumexp(s, dim=-1)  # [b, h, r]: -inf where every key is hidden
+    p = s.sub_(lse.masked_fill(lse == float("-inf"), 0.0)[..., None]).exp_()  # such rows: all 0
+    return torch.matmul(p, v.float()), lse
+
+
 HALF = (torch.bfloat16, torch.float16)
 # Keys (rows x length) from which the grouped one-query call is the faster: below, its reshapes
 # cost what it saves (one row of 100 keys: 1.17x the time; 8 rows of 100: 0.81x)
