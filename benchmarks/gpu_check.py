@@ -5,7 +5,9 @@
 
 1. **Exactness on the device.** A tiny random Llama (fp32, TF32 off) with configs that keep
    every token exact (every block / every page selected; the re-rank and prefetch on) gives
-   DynamicCache's logits within 1e-3 over a prompt and decode steps.
+   DynamicCache's logits within 1e-3 over a prompt and decode steps; so does the first with
+   every decode step's keys attended in runs of 5 tokens merged by their log-sum-exp
+   (`blocks_in_runs`: at real sizes a step goes in runs past 64 MiB of keys and values).
 2. **Decode at 32K and 128K** on a random-weight Llama with Llama-3.1-8B's attention
    geometry (hidden 4096, 32 heads, 8 KV heads x 128, MLP 14336, vocab 128256, bf16) and
    `--layers` layers (4): decode ms per step for DynamicCache in HBM and for flashmem (the
@@ -106,6 +108,11 @@ EXACT_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 EXACT_TOL = 1e-3
+# exactness configs whose decode steps attend their keys in runs of RUN_TOKENS (cache/assembly.py,
+# `Assembly._attend_in_runs`; at real sizes only past DECODE_KV_BYTES_ACCELERATOR, 64 MiB): the
+# runs' log-sum-exp merge on the device's own attention path
+IN_RUNS = {"blocks_in_runs": "blocks"}
+RUN_TOKENS = 5
 
 
 def sync(device: torch.device) -> None:
@@ -161,17 +168,24 @@ def check_exactness(device: torch.device, prompt: int = 200, steps: int = 32) ->
     dims = dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128
     )
+    from flashmem.cache import assembly
+
     out: dict[str, Any] = {"tolerance": EXACT_TOL}
-    for name, kw in EXACT_CONFIGS.items():
+    bounds = assembly.DECODE_KV_BYTES, assembly.DECODE_KV_BYTES_ACCELERATOR
+    run_bytes = 2 * dims["num_key_value_heads"] * dims["head_dim"] * 4 * RUN_TOKENS  # K and V, fp32, one row
+    for name, kw in [*EXACT_CONFIGS.items(), *((n, EXACT_CONFIGS[base]) for n, base in IN_RUNS.items())]:
         try:
             model = build_llama(dims, 2, torch.float32, device)
             ids = torch.randint(0, 128, (1, prompt), generator=torch.Generator().manual_seed(1)).to(device)
             ref = decode_logits(model, DynamicCache(config=model.config), ids, steps)
             cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**kw))
+            if name in IN_RUNS:
+                assembly.DECODE_KV_BYTES = assembly.DECODE_KV_BYTES_ACCELERATOR = run_bytes
             try:
                 got = decode_logits(model, cache, ids, steps)
                 report = cache.memory_report()
             finally:
+                assembly.DECODE_KV_BYTES, assembly.DECODE_KV_BYTES_ACCELERATOR = bounds
                 cache.close()
             diff = float((got - ref).abs().max())
             out[name] = {

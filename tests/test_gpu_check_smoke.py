@@ -23,6 +23,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     d = json.loads(out.read_text())
     ex = d["exactness"]
     assert ex["ok"] and ex["blocks"]["max_abs_diff"] <= 1e-3 and ex["pages_rerank_prefetch"]["max_abs_diff"] <= 1e-3
+    assert ex["blocks_in_runs"]["max_abs_diff"] <= 1e-3  # decode steps in runs of keys
     assert ex["blocks"]["sealed_blocks"] > 0 and ex["blocks"]["cold_bytes"] > 0  # the cold tier was used
     assert d["constants"]["device_copy_bytes_per_s"] > 0 and d["constants"]["link"].startswith("n/a")
     assert [r["tokens"] for r in d["lengths"]] == [256, 512]

@@ -46,6 +46,22 @@ def test_a_prompt_chunks_index_scores_do_not_grow_with_the_context(monkeypatch):
     assert _prompt_transient(4096) > 2 * long  # what the blocks keep out
 
 
+def test_on_a_cpu_a_prompt_chunks_transients_are_held_to_the_cpus_bound(monkeypatch):
+    """MASK_BYTES and SCORE_BLOCK_BYTES left at their accelerator sizes (64 MiB): on a CPU the
+    mask and the index scores are held to its own bound instead (here 256 KiB), so the
+    transient does not grow with the context; without that bound it does."""
+    from flashmem.cache import scratch
+
+    monkeypatch.setattr(scratch, "CPU_TRANSIENT_BYTES", 256 << 10)
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES_CPU", 256 << 10)
+    short, long = _prompt_transient(1024), _prompt_transient(4096)
+    assert long <= 1.5 * short, (short, long)
+    monkeypatch.setattr(scratch, "CPU_TRANSIENT_BYTES", 1 << 40)
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES_CPU", 1 << 40)
+    assert _prompt_transient(4096) > 2 * long
+    assert scratch.transient_cap(64 << 20, torch.device("meta")) == 64 << 20  # elsewhere: as is
+
+
 def test_the_memory_tier_keeps_one_arena_per_layer_as_it_grows():
     """Blocks point into the grown arena, so the earlier ones are freed: 5.5x the blocks'
     bytes were held before (each growth a quarter more, every generation kept by views)."""

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from flashmem.cache import sdpa
-from flashmem.cache.scratch import Scratch, thread_scratch
+from flashmem.cache.scratch import Scratch, thread_scratch, transient_cap
 from flashmem.cache.working_set import Part
 from flashmem.compress import page_code
 
 NEG = float("-inf")
 # The most one attention's mask may take: a chunk whose [b, Hq, m, L] mask is larger attends
 # in slices of its queries (a 4096-token chunk over 4.7K selected keys: 600 MB at one layer).
+# On a CPU at most scratch.CPU_TRANSIENT_BYTES (`transient_cap`).
 MASK_BYTES = 64 << 20
 # The most a decode step's decoded keys and values may take at once (both, in attention's
 # dtype): a wider working set attends in runs of keys merged by their log-sum-exp
@@ -129,7 +130,7 @@ class Assembly:
         # per layer, and a fresh one each time costs its page faults. Past MASK_BYTES the chunk's
         # queries attend in slices of rows, so the transient does not grow with the chunk.
         elem = torch.finfo(q.dtype).bits // 8
-        rows = max(1, min(m, MASK_BYTES // max(1, b * hkv * group * L * elem)))
+        rows = max(1, min(m, transient_cap(MASK_BYTES, dev) // max(1, b * hkv * group * L * elem)))
         mask = scratch.take("mask", (b, hkv, group, rows, L), q.dtype, dev)
         at = sum(bias.shape[-1] for bias in self.biases)
         if m == 1:

@@ -20,6 +20,19 @@ import torch
 
 _local = threading.local()
 
+# A prompt chunk's bounded transients (its attention mask, `assembly.MASK_BYTES`; its index
+# scores, `index.selection.SCORE_BLOCK_BYTES`, whose CPU bound is the same) are sized for an
+# accelerator's memory (64 MiB: Llama-3.1-8B at 128K). On a CPU they are the process's RAM,
+# beside a budget of tens of MB: there they are held to this. The tiny model at 64K (1/8: a 67 MB budget) held 99 MB of index-mass
+# copies and 60 MB of mask at its prompt's peak (docs/results.md, stop 64).
+CPU_TRANSIENT_BYTES = 8 << 20
+
+
+def transient_cap(nbytes: int, device: torch.device) -> int:
+    """The bound `nbytes` of a step's transient as it applies on `device`: at most
+    CPU_TRANSIENT_BYTES on a CPU, as is elsewhere."""
+    return min(nbytes, CPU_TRANSIENT_BYTES) if device.type == "cpu" else nbytes
+
 
 def thread_scratch() -> Scratch:
     """The calling thread's buffers (made on first use)."""

@@ -9,8 +9,11 @@ import torch
 # A chunk of queries is scored against every page at most this many bytes of fp32 scores
 # at a time (`blocked_index_mass`). Whole, a prompt chunk's scores grow with the chunk times
 # the context: Llama-3.1-8B's geometry at 128K in 4,096-token chunks held 4.3 GB of scores
-# per temporary, about 15 GB of transients on an H200 (results/gpu_check_h200.json).
+# per temporary, about 15 GB of transients on an H200 (results/gpu_check_h200.json). On a CPU
+# the scores are the process's RAM, beside a budget of tens of MB: there at most
+# SCORE_BLOCK_BYTES_CPU (cache/scratch.py's CPU_TRANSIENT_BYTES, as a prompt chunk's mask).
 SCORE_BLOCK_BYTES = 64 << 20
+SCORE_BLOCK_BYTES_CPU = 8 << 20
 
 
 def select_blocks(
@@ -64,13 +67,16 @@ def blocked_index_mass(
     max_bytes: int | None = None,
 ) -> torch.Tensor:
     """index_mass(score(queries), ...) with the queries [b, h, nq, d] scored a block at a time,
-    so that at most `max_bytes` (None: SCORE_BLOCK_BYTES) of scores [b, h, rows, n] are held
-    (block_valid [b, n]). Each block's pooled mass is weighed by its share of the queries (mean)
+    so that at most `max_bytes` (None: SCORE_BLOCK_BYTES, on a CPU SCORE_BLOCK_BYTES_CPU) of
+    scores [b, h, rows, n] are held (block_valid [b, n]). Each block's pooled mass is weighed by its share of the queries (mean)
     or maxed (max), and the heads are shared at the end. A decode step's queries are one block:
     index_mass as before."""
     b, h, nq, _ = queries.shape
     n = block_valid.shape[-1]
-    rows = max(1, (SCORE_BLOCK_BYTES if max_bytes is None else max_bytes) // max(1, b * h * n * 4))
+    cap = SCORE_BLOCK_BYTES if max_bytes is None else max_bytes
+    if max_bytes is None and queries.device.type == "cpu":
+        cap = min(cap, SCORE_BLOCK_BYTES_CPU)
+    rows = max(1, cap // max(1, b * h * n * 4))
     if rows >= nq:
         return index_mass(score(queries), block_valid, scaling, pool, share_heads)
     mass: torch.Tensor | None = None
