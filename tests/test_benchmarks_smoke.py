@@ -206,6 +206,26 @@ def test_prefill_fused_ab_on_smollm2_gives_the_same_logits_both_ways(tmp_path: P
     assert got["last_logits_max_diff"] < 1e-3
 
 
+def test_prompt_transients_with_an_accelerators_bounds(tmp_path: Path, monkeypatch):
+    """The diagnostic counts a GPU's transients on this CPU: the CPU's bounds lifted for its run
+    (restored after the test: they are module constants)."""
+    from flashmem.cache import assembly, scratch
+    from flashmem.index import selection
+
+    for mod, name in [
+        (assembly, "DECODE_KV_BYTES"),
+        (scratch, "CPU_TRANSIENT_BYTES"),
+        (selection, "SCORE_BLOCK_BYTES_CPU"),
+    ]:
+        monkeypatch.setattr(mod, name, getattr(mod, name))
+    out = tmp_path / "pt.json"
+    run_script(BENCH / "diagnostics" / "prompt_transients.py", "--lengths", "1024", "--exact-tokens", "256",
+               "--accelerator-bounds", "--out", str(out))  # fmt: skip
+    got = json.loads(out.read_text())
+    assert got["meta"]["accelerator_bounds"] and got["rows"][0]["transient_bytes"] > 0
+    assert selection.SCORE_BLOCK_BYTES_CPU == selection.SCORE_BLOCK_BYTES  # lifted for the run
+
+
 @pytest.mark.model
 def test_serve_load_small_on_smollm2(tmp_path: Path):
     """The load test with a 300-token document, one client, two requests: a server process

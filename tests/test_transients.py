@@ -13,21 +13,25 @@ from flashmem.cache.scratch import thread_scratch
 from flashmem.index import selection
 from flashmem.store.memory import MemoryStore
 from flashmem_eval.live_bytes import LiveBytes
-from test_cache import SMALL
+from test_cache import SMALL, run
 from tiny_models import tiny_llama
 
 # every prompt chunk selects (no exact prompt): its queries score every page
 SELECTING = dict(SMALL, prefill_chunk=256, prefill_exact_tokens=0, lsa_top_k=4, lsa_page_tokens=4)
 
 
-def _prompt_transient(tokens: int) -> int:
+# ... and keeps a rest entry, which needs every query's scores
+RESTING = dict(SELECTING, use_summaries=False, rest_entry=True)
+
+
+def _prompt_transient(tokens: int, keys: dict | None = None) -> int:
     """Peak live bytes over what is live when the prompt is in (the cache's state), for a
     prompt of `tokens` fed in 256-token chunks; the cold tier (host memory on a GPU) left out.
     The thread's attention buffers start empty, so each prompt counts its own."""
     thread_scratch().clear()
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(0))
-    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**SELECTING))
+    cache = flashmem.attach(model, flashmem.FlashMemoryConfig(**(keys or SELECTING)))
     with torch.no_grad(), LiveBytes(exclude=("store.",)) as live:
         flashmem.prefill(model, cache, ids, chunk=256)
     cache.close()
@@ -60,6 +64,30 @@ def test_on_a_cpu_a_prompt_chunks_transients_are_held_to_the_cpus_bound(monkeypa
     monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES_CPU", 1 << 40)
     assert _prompt_transient(4096) > 2 * long
     assert scratch.transient_cap(64 << 20, torch.device("meta")) == 64 << 20  # elsewhere: as is
+
+
+def test_a_prompt_chunks_rest_entry_scores_in_blocks_with_the_same_logits(monkeypatch):
+    """A rest entry reads every query's index scores. A prompt chunk's, past their bound, are
+    scored again a block at a time instead of held whole (as its selection pools them): the
+    same logits, and a transient that does not grow with the context where whole it does."""
+    from flashmem.cache import tiered_attention
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 1024), generator=torch.Generator().manual_seed(4))
+    cfg = flashmem.FlashMemoryConfig(**RESTING)
+    whole = run(model, flashmem.attach(model, cfg), ids, 4)
+    blocks = []
+    real = tiered_attention._score_blocks
+    monkeypatch.setattr(tiered_attention, "_score_blocks", lambda *a: blocks.append(1) or real(*a))
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES_CPU", 64 << 10)
+    in_blocks = run(model, flashmem.attach(model, cfg), ids, 4)
+    assert blocks  # the prompt's later chunks scored in blocks
+    assert (in_blocks - whole).abs().max() <= 1e-4
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES_CPU", 256 << 10)
+    short, long = _prompt_transient(1024, RESTING), _prompt_transient(4096, RESTING)
+    assert long <= 1.5 * short, (short, long)
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES_CPU", 1 << 40)  # held whole, as before
+    assert _prompt_transient(4096, RESTING) > 2 * long
 
 
 def test_the_memory_tier_keeps_one_arena_per_layer_as_it_grows():

@@ -12,6 +12,9 @@ prompt capped at `--exact-tokens` so that the chunks after it select:
     python benchmarks/diagnostics/prompt_transients.py --lengths 8192,16384,32768 --out results/prompt_transients.json
 
 `--score-block-bytes 1e12` scores a chunk's queries whole again (as before 2026-12-04).
+`--accelerator-bounds` lifts the CPU's own bounds on a step's transients (a prompt chunk's mask
+and index scores, 8 MiB here; a decode step's keys and values, 4 MiB) to an accelerator's, so
+the count is what a GPU would hold.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: gpu_check's geometry
 
 import flashmem  # noqa: E402
 import gpu_check as gc  # noqa: E402
+from flashmem.cache import assembly, scratch  # noqa: E402
 from flashmem.cache.attach import ACCELERATOR_PREFILL_CHUNK  # noqa: E402
 from flashmem.cache.scratch import thread_scratch  # noqa: E402
 from flashmem.index import selection  # noqa: E402
@@ -68,14 +72,24 @@ def measure(tokens: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def accelerator_bounds() -> None:
+    """The bounds a GPU's steps take, on this CPU: its transients then count as they would there."""
+    assembly.DECODE_KV_BYTES = assembly.DECODE_KV_BYTES_ACCELERATOR
+    scratch.CPU_TRANSIENT_BYTES = assembly.MASK_BYTES
+    selection.SCORE_BLOCK_BYTES_CPU = selection.SCORE_BLOCK_BYTES
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="8192,16384,32768")
     ap.add_argument("--budget", type=float, default=1 / 16)
     ap.add_argument("--exact-tokens", type=int, default=4096, help="prefill_exact_tokens (default 4096)")
     ap.add_argument("--score-block-bytes", type=float, default=None, help="index scores held at once")
+    ap.add_argument("--accelerator-bounds", action="store_true", help="an accelerator's bounds on transients")
     ap.add_argument("--out", default=None, help="results JSON path")
     args = ap.parse_args(argv)
+    if args.accelerator_bounds:
+        accelerator_bounds()
     if args.score_block_bytes is not None:
         selection.SCORE_BLOCK_BYTES = int(args.score_block_bytes)
     rows = []

@@ -14,7 +14,7 @@ biases [b, h or 1, n]; queries [b, Hq, m, d] -> out [b, Hq, m, d].
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -336,7 +336,7 @@ class RestEntry:
 
 
 def rest_entry(
-    scores: torch.Tensor,
+    scores: Iterable[torch.Tensor],
     selected: torch.Tensor,
     page_tokens_valid: torch.Tensor,
     v_sum: torch.Tensor,
@@ -350,17 +350,22 @@ def rest_entry(
 
     Logit, per query: log sum over left-out pages of n_page * exp(s q . index key);
     value: the mean value of the left-out tokens (running sum v_sum [b, h, d] minus the
-    working set's, whose validity is ws_valid [b, h, n]: `RestEntry.value`). scores:
-    [b, h, m*group, pages]; selected: [b, h, pages]; page_tokens_valid: [b, pages, P]
-    -> the entry (logit [b, Hq, m]).
+    working set's, whose validity is ws_valid [b, h, n]: `RestEntry.value`). scores: the
+    index's scores [b, h, m*group, pages] in blocks of query rows, in order (one block, or
+    several where a prompt chunk's would pass their bound); selected: [b, h, pages];
+    page_tokens_valid: [b, pages, P] -> the entry (logit [b, Hq, m]).
     """
-    b, h, nq, _ = scores.shape
-    group = nq // m
+    b, h = selected.shape[:2]
     counts = page_tokens_valid.sum(-1, dtype=torch.float32)  # [b, pages]
     attended = selected | (counts == 0)[:, None, :]  # not left out: selected, or no token
-    lg = scores.float() * scaling  # a fresh tensor: the rest in place
-    lg.add_(counts.clamp_min(1).log()[:, None, None, :]).masked_fill_(attended[:, :, None, :], NEG)
-    logit = torch.logsumexp(lg, dim=-1)  # [b, h, nq]
+    logits = []
+    for block in scores:
+        lg = block.float() * scaling  # a fresh tensor: the rest in place
+        lg.add_(counts.clamp_min(1).log()[:, None, None, :]).masked_fill_(attended[:, :, None, :], NEG)
+        logits.append(torch.logsumexp(lg, dim=-1))  # [b, h, rows]
+        del lg
+    logit = logits[0] if len(logits) == 1 else torch.cat(logits, dim=-1)  # [b, h, nq]
+    group = logit.shape[-1] // m
     logit = logit.view(b, h, m, group).transpose(2, 3).reshape(b, h * group, m)
     n_left = counts.sum(-1)[:, None].expand(b, h)
     w = None

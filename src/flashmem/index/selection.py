@@ -73,10 +73,7 @@ def blocked_index_mass(
     index_mass as before."""
     b, h, nq, _ = queries.shape
     n = block_valid.shape[-1]
-    cap = SCORE_BLOCK_BYTES if max_bytes is None else max_bytes
-    if max_bytes is None and queries.device.type == "cpu":
-        cap = min(cap, SCORE_BLOCK_BYTES_CPU)
-    rows = max(1, cap // max(1, b * h * n * 4))
+    rows = score_rows(b, h, n, queries.device, max_bytes)
     if rows >= nq:
         return index_mass(score(queries), block_valid, scaling, pool, share_heads)
     mass: torch.Tensor | None = None
@@ -91,6 +88,15 @@ def blocked_index_mass(
     if share_heads:
         mass = mass.mean(dim=1, keepdim=True).expand_as(mass)
     return mass
+
+
+def score_rows(b: int, h: int, n: int, device: torch.device, max_bytes: int | None = None) -> int:
+    """Query rows of fp32 scores [b, h, rows, n] within `max_bytes` (None: SCORE_BLOCK_BYTES,
+    on a CPU SCORE_BLOCK_BYTES_CPU); at least one."""
+    cap = SCORE_BLOCK_BYTES if max_bytes is None else max_bytes
+    if max_bytes is None and device.type == "cpu":
+        cap = min(cap, SCORE_BLOCK_BYTES_CPU)
+    return max(1, cap // max(1, b * h * n * 4))
 
 
 def pool_mass(probs: torch.Tensor, pool: str = "mean", share_heads: bool = False) -> torch.Tensor:
