@@ -242,3 +242,49 @@ def test_new_pages_keys_cut_from_the_int8_copy_are_what_the_working_set_codes(mo
     assert len(cut) == taken
     assert torch.equal(got, want)
     assert len(held) == len(held_want) and all(torch.equal(a, b) for a, b in zip(held, held_want))
+
+
+@pytest.mark.parametrize("mirror", ["int8", "none"])
+def test_the_in_place_rerank_pools_its_queries_in_blocks_with_the_same_choice(monkeypatch, mirror):
+    """The in-place re-rank's logits over every sealed token (the key copy's, or the arena's
+    keys) for all of a selection's queries grow with the context: past the score bound they
+    are taken a block of queries at a time and pooled as they come. The same pages on every
+    selection, and the same logits."""
+    from flashmem.cache import ranking
+    from flashmem.index import selection
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 500), generator=torch.Generator().manual_seed(3))
+    kw = dict(**KW, **EVERY, lsa_rerank_mirror=mirror)
+    whole, sel_whole = _run(model, ids, 6, **kw)
+    blocks = []
+    real = ranking.pooled_in_blocks
+    monkeypatch.setattr(
+        ranking, "pooled_in_blocks", lambda f, q, rows, *a: blocks.append(rows < q.shape[2]) or real(f, q, rows, *a)
+    )
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES_CPU", 1)  # one query row at a time
+    got, sel = _run(model, ids, 6, **kw)
+    assert blocks and all(blocks)  # every in-place re-rank went in blocks
+    assert len(sel) == len(sel_whole) > 0 and all(torch.equal(a[1], b[1]) for a, b in zip(sel_whole, sel))
+    assert torch.allclose(whole, got, atol=1e-5)
+
+
+def test_each_block_of_queries_counts_its_read_of_the_key_copy(monkeypatch):
+    """A re-rank whose queries go in blocks reads the key copy once per block: host_read_bytes
+    says so (a decode step's group of 2 queries in blocks of 1: twice the copy's bytes)."""
+    from flashmem.index import selection
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(5))
+    cfg = flashmem.FlashMemoryConfig(**{**SMALL, **KW, **EVERY, "lsa_rerank_mirror": "int8"})
+
+    def step_reads() -> int:
+        with flashmem.attach(model, cfg) as cache, torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+            before = cache.traffic_report()["totals"]["host_read_bytes"]
+            model(ids[:, -1:], cache=cache, use_cache=True)
+            return cache.traffic_report()["totals"]["host_read_bytes"] - before
+
+    whole = step_reads()
+    monkeypatch.setattr(selection, "SCORE_BLOCK_BYTES_CPU", 1)
+    assert step_reads() == 2 * whole > 0

@@ -64,16 +64,17 @@ def chosen_forms() -> dict[tuple[int, int, int], str]:
 
 def _choose(size: tuple[int, int, int], keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     """Time the forms on these inputs (a warm call each, then the fastest of TIMED_CALLS),
-    keep the fastest for `size` -> its sums."""
-    sums, seconds = {}, {}
+    keep the fastest for `size` -> its sums, from one more call of it: every call's sums are
+    freed before the next, since each is the logits' size, which grows with the context)."""
+    seconds = {}
     forms = FORMS if keys.shape[2] <= FLOAT_EXACT_MAX_D else FORMS[:2]
     for form in forms:
         fn = _FORM[form]
-        sums[form] = fn(keys, queries)
+        fn(keys, queries)  # a warm-up call, its sums dropped
         seconds[form] = min(_elapsed(fn, keys, queries) for _ in range(TIMED_CALLS))
     best = min(forms, key=seconds.__getitem__)
     _chosen[size] = best
-    return sums[best]
+    return _FORM[best](keys, queries)
 
 
 def _elapsed(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], keys: torch.Tensor, q: torch.Tensor) -> float:

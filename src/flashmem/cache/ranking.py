@@ -25,7 +25,14 @@ from flashmem.cache.rerank_codes import HOST, DeviceCandidates, KeyMirror, Reran
 from flashmem.config import FlashMemoryConfig
 from flashmem.index.base import BlockScorer
 from flashmem.index.rerank import coded_page_mass, exact_block_mass, exact_page_mass, token_page_mass
-from flashmem.index.selection import blocked_index_mass, feedback_pages, index_mass, top_pages
+from flashmem.index.selection import (
+    blocked_index_mass,
+    feedback_pages,
+    index_mass,
+    pooled_in_blocks,
+    score_rows,
+    top_pages,
+)
 from flashmem.index.vectors import IndexVectors
 
 # (layer_idx, selected page ids [b, h, k] sorted, index scores [b, h, nq, n]) -> page ids
@@ -345,17 +352,32 @@ class CandidateRanker:
             chosen = torch.zeros(b, h, n_pages, dtype=torch.bool, device=cand.device).scatter_(-1, cand, True)
             allowed = allowed & chosen
             valid = valid & chosen[..., None]
+        # Every query's logits over every sealed token [b, h, rows, T], a block of queries at a
+        # time: a prompt tail's (RERANK_MAX_QUERIES positions x the GQA group) grow with the context
+        # (one layer of Llama-3.1-8B's heads at 32K: 248 MiB whole; docs/results.md, stop 65).
+        # Each block of queries reads the keys again: counted as such.
+        T, nq = num_sealed * cfg.hca_chunk_size, qg.shape[2]
         if mirror is not None:
             mirror.fill(num_sealed, lambda j: reader.fetch_block(j, on_host=True)[0])
-            reader.traffic.add("host_read_bytes", mirror.nbytes())
+            rows = score_rows(b, qg.shape[1], T, HOST)
+            reader.traffic.add("host_read_bytes", mirror.nbytes() * -(-nq // min(rows, nq)))
             tokens = valid.flatten(-2).to(HOST)  # [b, 1 or h, num_sealed * B]: the mirror's tokens
-            mass = token_page_mass(mirror.logits(qg, scaling), tokens, P, 1.0, cfg.lsa_pool, cfg.lsa_share_heads)
+
+            def mass_of(q: torch.Tensor, share: bool) -> torch.Tensor:
+                return token_page_mass(mirror.logits(q, scaling), tokens, P, 1.0, cfg.lsa_pool, share)
+
         else:
             assert block_k is not None
             where = block_k.device  # the compute device, or the host (`host_ranking`): only ids cross back
-            mass = exact_block_mass(
-                qg.to(where), block_k, valid.flatten(-2).to(where), P, scaling, cfg.lsa_pool, cfg.lsa_share_heads
-            )  # [b, h, pages]
+            rows = score_rows(b, qg.shape[1], T, where)
+            if rows < nq:  # block_keys counted the first read
+                reader.traffic.cold_read(reader.store, reader.device, block_k.nbytes * (-(-nq // rows) - 1), True)
+            on_where = valid.flatten(-2).to(where)
+
+            def mass_of(q: torch.Tensor, share: bool) -> torch.Tensor:
+                return exact_block_mass(q.to(where), block_k, on_where, P, scaling, cfg.lsa_pool, share)
+
+        mass = pooled_in_blocks(mass_of, qg, rows, cfg.lsa_pool, cfg.lsa_share_heads)  # [b, h, pages]
         return Selection(top_pages(mass.to(qg.device), allowed, k_sel, cfg.lsa_follow_pages))
 
     def _read_candidates(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -68,17 +68,34 @@ def blocked_index_mass(
 ) -> torch.Tensor:
     """index_mass(score(queries), ...) with the queries [b, h, nq, d] scored a block at a time,
     so that at most `max_bytes` (None: SCORE_BLOCK_BYTES, on a CPU SCORE_BLOCK_BYTES_CPU) of
-    scores [b, h, rows, n] are held (block_valid [b, n]). Each block's pooled mass is weighed by its share of the queries (mean)
-    or maxed (max), and the heads are shared at the end. A decode step's queries are one block:
-    index_mass as before."""
+    scores [b, h, rows, n] are held (block_valid [b, n]); see `pooled_in_blocks`. A decode
+    step's queries are one block: index_mass as before."""
     b, h, nq, _ = queries.shape
-    n = block_valid.shape[-1]
-    rows = score_rows(b, h, n, queries.device, max_bytes)
+    rows = score_rows(b, h, block_valid.shape[-1], queries.device, max_bytes)
+
+    def mass_of(q: torch.Tensor, share: bool) -> torch.Tensor:
+        return index_mass(score(q), block_valid, scaling, pool, share)
+
+    return pooled_in_blocks(mass_of, queries, rows, pool, share_heads)
+
+
+def pooled_in_blocks(
+    mass_of: Callable[[torch.Tensor, bool], torch.Tensor],
+    queries: torch.Tensor,
+    rows: int,
+    pool: str = "mean",
+    share_heads: bool = False,
+) -> torch.Tensor:
+    """A pooled mass [b, h, n] of queries [b, h, nq, ...], `rows` queries at a time:
+    mass_of(query block, share_heads) pools one block's. The blocks' masses are weighed by
+    their share of the queries (mean) or maxed (max), and the heads shared at the end, which
+    is the pooled mass of all the queries at once; one block when rows >= nq."""
+    nq = queries.shape[2]
     if rows >= nq:
-        return index_mass(score(queries), block_valid, scaling, pool, share_heads)
+        return mass_of(queries, share_heads)
     mass: torch.Tensor | None = None
     for i0 in range(0, nq, rows):
-        part = index_mass(score(queries[:, :, i0 : i0 + rows]), block_valid, scaling, pool)  # [b, h, n]
+        part = mass_of(queries[:, :, i0 : i0 + rows], False)  # [b, h, n]
         if pool == "max":
             mass = part if mass is None else torch.maximum(mass, part)
         else:
