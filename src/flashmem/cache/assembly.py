@@ -33,9 +33,10 @@ MASK_BYTES = 64 << 20
 # dtype): a wider working set attends in runs of keys merged by their log-sum-exp
 # (`Assembly._attend_in_runs`), so the step's buffers stay this size whatever the context.
 # Each run costs a dozen operators more. On a CPU, where the buffers are the process's RAM,
-# 4 MiB (SmolLM2's widest layer at 8K and 1/8 in three runs, about 0.1 ms more); on an
-# accelerator, where a launch costs more than the bytes, 64 MiB (Llama-3.1-8B in bf16: a
-# layer's 4-5K selected tokens at 128K and 1/16 in one run, 16K tokens a run at 1M).
+# 4 MiB (SmolLM2 at 8K and 1/8: most layers in two runs, the widest in three, 1.1% of a step;
+# docs/results.md, stop 65); on an accelerator, where a launch costs more than the bytes,
+# 64 MiB (Llama-3.1-8B in bf16: a layer's 4-5K selected tokens at 128K and 1/16 in one run,
+# 16K tokens a run at 1M).
 DECODE_KV_BYTES = 4 << 20
 DECODE_KV_BYTES_ACCELERATOR = 64 << 20
 

@@ -64,8 +64,8 @@ def chosen_forms() -> dict[tuple[int, int, int], str]:
 
 def _choose(size: tuple[int, int, int], keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     """Time the forms on these inputs (a warm call each, then the fastest of TIMED_CALLS),
-    keep the fastest for `size` -> its sums, from one more call of it: every call's sums are
-    freed before the next, since each is the logits' size, which grows with the context)."""
+    keep the fastest for `size` -> its sums, from one more call of it (every call's sums are
+    freed before the next: each is the logits' size, which grows with the context)."""
     seconds = {}
     forms = FORMS if keys.shape[2] <= FLOAT_EXACT_MAX_D else FORMS[:2]
     for form in forms:

@@ -23,8 +23,9 @@ _local = threading.local()
 # A prompt chunk's bounded transients (its attention mask, `assembly.MASK_BYTES`; its index
 # scores, `index.selection.SCORE_BLOCK_BYTES`, whose CPU bound is the same) are sized for an
 # accelerator's memory (64 MiB: Llama-3.1-8B at 128K). On a CPU they are the process's RAM,
-# beside a budget of tens of MB: there they are held to this. The tiny model at 64K (1/8: a 67 MB budget) held 99 MB of index-mass
-# copies and 60 MB of mask at its prompt's peak (docs/results.md, stop 64).
+# beside a budget of tens of MB: there they are held to this. The tiny model at 64K (1/8: a
+# 67 MB budget) held 99 MB of index-mass copies and 60 MB of mask at its prompt's peak
+# (docs/results.md, stop 64).
 CPU_TRANSIENT_BYTES = 8 << 20
 
 
