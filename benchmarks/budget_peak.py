@@ -110,7 +110,13 @@ def measure(
     live_bytes: bool = False,
     variant: str = "default",
     forward_tokens: int = DEFAULT_CHUNK,
+    warm: bool = False,
 ) -> dict[str, Any]:
+    if warm:  # the same request once before, its row dropped: the process has served one
+        measure(
+            name, tokens, budget, steps, codec, cold_store, prefill_chunk, cold_pending_mb, text, text_seed,
+            extra, as_device, question, False, variant, forward_tokens,
+        )  # fmt: skip
     model, tok = _model(name, tokens)
     vocab = model.config.vocab_size
     if text and tok is not None:  # real text and a question, so the decode steps answer something
@@ -145,8 +151,8 @@ def measure(
     release_free_memory()
     rss_w = _rss_kib("VmRSS") if _reset_peak_rss() else None
     forward_live = LiveBytes() if live_bytes else contextlib.nullcontext()
-    with torch.no_grad(), forward_live:
-        model(ids[:, :forward_tokens], use_cache=False)
+    with torch.no_grad(), forward_live:  # the last position's logits only, as flashmem.prefill's forwards
+        model(ids[:, :forward_tokens], use_cache=False, logits_to_keep=1)
     # what that forward alone raised the peak by: the model's part of a chunk's peak, for comparison
     hwm_w = _rss_kib("VmHWM")
     forward_peak = None if rss_w is None or hwm_w is None else (hwm_w - rss_w) * 1024
@@ -218,10 +224,12 @@ def measure(
         "cold_store": cold_store,
         # glibc's large-allocation threshold, when set: RSS depends on it (docs/results.md)
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "host_mmap_threshold": cache.cfg.host_mmap_threshold,
         "cold_pending_mb": cold_pending_mb if cold_store == "disk" else None,
         "prefill_chunk": cache.cfg.prefill_chunk,
         "prefill_s": round(prefill_s, 1),
         "forward_tokens": forward_tokens,
+        "warm_process": warm,
     }
     if isinstance(live, LiveBytes) and isinstance(forward_live, LiveBytes):
         row["live_peak_over_budget"] = live.peak / (budget * managed_full)
@@ -272,6 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--cache-pages", type=int, default=None, help="lsa_cache_pages (default: the recipe's)")
     p.add_argument(
+        "--host-mmap-threshold", type=int, default=None, help="host_mmap_threshold: fix glibc's mmap threshold (bytes)"
+    )
+    p.add_argument(
         "--live-bytes", action="store_true", help="count every tensor alive at once (slower): live_peak_over_budget"
     )
     p.add_argument(
@@ -283,6 +294,12 @@ def main(argv: list[str] | None = None) -> None:
         default=DEFAULT_CHUNK,
         help="prompt tokens per model forward (flashmem.prefill's chunk), the same for the warm-up forward",
     )
+    p.add_argument(
+        "--warm-process",
+        action="store_true",
+        help="run each request once before the measured one, in the same process: the RSS then leaves out "
+        "what a process pays once (library code paged in, modules imported, first-call allocations)",
+    )
     p.add_argument("--out", default=None, help="JSON lines of the rows")
     a = p.parse_args(argv)
     extra: dict[str, Any] = {}
@@ -292,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         extra["lsa_rerank_on_device"] = True
     if a.cache_pages is not None:
         extra["lsa_cache_pages"] = a.cache_pages
+    if a.host_mmap_threshold is not None:
+        extra["host_mmap_threshold"] = a.host_mmap_threshold
     # a class-wide switch: put back after the run (the smoke tests run this script in-process)
     was = BlockReader.rank_on_host
     if a.rank_on_host:
@@ -303,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = measure(
                     a.model, n, a.budget, a.steps, codec, a.cold_store, a.prefill_chunk, a.cold_pending_mb,
                     a.text, a.text_seed, extra, a.as_device, a.question, a.live_bytes, variant,
-                    a.forward_tokens,
+                    a.forward_tokens, a.warm_process,
                 )  # fmt: skip
                 rows.append({**row, "variant": variant})
                 print(json.dumps(rows[-1]))

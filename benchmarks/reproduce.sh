@@ -22,6 +22,8 @@
 #   speed      decode against DynamicCache on the tiny model (32K-128K), the 8K target on SmolLM2
 #   scale      16K to 2^20 tokens on a disk cold tier (36 min on the 2-core box), prefetch stall
 #   serve      the server's load test (benchmarks/serve_load.py)
+#   ram        the process's RSS with a disk cold tier over the budget (SmolLM2 8K, tiny 64K), in a
+#              process that has served the request once, glibc's threshold fixed (host_mmap_threshold)
 #
 # Every figure in the docs was measured on a 2-core CPU machine with one torch thread per
 # process (THREADS=1); other machines give other absolute times. The commands of every
@@ -181,10 +183,17 @@ serve() {
   python benchmarks/serve_load.py --ratio-questions 9 --out "$O/serve_load_smollm2.json"
 }
 
+ram() {
+  local R="--budget 0.125 --codecs exact --cold-store disk --cold-pending-mb 4 --steps 16 --forward-tokens 512"
+  R="$R --warm-process --host-mmap-threshold 65536"
+  python benchmarks/budget_peak.py --model smollm2 --lengths 8192 --text kjv $R --out "$O/budget_peak_disk_rss_smollm2.jsonl"
+  python benchmarks/budget_peak.py --model tiny --lengths 65536 $R --out "$O/budget_peak_disk_rss_tiny.jsonl"
+}
+
 for s in $SECTIONS; do
   case $s in
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d' && exit 0 ;;
-    main | table | stored | retrieval | heldout | fidelity | needle | speed | scale | serve) echo "== $s" && $s ;;
-    *) echo "reproduce.sh: unknown section '$s' (allowed: main table stored retrieval heldout fidelity needle speed scale serve)" >&2 && exit 2 ;;
+    main | table | stored | retrieval | heldout | fidelity | needle | speed | scale | serve | ram) echo "== $s" && $s ;;
+    *) echo "reproduce.sh: unknown section '$s' (allowed: main table stored retrieval heldout fidelity needle speed scale serve ram)" >&2 && exit 2 ;;
   esac
 done

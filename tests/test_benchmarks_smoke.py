@@ -311,16 +311,18 @@ def test_budget_peak_tiny(tmp_path: Path):
 
 def test_budget_peak_host_ranking_on_disk(tmp_path: Path):
     """As on an accelerator (candidates ranked where the cold tier holds them) and with the disk
-    tier: the link carries the newly attended pages, and the row gives the RSS over the budget."""
+    tier: the link carries the newly attended pages, and the row gives the RSS over the budget,
+    here in a process that served the request once before (`--warm-process`)."""
     out = tmp_path / "peak.jsonl"
     run_script(
         BENCH / "budget_peak.py",
         *("--lengths", "2048", "--budget", "0.25", "--steps", "6", "--codecs", "exact"),
         *("--rank-on-host", "--cold-store", "disk", "--prefill-chunk", "512", "--forward-tokens", "1024"),
-        *("--out", str(out)),
+        *("--warm-process", "--out", str(out)),
     )
-    (row,) = map(json.loads, out.read_text().splitlines())
+    (row,) = map(json.loads, out.read_text().splitlines())  # the warm-up request's row is not written
     assert row["rank_on_host"] and row["cold_store"] == "disk" and row["prefill_chunk"] == 512
+    assert row["warm_process"] and row["host_mmap_threshold"] is None
     assert row["forward_tokens"] == 1024  # the prompt's forwards and the warm-up forward alike
     assert row["h2d_over_new_pages"] is None or 0 < row["h2d_over_new_pages"] <= 1.5
     assert row["peak_over_budget"] < 1.2

@@ -4,6 +4,8 @@ all of them, and buffers that stay the run's size as the context grows."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -98,3 +100,33 @@ def test_a_steps_buffers_stay_the_runs_size_as_the_context_grows(monkeypatch):
     assert scratch_after(200) == scratch_after(800) <= 1.25 * run_bytes(model, 1, 5)
     monkeypatch.setattr(assembly, "DECODE_KV_BYTES", 1 << 40)  # one attention: the buffers grow
     assert scratch_after(800) > 3 * scratch_after(200) > 0
+
+
+def test_a_working_set_past_the_runs_bound_is_coded_without_a_whole_decoded_copy(monkeypatch):
+    """An int8 working set made whole (`WorkingSet.set`: the first decode step's selection) keeps
+    the decoded copy coding makes in passing only where a decode step attends it in one run;
+    past that the runs decode its codes, so the step holds no layer-sized copy in the model's
+    dtype (stop 66: a disk tier's first decode step). The logits are the same either way."""
+    from flashmem.cache import working_set
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(1))
+    cfg = flashmem.FlashMemoryConfig(**CASES["int8 working set, rest entry"])
+    real = working_set.page_code.encode_and_decode
+    made: list[tuple[int, bool]] = []  # a whole set's (bytes coded, decoded copy asked for)
+
+    def spy(x, dtype):
+        if sys._getframe(1).f_code.co_name == "_store":  # not a merge's new pages (coded alone)
+            made.append((x.numel() * x.element_size(), dtype is not None))
+        return real(x, dtype)
+
+    monkeypatch.setattr(working_set.page_code, "encode_and_decode", spy)
+    whole = run(model, flashmem.attach(model, cfg), ids, 6)
+    assert made and all(copy for _, copy in made)  # within the bound: the copy, as before
+    made.clear()
+    bound = run_bytes(model, 1, 5)
+    monkeypatch.setattr(assembly, "DECODE_KV_BYTES", bound)
+    in_runs = run(model, flashmem.attach(model, cfg), ids, 6)
+    past = [copy for n, copy in made if 2 * n > bound]
+    assert past and not any(past)
+    assert (in_runs - whole).abs().max() <= 1e-4

@@ -103,3 +103,50 @@ def test_prefill_feeds_a_disk_tiers_prompt_in_forwards_of_its_prefill_chunk(stor
         hook.remove()
         cache.close()
     assert sizes == ([32, 32, 32, 4] if store == "disk" else [100])
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt on Linux")
+def test_a_fixed_mmap_threshold_hands_freed_blocks_back_at_once():
+    """Process-wide, so in a child process: after a 16 MiB block is freed glibc's own threshold
+    rises past 1 MiB blocks, which then come from the heap and stay there when freed between
+    live ones; fixed at 64 KiB they are mapped and go back to the OS as they are freed."""
+    import subprocess
+
+    child = """
+import sys, torch
+from pathlib import Path
+from flashmem.cache import host_heap
+def rss():
+    return next(int(l.split()[1]) for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS:"))
+if sys.argv[1] == "fixed":
+    assert host_heap.set_mmap_threshold(65536)
+big = torch.ones(4 << 20)  # a 16 MiB block, mapped and freed: glibc's threshold rises to it
+del big
+held = [torch.ones(1 << 18) for _ in range(128)]  # 1 MiB blocks, every other one freed below:
+before = rss()  # holes between live blocks, which no trim of the heap's top can hand back
+del held[::2]
+print(before - rss())
+"""
+    freed = {
+        how: int(subprocess.run([sys.executable, "-c", child, how], capture_output=True, text=True, check=True).stdout)
+        for how in ("glibc", "fixed")
+    }
+    assert freed["fixed"] > 48 * 1024, freed  # KiB: most of the 64 MiB back at once
+    assert freed["glibc"] < 16 * 1024, freed  # glibc's own threshold kept them in the heap
+
+
+def test_the_cache_fixes_the_threshold_it_is_given_and_refuses_a_bad_one(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(flash_cache, "set_mmap_threshold", lambda n: calls.append(n) or True)
+    model = tiny_llama(layers=1)
+    flashmem.attach(model, flashmem.FlashMemoryConfig(gpu_cache_limit=16, hca_chunk_size=16)).close()
+    assert calls == []  # left as glibc has it unless asked
+    cfg = flashmem.FlashMemoryConfig(gpu_cache_limit=16, hca_chunk_size=16, host_mmap_threshold=65536)
+    flashmem.attach(model, cfg).close()
+    assert calls == [65536]
+    monkeypatch.setattr(flash_cache, "set_mmap_threshold", lambda n: False)  # not glibc
+    with pytest.warns(UserWarning, match="host_mmap_threshold needs glibc"):
+        flashmem.attach(model, cfg).close()
+    for bad in (100, 64 << 20):
+        with pytest.raises(ValueError, match="host_mmap_threshold"):
+            flashmem.FlashMemoryConfig(host_mmap_threshold=bad)

@@ -264,3 +264,40 @@ def test_a_redo_on_doubt_is_counted_apart_and_reads_every_sealed_block():
     sealed = sum(layer.num_sealed for layer in layers) * layers[0].cfg.hca_chunk_size  # none sealed in 3 steps
     assert doubt["per_redo_forward_median"]["h2d_bytes"] == sealed * 2 * h * d * 4 > 0
     assert plain["per_redo_forward_median"]["h2d_bytes"] == 0
+
+
+@pytest.mark.parametrize("codec", ["model", "int8"])
+def test_the_candidates_keys_are_freed_before_the_working_sets_values_are_read(monkeypatch, tmp_path, codec):
+    """A disk tier's re-rank reads its candidates' keys and cuts the working set's out of them;
+    the rest go before the winners' values are read, so a first decode step (every page new)
+    does not hold the candidates' keys, the pages' K/V and their coding at once (stop 66)."""
+    import weakref
+
+    from flashmem.cache.ranking import CandidateRanker
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(6))
+    cfg = flashmem.FlashMemoryConfig(
+        **{**RERANKED, "working_set_codec": codec}, cold_store="disk", cold_dir=str(tmp_path / "cold")
+    )
+    ref, _ = _decode(model, flashmem.attach(model, cfg), ids, 4)
+    read_keys = CandidateRanker._read_candidates
+    read_pages = BlockReader.arena_pages
+    cand_keys: list[weakref.ref] = []
+    alive_at_values: list[bool] = []
+
+    def candidates(self, idx):
+        k, v = read_keys(self, idx)
+        cand_keys.append(weakref.ref(k))
+        return k, v
+
+    def pages(self, idx, keys=True, values=True, **kw):
+        if not keys and cand_keys:  # the working set's values: the last candidates' keys are gone
+            alive_at_values.append(cand_keys[-1]() is not None)
+        return read_pages(self, idx, keys, values, **kw)
+
+    monkeypatch.setattr(CandidateRanker, "_read_candidates", candidates)
+    monkeypatch.setattr(BlockReader, "arena_pages", pages)
+    out, _ = _decode(model, flashmem.attach(model, cfg), ids, 4)
+    assert cand_keys and alive_at_values and not any(alive_at_values)
+    assert torch.equal(out, ref)

@@ -328,6 +328,16 @@ class FlashMemoryConfig(BaseModel):
     cold_pending_mb: int = Field(
         256, ge=1, le=1 << 20, description="MiB of sealed blocks a disk/LMDB cold tier holds before puts wait"
     )
+    # glibc's heap keeps freed blocks once its threshold rises, so a CPU's RSS peaks at several
+    # times the budget with a disk tier (cache/host_heap.py); fixing the threshold is
+    # process-wide, hence the user's choice
+    host_mmap_threshold: int | None = Field(
+        None,
+        ge=4096,
+        le=32 << 20,
+        description="bytes: fix glibc's mmap threshold for the whole process when the cache is made "
+        "(blocks this large go back to the OS when freed); None leaves glibc's own",
+    )
     # --- layers and projections -------------------------------------------------
     keep_full_layers: list[int] = Field(
         default_factory=list, description="layers with a plain full cache; negatives from the end"

@@ -17,6 +17,7 @@ collection) closes the prefetcher, then the store (its folder is removed unless
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import Any, cast
 
@@ -29,7 +30,7 @@ from flashmem.cache import generation
 from flashmem.cache.doubt import DoubtState
 from flashmem.cache.flash_layer import FlashLayer, SelectionHook, tensor_bytes
 from flashmem.cache.guard import StepGuard
-from flashmem.cache.host_heap import release_free_memory
+from flashmem.cache.host_heap import release_free_memory, set_mmap_threshold
 from flashmem.cache.latent import make_latent
 from flashmem.cache.scratch import thread_scratch
 from flashmem.cache.traffic import Traffic
@@ -61,6 +62,8 @@ class FlashMemoryCache(Cache):
         full = cfg.resolve_full_layers(n_layers)
         layer_types = geometry.layer_types(text_cfg, n_layers, infer_sliding=False)
         self.cfg = cfg
+        if cfg.host_mmap_threshold is not None and not set_mmap_threshold(cfg.host_mmap_threshold):
+            warnings.warn("host_mmap_threshold needs glibc's malloc; this C library's heap is left as is", stacklevel=2)
         self._selection_hook: SelectionHook | None = None
         self._open_cold_tier(store, dtype)
         # Synchronous reads when prefetch is off: each is a miss and its time a stall.

@@ -8,6 +8,12 @@ the prompt's peak. With a cold tier off RAM (disk), RAM is what the budget saves
 prompt the free pages go back: SmolLM2 at 8K and 1/8, 8K-token forwards, 420 MiB held after the
 prompt against 37 MiB trimmed (docs/results.md, "The process's RAM with a disk cold tier").
 Nothing happens where the C library is not glibc.
+
+That hands back what is free once the prompt is in, not what the heap held at its peak: glibc
+serves a step's blocks from the heap once its threshold has risen, and the peaks stay several
+times the budget (SmolLM2 at 8K: 4.3x in the prompt). `host_mmap_threshold` (config) fixes the
+threshold instead, process-wide, when a cache is made (`set_mmap_threshold`): blocks at least
+that large are mapped and go back to the OS as they are freed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,32 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2): mallopt refuses more
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's mallopt(param, value) -> 1 on success, or None without glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        fn = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold at nbytes for the whole process (its dynamic rise off):
+    blocks of at least nbytes are mapped and unmapped as they are freed -> True where glibc
+    took it (False elsewhere). Each such block then costs its page faults when it is made."""
+    fn = _mallopt()
+    return bool(fn(M_MMAP_THRESHOLD, int(nbytes))) if fn is not None else False
 
 
 def release_free_memory() -> bool:

@@ -59,9 +59,18 @@ class Candidates:
     the host (`BlockReader.host_ranking`), in host memory."""
 
     ids: torch.Tensor
-    k: torch.Tensor
+    k: torch.Tensor | None  # None once handed over (`take`)
     v: torch.Tensor | None
     on_host: bool = False
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The keys and values, handed over once: the candidates stop holding them, so the
+        working set that cuts its pages out of them frees each as soon as it has its cut (a
+        layer's candidate keys are the largest transient of a disk tier's decode step)."""
+        k, v = self.k, self.v
+        assert k is not None, "the candidates' keys were handed over already"
+        self.k = self.v = None
+        return k, v
 
 
 @dataclass

@@ -145,8 +145,15 @@ class WorkingSet:
         if isinstance(t, tuple):  # int8 codes and scales made where the pages were cut (the host)
             self.code[slot] = t
             return
-        if self.codec == "int8":  # this step reads the decoded copy made in passing
-            codes, scale, self.plain[slot] = page_code.encode_and_decode(t, self.dtype)
+        if self.codec == "int8":
+            # This step reads the decoded copy made in passing where a decode step attends it in
+            # one run; past that, attention decodes the codes a run at a time, and a whole
+            # decoded copy would only add a layer's pages in the model's dtype to the step's
+            # transients (the first decode step's peak: a disk tier's RSS, docs/results.md, stop 66).
+            from flashmem.cache import assembly  # deferred: assembly imports this module
+
+            whole = 2 * t.numel() * t.element_size() <= assembly.decode_kv_bytes(t.device)
+            codes, scale, self.plain[slot] = page_code.encode_and_decode(t, self.dtype if whole else None)
             self.code[slot] = (codes, scale)
         else:
             self.code[slot] = (t,)
@@ -426,11 +433,12 @@ class WorkingSet:
         """The working set cut from this step's re-rank candidates, which hold every page
         idx [b, h, k] names unless a selection hook replaced them. held: `held_over`'s
         pages, not cut again. False: the candidates do not cover the selection."""
-        cand, ck, cv = candidates.ids, candidates.k, candidates.v
+        cand = candidates.ids
         pos = torch.searchsorted(cand, idx).clamp_max(cand.shape[-1] - 1)
-        if not torch.equal(cand.gather(-1, pos), idx):
+        if candidates.k is None or not torch.equal(cand.gather(-1, pos), idx):
             return False
         b, h, k = idx.shape
+        ck, cv = candidates.take()
         c, P, d = ck.shape[2:]
         bi = torch.arange(b, device=idx.device)[:, None, None]
         hi = torch.arange(h, device=idx.device)[None, :, None]
@@ -447,9 +455,15 @@ class WorkingSet:
                 out.view(-1, P, d) if new is not None else out.view(b, h, k, P, d), candidates.on_host, reader
             )
 
+        # the keys cut first and the candidates' freed before the values are read: a whole set (a
+        # first decode step) would otherwise hold the candidates' keys, the pages' K/V and their
+        # coding's temporaries at once
+        kc = cut(ck)
+        del ck
         v: Part
         if cv is not None:
             v = cut(cv)
+            del cv
         elif new is not None and not bool(new.any()):
             v = self.no_pages()
         else:
@@ -457,7 +471,6 @@ class WorkingSet:
             if got is None or got[1] is None:
                 return False
             v = got[1]
-        kc = cut(ck)
         if held is None:
             self.set(idx, kc, v, page_tokens_valid)
         else:
