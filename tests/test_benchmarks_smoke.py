@@ -565,3 +565,17 @@ def test_ws_exact_pages_holds_the_int8_count_in_the_models_dtype(monkeypatch):
     monkeypatch.undo()
     assert tiered_attention.open_room_pages(layer(cfg), 1) < room(layer(base), 1)  # fp32 pages cost more
     assert FlashMemoryConfig.for_budget(1 / 16, 4096, **geo).working_set_codec == "int8"
+
+
+def test_decode_rss_steps_gives_each_steps_rss(tmp_path: Path):
+    """The per-step RSS of a disk tier's decode: every step's peak at least its end, the heap's
+    free pages handed back at most that end, all over the budget."""
+    out = tmp_path / "rss.json"
+    run_script(
+        BENCH / "diagnostics" / "decode_rss_steps.py",
+        *("--model", "tiny", "--tokens", "1024", "--steps", "2", "--json-out", str(out)),
+    )
+    row = json.loads(out.read_text())
+    assert row["model"] == "tiny" and len(row["steps"]) == 2 and not row["warm"]
+    for s in row["steps"]:
+        assert s["peak"] >= s["end"] >= s["trimmed"] - 0.05  # KiB-granular reads of a moving RSS

@@ -330,7 +330,7 @@ class FlashMemoryConfig(BaseModel):
     )
     # glibc's heap keeps freed blocks once its threshold rises, so a CPU's RSS peaks at several
     # times the budget with a disk tier (cache/host_heap.py); fixing the threshold is
-    # process-wide, hence the user's choice
+    # process-wide, hence the user's choice (32 MiB: the most glibc takes on 64-bit)
     host_mmap_threshold: int | None = Field(
         None,
         ge=4096,

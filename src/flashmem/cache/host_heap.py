@@ -38,8 +38,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return fn
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2): mallopt refuses more
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h); it refuses more than 32 MiB on 64-bit
 
 
 @functools.cache
