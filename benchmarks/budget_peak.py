@@ -21,6 +21,9 @@ the model's own first-forward memory is not counted) and with the C heap's free 
 forward alone: `rss_forward_peak_over_budget`), the RSS when the prompt is in, the decode steps'
 peak, what is left after them with the free pages handed back (`rss_retained_over_budget`), and
 attention's reused buffers (`scratch_over_budget`), all over the budget's bytes.
+`--warm-process` serves the request once before the measured one, in the same process, so the
+RSS leaves out what a process pays once (library code paged in, imports); `--host-mmap-threshold
+N` sets the config's `host_mmap_threshold` (glibc's threshold fixed, process-wide).
 
     python benchmarks/budget_peak.py --model tiny --lengths 8192,32768 --budget 0.125
     python benchmarks/budget_peak.py --model smollm2 --lengths 4096,8192 --budget 0.0625
