@@ -135,7 +135,7 @@ print(before - rss())
     assert freed["glibc"] < 16 * 1024, freed  # glibc's own threshold kept them in the heap
 
 
-def test_the_cache_fixes_the_threshold_it_is_given_and_refuses_a_bad_one(monkeypatch, tmp_path):
+def test_the_cache_fixes_the_threshold_it_is_given_and_refuses_a_bad_one(monkeypatch):
     calls = []
     monkeypatch.setattr(flash_cache, "set_mmap_threshold", lambda n: calls.append(n) or True)
     model = tiny_llama(layers=1)
