@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,16 +27,15 @@ import flashmem
 from flashmem.cache.host_heap import release_free_memory
 from flashmem.sizing.budget import full_kv_bytes
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from budget_peak import QUESTION, _reset_peak_rss, _rss_kib  # noqa: E402
+
 
 def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise SystemExit(f"decode_rss_steps: no {field} in /proc/self/status (Linux only)")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    kib = _rss_kib(field)
+    if kib is None:
+        raise SystemExit(f"decode_rss_steps: no {field} in /proc/self/status (Linux only)")
+    return kib
 
 
 def request(model: Any, tok: Any, ids: torch.Tensor, budget: float, steps: int, chunk: int) -> dict[str, Any]:
@@ -51,7 +52,7 @@ def request(model: Any, tok: Any, ids: torch.Tensor, budget: float, steps: int, 
         out: dict[str, Any] = {"prompt_end": (_kib("VmRSS") - base) * over, "steps": []}
         with torch.no_grad():
             for _ in range(steps):
-                _reset_peak()
+                _reset_peak_rss()
                 nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
                 peak, end = _kib("VmHWM"), _kib("VmRSS")
                 release_free_memory()
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
 
         model, tok = flashmem.load_model(a.model)
         body = haystack(tok, a.tokens - 40, seed=0, name=a.text)
-        prompt = body + "\n\nQuestion: What is the passage above about? Name the people in it.\nAnswer:"
+        prompt = body + f"\n\nQuestion: {QUESTION}\nAnswer:"
         ids = torch.tensor([tok(prompt)["input_ids"][: a.tokens]])
     if a.warm:
         request(model, tok, ids, a.budget, a.steps, a.forward_tokens)

@@ -24,18 +24,24 @@ import functools
 from collections.abc import Callable
 
 
+def _libc_function(name: str, argtypes: list[type], restype: type) -> Callable[..., int] | None:
+    """The C library's function `name`, typed, or None where there is none (musl, macOS,
+    Windows: no malloc_trim; no glibc mallopt parameters)."""
+    lib = ctypes.util.find_library("c")
+    if lib is None:
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(lib), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim(pad) -> 1 if memory was released, or None without glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # musl, macOS, Windows: no malloc_trim
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    return _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h); it refuses more than 32 MiB on 64-bit
@@ -44,15 +50,7 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h); it refuses more t
 @functools.cache
 def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's mallopt(param, value) -> 1 on success, or None without glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
+    return _libc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
 
 
 def set_mmap_threshold(nbytes: int) -> bool:
