@@ -1,5 +1,6 @@
 """The disk tier's page reads (DiskStore.gather_pages): the bytes of the pages asked for,
-equal to cutting them from whole blocks, each 4-token unit checked against sums kept in RAM."""
+equal to cutting them from whole blocks, each unit (4 tokens, or the cache's page) checked against
+sums kept in RAM."""
 
 from __future__ import annotations
 
@@ -93,6 +94,38 @@ def test_pages_asked_once_are_read_into_place(tmp_path, durable):
         assert peak < (k.nbytes + v.nbytes) / 4, (peak, k.nbytes + v.nbytes)
 
 
+def test_pages_of_pending_and_durable_blocks_read_in_one_call(tmp_path, monkeypatch):
+    """One page read over blocks some of which are still pending (served from memory) and some
+    durable (read from the files): every page as cut from whole blocks."""
+    import threading
+
+    from flashmem.store.disk_core import DiskCore
+
+    with DiskStore(str(tmp_path), dtype=torch.float32, sync=False) as s:
+        for j in range(3):
+            s.put((1, j), *block(1, j))
+        s.flush()
+        go = threading.Event()
+        write = DiskCore._write_batch
+
+        def held(self, batch):
+            go.wait(30)
+            return write(self, batch)
+
+        monkeypatch.setattr(DiskCore, "_write_batch", held)
+        try:
+            for j in range(3, 6):
+                s.put((1, j), *block(1, j))
+            assert s.pending_blocks() == 3
+            blocks, within = pick(7, 6, 8)
+            assert bool((blocks < 3).any()) and bool((blocks >= 3).any())
+            k, v = s.gather_pages(1, blocks, within, PPB, "cpu")
+            ek, ev = expected(1, blocks, within, torch.float32)
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+        finally:
+            go.set()
+
+
 def test_damaged_page_is_refused_and_others_still_read(tmp_path):
     with DiskStore(str(tmp_path), sync=True) as s:
         for j in range(3):
@@ -109,7 +142,7 @@ def test_damaged_page_is_refused_and_others_still_read(tmp_path):
             f.write(bytes([byte[0] ^ 0x10]))
         bad_b = torch.tensor([[[1], [1], [1]], [[0], [0], [0]]])
         bad_w = torch.tensor([[[3], [3], [3]], [[0], [0], [0]]])
-        with pytest.raises(ChecksumError, match="page checksum mismatch"):
+        with pytest.raises(ChecksumError, match=r"block \(layer 0, block 1\).*page checksum mismatch"):
             s.gather_pages(0, bad_b, bad_w, PPB, "cpu")
         # the same block's other pages, and the other blocks, are intact and read
         ok_w = torch.tensor([[[2], [2], [2]], [[0], [0], [0]]])
@@ -138,6 +171,51 @@ def test_no_page_reads_where_the_sums_are_missing(tmp_path):
     finally:
         again.close()
     assert MemoryStore().gather_pages is not None
+
+
+def test_units_of_a_page_keep_a_quarter_of_the_sums_and_still_catch_damage(tmp_path):
+    """A store opened with 16-token units (the cache's page size: `open_disk`) keeps one sum a
+    page, a quarter of 4-token units' RAM; its pages read as cut from whole blocks, a damaged
+    byte is refused, and pages that are not whole units are not read alone (None)."""
+    sums = {}
+    for unit in (4, 16):
+        with DiskStore(str(tmp_path / str(unit)), sync=True, unit_tokens=unit) as s:
+            for j in range(3):
+                s.put((0, j), *block(0, j))
+            s.flush()
+            sums[unit] = sum(a.nbytes for a in s._core.page_sums.values())
+            blocks, within = pick(4, 3)
+            k, v = s.gather_pages(0, blocks, within, PPB, "cpu")
+            ek, ev = expected(0, blocks, within, torch.float32)
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+            if unit == 16:
+                assert s.gather_pages(0, blocks, within, 2 * PPB, "cpu") is None  # 8-token pages
+                seg = os.path.join(s.path, "seg-000000.dat")
+                at = HEADER_SIZE + ((1 * 3 + 0) * 64 + 20) * 16 * 4 + 3  # block 0's K: row 1, head 0, page 1
+                with open(seg, "r+b") as f:
+                    f.seek(at)
+                    byte = f.read(1)
+                    f.seek(at)
+                    f.write(bytes([byte[0] ^ 0x01]))
+                bad = torch.zeros(2, 3, 1, dtype=torch.long)
+                with pytest.raises(ChecksumError, match="page checksum mismatch"):
+                    s.gather_pages(0, bad, torch.ones_like(bad), PPB, "cpu")
+    assert sums[16] * 4 == sums[4] == 3 * 2 * SHAPE[0] * SHAPE[1] * SHAPE[2] // 4 * 8  # 8 bytes a unit
+
+
+def test_the_cache_opens_its_disk_tier_with_units_of_its_page(tmp_path):
+    import flashmem
+    from flashmem.store import open_store
+
+    for page, unit in ((16, 16), (4, 4), (8, 8), (2, 4)):  # 2-token pages: 4-token units, read whole
+        cfg = flashmem.FlashMemoryConfig(
+            cold_store="disk", cold_dir=str(tmp_path), hca_chunk_size=64, lsa_page_tokens=page, csa_chunk_size=2
+        )
+        store = open_store(cfg, dtype=torch.float32, name="units")
+        try:
+            assert store._core.unit_tokens == unit
+        finally:
+            store.close()
 
 
 def test_unit_sums_see_a_change_of_any_word():

@@ -5,6 +5,9 @@ once, counted on the CPU as `torch.cuda.max_memory_allocated` would count them o
 
 from __future__ import annotations
 
+import types
+
+import pytest
 import torch
 
 import flashmem
@@ -115,3 +118,49 @@ def test_the_index_mass_of_a_score_block_holds_two_copies_beside_it():
     assert live.peak <= 2 * scores.nbytes + 64 * 1024, live.peak / scores.nbytes
     logits = (scores * 0.125).masked_fill(~valid[:, None, None, :], float("-inf"))
     assert torch.equal(mass, torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(dim=-2))
+
+
+@pytest.mark.parametrize("codec", ["int8", "model"])
+def test_a_working_set_whose_page_count_changes_holds_the_old_set_and_the_new_one(codec):
+    """A step whose page count changes rebuilds the working set (cache/working_set.py `merge`):
+    the kept rows gathered from the old set, the new pages copied in, so what it makes is the new
+    set and the new pages' rows, not also a concatenation of the old set and the new pages. The
+    kept pages' rows are the old set's."""
+    from flashmem.cache.working_set import WorkingSet
+    from flashmem.compress import page_code
+
+    g = torch.Generator().manual_seed(0)
+    b, h, k, P, d = 1, 2, 200, 4, 16
+    ws = WorkingSet(codec, P, torch.float32, in_place=False)
+    idx = torch.arange(0, 2 * k, 2).expand(b, h, k).contiguous()  # even pages
+    pages = torch.randn(b, h, k, P, d, generator=g), torch.randn(b, h, k, P, d, generator=g)
+    valid = torch.ones(b, 2 * k + 2, P, dtype=torch.bool)
+    ws.set(idx, *pages, valid)
+    # one page fewer: the first 3 leave, 2 odd pages come in
+    new_idx = torch.cat([idx[..., 3:], torch.tensor([1, 3]).expand(b, h, 2)], -1).sort(-1).values
+    held = ws.held_over(new_idx, types.SimpleNamespace(latent=None))  # type: ignore[arg-type]
+    assert held is not None
+    n_new = int((~held[0]).sum())
+    fresh = torch.randn(n_new, P, d, generator=g), torch.randn(n_new, P, d, generator=g)
+    with LiveBytes() as live:
+        ws.merge(new_idx, held, *fresh, valid)
+    made = sum(t.nbytes for code in ws.code for t in code)  # the new set's rows, as held
+    # the new pages' coding and the row indices beside it (1.19x int8, 1.06x the model's dtype;
+    # 1.42x and 1.54x with the concatenation)
+    assert live.peak <= 1.25 * made, (live.peak, made)
+    # each page's rows: a kept page's as the old set held them, a new page's the fresh ones (coded
+    # as the set codes them), in the new selection's order
+    ref = WorkingSet(codec, P, torch.float32, in_place=False)
+    ref.set(idx, *pages, valid)
+    keep, src = held[0].reshape(b * h, -1), held[1].reshape(b * h, -1)
+    for slot, new in enumerate(fresh):
+        got, old = ws.code[slot], ref.code[slot]
+        assert got is not None and old is not None
+        coded = (new,) if codec == "model" else page_code.encode(new)
+        for part, was, came in zip(got, old, coded, strict=True):
+            rows, was = part.reshape(b * h, k - 1, -1), was.reshape(b * h, k, -1)
+            came = iter(came.reshape(n_new, -1))
+            for i in range(b * h):
+                for j in range(k - 1):
+                    want = was[i, src[i, j]] if keep[i, j] else next(came)
+                    assert torch.equal(rows[i, j], want)

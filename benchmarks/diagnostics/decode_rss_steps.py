@@ -1,5 +1,6 @@
 """The process's RSS decode step by step with a disk cold tier, over the budget: each step's peak
-(VmHWM reset before it), its end, and its end with the heap's free pages handed back.
+(VmHWM reset before it), its end, its end with the heap's free pages handed back, and its time;
+and the disk tier's reads a step (median).
 
 `benchmarks/budget_peak.py` gives the decode steps' peak as one figure; this says which step it
 is and what a step adds over what is held between steps. The baseline is the RSS after
@@ -18,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +55,17 @@ def request(model: Any, tok: Any, ids: torch.Tensor, budget: float, steps: int, 
         with torch.no_grad():
             for _ in range(steps):
                 _reset_peak_rss()
+                t0 = time.perf_counter()
                 nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                seconds = time.perf_counter() - t0
                 peak, end = _kib("VmHWM"), _kib("VmRSS")
                 release_free_memory()
-                out["steps"].append(
-                    {
-                        k: round((v - base) * over, 3)
-                        for k, v in (("peak", peak), ("end", end), ("trimmed", _kib("VmRSS")))
-                    }
-                )
+                row = {
+                    k: round((v - base) * over, 3)
+                    for k, v in (("peak", peak), ("end", end), ("trimmed", _kib("VmRSS")))
+                }
+                out["steps"].append(row | {"ms": round(1000 * seconds, 1)})
+        out["disk_read_bytes_per_step"] = cache.traffic_report()["per_decode_step_median"]["disk_read_bytes"]
         cache.close()
     release_free_memory()
     return out
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     row |= request(model, tok, ids, a.budget, a.steps, a.forward_tokens)
     print(f"prompt in: {row['prompt_end']:.3f}x the budget")
     for i, s in enumerate(row["steps"]):
-        print(f"step {i:3d}: peak {s['peak']:.3f}  end {s['end']:.3f}  trimmed {s['trimmed']:.3f}")
+        print(f"step {i:3d}: peak {s['peak']:.3f}  end {s['end']:.3f}  trimmed {s['trimmed']:.3f}  {s['ms']:.0f} ms")
+    print(f"disk reads a step (median): {row['disk_read_bytes_per_step'] / 1e6:.1f} MB")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(row, indent=1) + "\n")
 

@@ -20,11 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmem.cache.block_reads import BlockReader
+from flashmem.cache.block_reads import BlockReader, read_chunk_bytes
 from flashmem.cache.rerank_codes import HOST, DeviceCandidates, KeyMirror, RerankCodes
 from flashmem.config import FlashMemoryConfig
 from flashmem.index.base import BlockScorer
-from flashmem.index.rerank import coded_page_mass, exact_block_mass, exact_page_mass, token_page_mass
+from flashmem.index.rerank import (
+    coded_page_mass,
+    exact_block_mass,
+    exact_page_mass,
+    streamed_page_mass,
+    token_page_mass,
+)
 from flashmem.index.selection import (
     blocked_index_mass,
     feedback_pages,
@@ -236,6 +242,9 @@ class CandidateRanker:
         b, h, c = cand.shape
         bi = torch.arange(b, device=cand.device)[:, None, None]
         cvalid = page_tokens_valid[bi, cand]  # [b, h, c, P]
+        streamed = self._rerank_streamed(cand, qg, cvalid, page_tokens_valid, k_sel, scaling)
+        if streamed is not None:
+            return streamed
         if self.reader.host_ranking:  # scored next to the keys; only ids cross back
             got = self.reader.arena_pages(cand, values=False, on_host=True)
             if got is not None and got[0] is not None:
@@ -256,6 +265,45 @@ class CandidateRanker:
         ck, cv = self._read_candidates(cand)  # [b, h, c, P, d]; cv None: read for the winners only
         mass = exact_page_mass(qg, ck, cvalid, scaling, cfg.lsa_pool, cfg.lsa_share_heads)  # [b, h, c]
         return Selection(self._top(cand, mass, page_tokens_valid, k_sel), Candidates(cand, ck, cv))
+
+    def _rerank_streamed(
+        self,
+        cand: torch.Tensor,
+        qg: torch.Tensor,
+        cvalid: torch.Tensor,
+        page_tokens_valid: torch.Tensor,
+        k_sel: int,
+        scaling: float,
+    ) -> Selection | None:
+        """`rerank` with the candidates' keys read from a store that cuts pages out of blocks
+        (a disk tier's page reads, a memory store's arena: `BlockReader.arena_pages`) a chunk
+        of at most `read_chunk_bytes` at a time, each dropped once scored (index/rerank.py
+        `streamed_page_mass`); the winners' K/V are read by the working set afterwards (their
+        keys a second time). None where the candidates' keys fit in one read (`rerank` reads
+        them whole and hands them to the working set) or the store cannot read pages so.
+        cand [b, h, c] sorted; cvalid [b, h, c, P]."""
+        reader = self.reader
+        on_host = reader.host_ranking
+        if reader.prefetcher is not None and not on_host:  # device reads go through the prefetcher
+            return None
+        b, h, c = cand.shape
+        d = qg.shape[-1]
+        where = HOST if on_host else reader.device
+        per_cand = b * h * self.cfg.page_tokens * d * reader.dtype.itemsize  # one candidate's keys
+        step = max(1, read_chunk_bytes(reader.device) // max(1, per_cand))
+        if step >= c:
+            return None
+
+        def keys_of(s: int, e: int) -> torch.Tensor | None:
+            got = reader.arena_pages(cand[:, :, s:e], values=False, on_host=on_host)
+            return None if got is None else got[0]
+
+        q = qg.to(where, reader.dtype)
+        cfg = self.cfg
+        mass = streamed_page_mass(q, keys_of, cvalid.to(where), scaling, cfg.lsa_pool, cfg.lsa_share_heads, step)
+        if mass is None:
+            return None
+        return Selection(self._top(cand, mass.to(cand.device), page_tokens_valid, k_sel))
 
     def rerank_coded(
         self,

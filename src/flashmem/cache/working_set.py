@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmem.cache.block_reads import BlockReader
+from flashmem.cache.block_reads import BlockReader, read_chunk_bytes
 from flashmem.cache.ranking import Candidates
 from flashmem.cache.rerank_codes import KeyMirror
 from flashmem.compress import page_code
@@ -203,6 +203,20 @@ class WorkingSet:
         )
         pick = torch.where(flat, old_rows, rows_prev + n_spare + (~flat).cumsum(0) - 1)
         P = self.page_tokens
+        # rows not from the last working set (spare slots taken back, new pages), in pick's order
+        others = (pick >= rows_prev).nonzero().view(-1)
+        from_old = torch.where(pick < rows_prev, pick, 0)  # others: any row, overwritten
+
+        def rebuilt(old: torch.Tensor, back: tuple[torch.Tensor, ...], new: torch.Tensor) -> torch.Tensor:
+            # the kept rows gathered from the old set, the others copied in: the old set and the
+            # new one are held at once, not also their concatenation (a layer's whole set more, on
+            # the steps whose page count changes: a disk tier's decode RSS peak, stop 67)
+            out = old.index_select(0, from_old)
+            if others.numel():
+                rest = torch.cat([*back, new]) if back else new
+                out.index_copy_(0, others, rest.index_select(0, pick[others] - rows_prev))
+            return out
+
         for slot, fresh in ((0, k_new), (1, v_new)):
             code = self.code[slot]
             assert code is not None
@@ -210,15 +224,16 @@ class WorkingSet:
             back = () if not n_spare or self.spare is None else self.spare.rows(slot, spare_rows)
             if len(code) == 1:  # the model's dtype: rows kept as they are
                 assert isinstance(fresh, torch.Tensor)
-                parts = [code[0].reshape(-1, P * d), *back, fresh.reshape(-1, P * d)]
-                out = torch.cat(parts).index_select(0, pick)
+                out = rebuilt(code[0].reshape(-1, P * d), back, fresh.reshape(-1, P * d))
                 self.code[slot] = (out.view(b, h, k * P, d),)
                 continue
             codes, scale = code
             # [n_new, P, d], [n_new, P, 1]: coded where they were cut (the host), or now
             new_c, new_s = fresh if isinstance(fresh, tuple) else page_code.encode(fresh)
-            out_c = torch.cat([codes.view(-1, P * d), *back[:1], new_c.view(-1, P * d)]).index_select(0, pick)
-            out_s = torch.cat([scale.view(-1, P), *back[1:], new_s.view(-1, P)]).index_select(0, pick)
+            self.code[slot] = self.plain[slot] = None  # the old codes: held by `codes` until rebuilt
+            out_c = rebuilt(codes.view(-1, P * d), back[:1], new_c.view(-1, P * d))
+            del codes
+            out_s = rebuilt(scale.view(-1, P), back[1:], new_s.view(-1, P))
             self.code[slot] = (out_c.view(b, h, k * P, d), out_s.view(b, h, k * P, 1))
             self.plain[slot] = None  # decoded on this step's first read
         self._owned = True  # rebuilt by index_select: fresh tensors
@@ -486,6 +501,41 @@ class WorkingSet:
             return reader.to_device(codes), reader.to_device(scale)
         return reader.to_device(pages, from_host)
 
+    def _coded_in_chunks(
+        self, idx: torch.Tensor, only: torch.Tensor | None, keys: bool, on_host: bool, reader: BlockReader
+    ) -> tuple[Part | None, Part] | None:
+        """An int8 working set's new pages (idx [b, h, k], those `only` marks, or all) read from
+        the store a chunk of at most `read_chunk_bytes` at a time and coded as each arrives
+        -> K (None unless `keys`) and V, each (codes [n, P, d], scales [n, P, 1]) in (b, h, k)
+        order: a step with many new pages (the first decode step takes every one) holds their
+        codes and one chunk in the model's dtype, not every page in it. None where they fit in
+        one read, the set is not int8, or the store declines (the caller reads them whole)."""
+        if self.codec != "int8":
+            return None
+        flat = torch.ones(idx.numel(), dtype=torch.bool) if only is None else only.reshape(-1).cpu()
+        pos = flat.nonzero().view(-1)
+        per_page = (1 + keys) * self.page_tokens * reader.head_dim * reader.dtype.itemsize  # K and V of one
+        step = max(1, read_chunk_bytes(reader.device) // max(1, per_page))
+        if pos.numel() <= step:
+            return None
+        parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
+        for s in range(0, pos.numel(), step):
+            mask = torch.zeros(idx.numel(), dtype=torch.bool)
+            mask[pos[s : s + step]] = True
+            got = reader.arena_pages(idx, keys=keys, only=mask.view(idx.shape), on_host=on_host)  # cut on the host
+            if got is None:
+                return None
+            for j, t in enumerate(got):
+                if t is not None:  # [n, P, d] in (b, h, k) order, coded where it was cut
+                    codes, scale = page_code.encode(t)
+                    if on_host:  # ranked on the host: the codes cross the link
+                        codes, scale = reader.to_device(codes), reader.to_device(scale)
+                    parts[j].append((codes, scale))
+            del got
+        k_new, v_new = ((torch.cat([c for c, _ in p]), torch.cat([sc for _, sc in p])) if p else None for p in parts)
+        assert v_new is not None
+        return k_new, v_new
+
     def _gather_from_arena(
         self,
         idx: torch.Tensor,
@@ -507,7 +557,9 @@ class WorkingSet:
         # an int8 set's new keys: their codes as the int8 key copy holds them (the same code of the
         # same keys), not read in the model's dtype and coded again
         k_codes = None if self.codec != "int8" or key_copy is None else key_copy.page_codes(idx, self.page_tokens, only)
-        got = reader.arena_pages(idx, keys=k_codes is None, only=only, on_host=on_host)
+        got: tuple[Part | None, Part | None] | None = self._coded_in_chunks(idx, only, k_codes is None, on_host, reader)
+        if got is None:
+            got = reader.arena_pages(idx, keys=k_codes is None, only=only, on_host=on_host)
         if got is None:
             return False
         assert got[1] is not None
@@ -516,8 +568,8 @@ class WorkingSet:
             k_new: Part = k_codes
         else:
             assert got[0] is not None
-            k_new = self._over_link(got[0], on_host, reader)
-        v_new = self._over_link(got[1], on_host, reader)
+            k_new = got[0] if isinstance(got[0], tuple) else self._over_link(got[0], on_host, reader)
+        v_new = got[1] if isinstance(got[1], tuple) else self._over_link(got[1], on_host, reader)
         if held is None:
             self.set(idx, k_new, v_new, page_tokens_valid)
         else:

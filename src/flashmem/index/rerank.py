@@ -10,6 +10,8 @@ attention mass win (Quest's and ShadowKV's "over-select, then verify" idea).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashmem.compress import key_code
@@ -60,12 +62,10 @@ def coded_page_mass(
     (nq / d of the keys' elements) are held whole, for one softmax over every candidate.
     """
     b, h, _, P, w = code.q.shape
-    c = cand_valid.shape[2]
-    d, nq = code.zero.shape[-1], qg.shape[2]
+    d = code.zero.shape[-1]
     step = max(1, chunk_elements // max(1, b * h * P * d))
-    logits = torch.empty(b, h, nq, c * P, dtype=torch.float32, device=qg.device)
-    for s in range(0, c, step):
-        e = min(c, s + step)
+
+    def keys_of(s: int, e: int) -> torch.Tensor:
         if slots is None:
             part = key_code.KeyCode(code.q[:, :, s:e], code.zero[:, :, s:e], code.scale[:, :, s:e], code.bits)
         else:  # this chunk's candidates gathered from their slots: a chunk-sized copy
@@ -76,8 +76,38 @@ def coded_page_mass(
                 code.scale.gather(2, at.expand(b, h, e - s, 1, d)),
                 code.bits,
             )
-        k = key_code.decode(part, qg.dtype).reshape(b, h, (e - s) * P, d)
-        logits[..., s * P : e * P] = torch.matmul(qg, k.transpose(-1, -2))
+        return key_code.decode(part, qg.dtype)
+
+    mass = streamed_page_mass(qg, keys_of, cand_valid, scaling, pool, share_heads, step)
+    assert mass is not None
+    return mass
+
+
+def streamed_page_mass(
+    qg: torch.Tensor,
+    keys_of: Callable[[int, int], torch.Tensor | None],
+    cand_valid: torch.Tensor,
+    scaling: float,
+    pool: str = "mean",
+    share_heads: bool = False,
+    step: int = 1,
+) -> torch.Tensor | None:
+    """exact_page_mass with the candidates' keys taken `step` candidates at a time:
+    keys_of(s, e) -> keys [b, h, e - s, P, d] of candidates s..e-1 (decoded codes, or read from
+    the cold tier), or None where they cannot be had (then None). Each chunk's keys are
+    dropped once scored: only the logits [b, h, nq, c * P] are held whole (nq / d of the
+    keys' elements), for one softmax over every candidate. qg: [b, h, nq, d]; cand_valid:
+    [b, h, c, P] -> mass [b, h, c]."""
+    b, h, c, P = cand_valid.shape
+    nq = qg.shape[2]
+    logits = torch.empty(b, h, nq, c * P, dtype=torch.float32, device=qg.device)
+    for s in range(0, c, step):
+        e = min(c, s + step)
+        k = keys_of(s, e)
+        if k is None:
+            return None
+        logits[..., s * P : e * P] = torch.matmul(qg, k.reshape(b, h, (e - s) * P, -1).transpose(-1, -2))
+        del k
     return _page_mass(logits, cand_valid.reshape(b, h, 1, c * P), P, scaling, pool, share_heads)
 
 

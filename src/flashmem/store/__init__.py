@@ -20,6 +20,7 @@ from flashmem.store.codecs import get_codec
 from flashmem.store.disk import DiskStore
 from flashmem.store.layered import LayeredStore
 from flashmem.store.memory import MemoryStore
+from flashmem.store.page_sums import SUM_TOKENS
 from flashmem.store.prefetch import Prefetcher
 
 
@@ -40,7 +41,10 @@ def open_memory(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None 
 
 
 def open_disk(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> DiskStore:
-    return DiskStore(**_on_disk(cfg, dtype, name))
+    # checksummed units of a page where it is whole units of at least 4 tokens (page reads check
+    # one sum a page: a quarter of the RAM of 4-token units with 16-token pages), else of 4
+    unit = cfg.page_tokens if cfg.page_tokens % SUM_TOKENS == 0 else SUM_TOKENS
+    return DiskStore(**_on_disk(cfg, dtype, name), unit_tokens=unit)
 
 
 def open_layered(cfg: FlashMemoryConfig, *, dtype: torch.dtype, name: str | None = None) -> LayeredStore:

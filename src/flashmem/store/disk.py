@@ -30,17 +30,32 @@ SEGMENT_BYTES = 2**30  # a segment file rolls over past this size
 
 class DiskStore(OnDiskStore):
     """`DiskStore(cold_dir, *, codec, dtype, name, persist, sync, max_pending_bytes,
-    segment_bytes=2**30)`; see OnDiskStore for the shared arguments."""
+    segment_bytes=2**30, unit_tokens=4)`; see OnDiskStore for the shared arguments.
+    unit_tokens: tokens of one checksummed unit (store/page_sums.py); `gather_pages` reads pages
+    of whole units (the cache opens its disk tier with its page size: `flashmem.store.open_disk`)."""
 
     tier = "disk"
     recovered: dict[str, int]  # set by reopen: kept, dropped, torn_log_bytes, corrupt_log_entries, ...
 
-    def _create(self, folder: str, lock_fd: int, opts: WriteOptions, segment_bytes: int = SEGMENT_BYTES) -> DiskCore:
+    def _create(
+        self,
+        folder: str,
+        lock_fd: int,
+        opts: WriteOptions,
+        segment_bytes: int = SEGMENT_BYTES,
+        unit_tokens: int = SUM_TOKENS,
+    ) -> DiskCore:
         write_meta(folder, FORMAT_VERSION, self.codec.name, self.dtype, opts.persist)
-        return DiskCore(folder, self.codec, opts, lock_fd, segment_bytes=segment_bytes)
+        return DiskCore(folder, self.codec, opts, lock_fd, segment_bytes=segment_bytes, unit_tokens=unit_tokens)
 
     def _reopen(
-        self, path: str, lock_fd: int, opts: WriteOptions, verify: bool, segment_bytes: int = SEGMENT_BYTES
+        self,
+        path: str,
+        lock_fd: int,
+        opts: WriteOptions,
+        verify: bool,
+        segment_bytes: int = SEGMENT_BYTES,
+        unit_tokens: int = SUM_TOKENS,
     ) -> DiskCore:
         """Every committed record is kept. A torn tail of the commit log is cut off; a
         damaged entry before intact ones is corruption: it is reported (`self.problems`,
@@ -61,6 +76,7 @@ class DiskStore(OnDiskStore):
             index=rec.index,
             first_segment=rec.next_segment,
             log_offset=rec.log_length,
+            unit_tokens=unit_tokens,
         )
 
     @property
@@ -81,7 +97,7 @@ class DiskStore(OnDiskStore):
         """Pages read alone: blocks, within [b, h, k] (block id and page within it, per row and
         KV head) -> k, v [b, h, k, P, d] on `device` (None for a part not asked for; with `only`
         [b, h, k] bool just those pages, flat [n, P, d]). Only the pages' bytes are read from
-        the segment files, each 4-token unit checked. None where a block cannot be read so (a
+        the segment files, each unit checked. None where a block cannot be read so (a
         coded store, a record recovered from disk, pages not whole units, a missing block): the
         caller then reads whole blocks with `get`."""
         core = self._core
@@ -99,14 +115,15 @@ class DiskStore(OnDiskStore):
             return None  # a block that cannot be read by pages, or blocks of different shapes
         shape, dtype = next(iter(layouts))  # type: ignore[misc]
         B, d = shape[2], shape[3]
-        nb = unit_bytes(shape, dtype.itemsize)
-        if nb is None or B % pages_per_block or (B // pages_per_block) % SUM_TOKENS or tuple(shape[:2]) != (b, h):
+        U = core.unit_tokens
+        nb = unit_bytes(shape, dtype.itemsize, U)
+        if nb is None or B % pages_per_block or (B // pages_per_block) % U or tuple(shape[:2]) != (b, h):
             return None
         P = B // pages_per_block
-        per_page = P // SUM_TOKENS
+        per_page = P // U
         parts = [i for i, want in enumerate((keys, values)) if want]
-        part_units = b * h * B // SUM_TOKENS  # V's units follow K's in the payload
-        first = (heads * B + sub * P) // SUM_TOKENS  # [n] each page's first unit in K
+        part_units = b * h * B // U  # V's units follow K's in the payload
+        first = (heads * B + sub * P) // U  # [n] each page's first unit in K
         # every unit wanted, keyed by (block, unit): sorted, so each block's units are one slice
         want = (first[None] + torch.tensor(parts)[:, None] * part_units)[..., None] + torch.arange(per_page)
         key = blk[None, :, None] * (2 * part_units) + want  # [parts, n, per]
@@ -118,12 +135,9 @@ class DiskStore(OnDiskStore):
         once = uniq.numel() == inverse.numel()
         data = torch.empty(inverse.numel() if once else uniq.numel(), nb, dtype=torch.uint8)
         place = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(inverse.numel())) if once else None
-        for i, j in enumerate(ids):
-            c0, c1 = cuts[i], cuts[i + 1]
-            rows = np.arange(c0, c1) if place is None else place[c0:c1].numpy()
-            got = core.read_units((int(layer_idx), j), units[c0:c1], nb, data.numpy(), rows)
-            if got is None:
-                return None  # it left the store or was replaced since `layout`
+        rows = np.arange(uniq.numel()) if place is None else place.numpy()
+        if not core.read_units([(int(layer_idx), j) for j in ids], cuts, units, nb, data.numpy(), rows):
+            return None  # a block left the store or was replaced since `layout`
         pieces = (data if once else data[inverse]).view(len(parts), blk.numel(), per_page * nb)
         res = [pieces[i].view(dtype).view(-1, P, d) for i in range(len(parts))]
         if only is None:

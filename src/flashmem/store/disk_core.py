@@ -11,6 +11,7 @@ each checked against the unit sums kept in RAM, store/page_sums.py). Layout: see
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from flashmem.store.format import (
     unpack_header,
     xxh64,
 )
-from flashmem.store.page_sums import payload_sums, unit_sums
+from flashmem.store.page_sums import SUM_ROWS_BYTES, SUM_TOKENS, payload_sums, unit_sums
 from flashmem.store.private_fs import open_private, open_read
 from flashmem.store.transfer import host_buffer
 from flashmem.store.write_behind import Pending, WriteBehindCore, WriteOptions
@@ -59,8 +60,10 @@ class DiskCore(WriteBehindCore):
         index: dict[BlockKey, Loc] | None = None,
         first_segment: int = 0,
         log_offset: int = 0,
+        unit_tokens: int = SUM_TOKENS,
     ) -> None:
         super().__init__(folder, codec, opts, lock_fd)
+        self.unit_tokens = unit_tokens  # tokens a checksummed unit covers (store/page_sums.py)
         self.segment_bytes = segment_bytes
         self.index: dict[BlockKey, Loc] = dict(index or {})
         # unit sums of durable records put by this process (a reopened record has none: read whole)
@@ -84,7 +87,7 @@ class DiskCore(WriteBehindCore):
         """Queue a coded block, with its unit sums when the codec is exact (so its pages can be
         read alone); computed before the lock, from the payload as put."""
         if self.codec.name == "exact":
-            item.page_sums = payload_sums(item.payload.numpy(), item.shape, item.dtype.itemsize)
+            item.page_sums = payload_sums(item.payload.numpy(), item.shape, item.dtype.itemsize, self.unit_tokens)
         super().enqueue(item)
 
     def _committed(self, item: Pending, result: object) -> None:
@@ -170,62 +173,108 @@ class DiskCore(WriteBehindCore):
 
     def read_units(
         self,
-        key: BlockKey,
+        keys: list[BlockKey],
+        cuts: list[int],
         units: np.ndarray,
         nbytes: int,
-        out: np.ndarray | None = None,
-        dst: np.ndarray | None = None,
-    ) -> np.ndarray | None:
-        """Units `units` (sorted unique indices into the payload's units of `nbytes` bytes) of a
-        block -> uint8 [len(units), nbytes]: from memory while pending, else read from its
-        segment file in runs of consecutive units, each unit checked against its sum
-        (ChecksumError naming the block and offset); None where `layout` is None. With `out`
-        (uint8 [N, nbytes]) and `dst` (distinct rows of it, one per unit) unit i is written to
-        out[dst[i]] and `out` is returned: a caller's buffer, no copy of its own."""
-        if out is None:
-            out, dst = np.empty((len(units), nbytes), dtype=np.uint8), np.arange(len(units))
-        assert dst is not None and len(dst) == len(units)
+        out: np.ndarray,
+        dst: np.ndarray,
+    ) -> bool:
+        """Units of several blocks into `out` (uint8 [N, nbytes]): block keys[i]'s units are
+        units[cuts[i]:cuts[i + 1]] (sorted unique indices into its payload's units of `nbytes`
+        bytes), unit p going to out[dst[p]] (dst: distinct rows). From memory while pending, else
+        read from the segment files in runs of units consecutive in the file (one `preadv` each,
+        into the rows they land in), every unit checked against its sum (ChecksumError naming the
+        block and offset). False where a block's `layout` is None. One call for all the blocks a
+        page read touches: a decode step reads from thousands, and Python and numpy work per
+        block was most of a disk tier's step (docs/results.md, stop 67)."""
+        n = len(units)
+        files: list[tuple[int, int, Loc, np.ndarray] | None] = []  # per block: fd, start, loc, sums
         with self.lock:
             if self.closed:
                 raise ColdStoreError(f"cold store {self.folder}: get after close; allowed: a new store")
-            item = self.pending.get(key)
-            if item is not None:
-                if item.page_sums is None:
-                    return None
-                self.stats.gets += 1
-                self.stats.extra["pending_hits"] = self.stats.extra.get("pending_hits", 0) + 1
-                out[dst] = item.payload.numpy().reshape(-1, nbytes)[units]
-                return out
-            loc, sums = self.index.get(key), self.page_sums.get(key)
-            if loc is None or sums is None:
-                return None
-            fd = self._read_fd(loc.entry.segment)
-        start = loc.entry.offset + HEADER_SIZE
-        # runs of units consecutive in the file and in `out`: one pread each
-        breaks = np.flatnonzero((np.diff(units) != 1) | (np.diff(dst) != 1)) + 1
+            hits = 0
+            for i, key in enumerate(keys):
+                item = self.pending.get(key)
+                if item is not None:
+                    if item.page_sums is None:
+                        return False
+                    c0, c1 = cuts[i], cuts[i + 1]
+                    out[dst[c0:c1]] = item.payload.numpy().reshape(-1, nbytes)[units[c0:c1]]
+                    hits += 1
+                    files.append(None)
+                    continue
+                loc, sums = self.index.get(key), self.page_sums.get(key)
+                if loc is None or sums is None:
+                    return False
+                files.append((self._read_fd(loc.entry.segment), loc.entry.offset + HEADER_SIZE, loc, sums))
+            self.stats.gets += len(keys)
+            if hits:
+                self.stats.extra["pending_hits"] = self.stats.extra.get("pending_hits", 0) + hits
+        at_cuts = np.asarray(cuts)
+        # runs of units consecutive in one block's record; within a run, where its rows in `out` break
+        run = np.ones(n, dtype=bool)
+        run[1:] = np.diff(units) != 1
+        run[at_cuts[1:-1][at_cuts[1:-1] < n]] = True  # a block's first unit
+        run_at = np.flatnonzero(run)
+        run_block = np.searchsorted(at_cuts, run_at, side="right") - 1
+        keep = np.array([f is not None for f in files], dtype=bool)[run_block]
+        starts, ends = run_at[keep], np.append(run_at[1:], n)[keep]
+        rows_break = np.zeros(n, dtype=bool)
+        rows_break[1:] = np.diff(dst) != 1
+        rows_break &= ~run
+        inner_at = np.flatnonzero(rows_break)
+        del rows_break
+        inner, inner_row = inner_at.tolist(), dst[inner_at].tolist()  # sorted; their rows in `out`
+        first_unit, first_row = units[starts].tolist(), dst[starts].tolist()
         t0 = time.perf_counter()
-        for i0, i1 in zip(np.r_[0, breaks], np.r_[breaks, len(units)]):
-            d0 = int(dst[i0])
-            got = pread_into(fd, [out[d0 : d0 + i1 - i0]], start + int(units[i0]) * nbytes)
+        for i0, i1, u0, r0, bi in zip(starts.tolist(), ends.tolist(), first_unit, first_row, run_block[keep].tolist()):
+            f = files[bi]
+            assert f is not None
+            fd, start, rec, _ = f
+            j0, j1 = bisect.bisect_right(inner, i0), bisect.bisect_left(inner, i1)
+            at, rows_at = [i0, *inner[j0:j1], i1], [r0, *inner_row[j0:j1]]
+            bufs = [out[r : r + b - a] for r, a, b in zip(rows_at, at, at[1:])]
+            got = pread_into(fd, bufs, start + u0 * nbytes)
             if got < (i1 - i0) * nbytes:
                 raise ChecksumError(
-                    f"{os.path.join(self.folder, segment_name(loc.entry.segment))}: block (layer {key[0]}, "
-                    f"block {key[1]}) at offset {loc.entry.offset}: record truncated"
+                    f"{os.path.join(self.folder, segment_name(rec.entry.segment))}: block (layer {keys[bi][0]}, "
+                    f"block {keys[bi][1]}) at offset {rec.entry.offset}: record truncated"
                 )
         dt = time.perf_counter() - t0
-        bad = np.flatnonzero(unit_sums(out[dst]) != sums[units])
-        if bad.size:
-            raise ChecksumError(
-                f"{os.path.join(self.folder, segment_name(loc.entry.segment))}: block (layer {key[0]}, block "
-                f"{key[1]}) at offset {loc.entry.offset}: page checksum mismatch at payload byte "
-                f"{int(units[bad[0]]) * nbytes}; the file was modified or damaged"
-            )
+        n_read = 0
+        read_blocks = [(bi, f) for bi, f in enumerate(files) if f is not None]
+        if read_blocks:
+            # each read unit's sum as kept, in order of the units (blocks one after another); pos:
+            # where the read units are among all (None: every block was read from the files)
+            pos = None
+            if len(read_blocks) < len(files):
+                pos = np.concatenate([np.arange(cuts[bi], cuts[bi + 1]) for bi, _ in read_blocks])
+            want = np.concatenate([f[3][units[cuts[bi] : cuts[bi + 1]]] for bi, f in read_blocks])
+            rows = dst if pos is None else dst[pos]
+            n_read = rows.size
+            if n_read == out.shape[0]:  # every row of `out`: summed in place
+                got_sums = unit_sums(out)[rows]
+            else:  # rows gathered a bounded slice at a time, not the whole read copied
+                step = max(1, SUM_ROWS_BYTES // nbytes)
+                got_sums = np.concatenate([unit_sums(out[rows[i : i + step]]) for i in range(0, rows.size, step)])
+            bad = np.flatnonzero(got_sums != want)
+            if bad.size:
+                p = int(bad[0]) if pos is None else int(pos[bad[0]])
+                bi = int(np.searchsorted(at_cuts, p, side="right") - 1)
+                f = files[bi]
+                assert f is not None
+                rec, key = f[2], keys[bi]
+                raise ChecksumError(
+                    f"{os.path.join(self.folder, segment_name(rec.entry.segment))}: block (layer {key[0]}, block "
+                    f"{key[1]}) at offset {rec.entry.offset}: page checksum mismatch at payload byte "
+                    f"{int(units[p]) * nbytes}; the file was modified or damaged"
+                )
         with self.lock:
-            self.stats.gets += 1
-            self.stats.bytes_read += len(units) * nbytes
+            self.stats.bytes_read += n_read * nbytes
             self.stats.extra["read_s"] = self.stats.extra.get("read_s", 0.0) + dt
-            self.stats.extra["page_reads"] = self.stats.extra.get("page_reads", 0) + 1
-        return out
+            self.stats.extra["page_reads"] = self.stats.extra.get("page_reads", 0) + len(starts)
+        return True
 
     def _read_fd(self, seg: int) -> int:
         fd = self.read_fds.get(seg)
