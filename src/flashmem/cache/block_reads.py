@@ -33,17 +33,12 @@ if TYPE_CHECKING:
 
 # Pages read from a store that cuts them out of blocks (`BlockReader.arena_pages`) for a step
 # whose reads are large (the re-rank's candidates' keys, cache/ranking.py; an int8 working set's
-# new pages, cache/working_set.py) are read at most this many bytes at a time where the compute
-# device is a CPU: there they are the process's RAM beside a budget of tens of MB (SmolLM2 at 8K
+# new pages, cache/working_set.py) are read at most this many bytes at a time on a CPU whose cold
+# tier is off RAM: there they are the process's RAM beside a budget of tens of MB (SmolLM2 at 8K
 # and 1/8 with a disk tier: every page a re-rank candidate, 6.3 MB of fp32 keys a layer, against a
 # 47 MB budget; docs/results.md, stop 67). With an accelerator, READ_CHUNK_BYTES_ACCELERATOR.
 READ_CHUNK_BYTES = 1 << 20
 READ_CHUNK_BYTES_ACCELERATOR = 64 << 20
-
-
-def read_chunk_bytes(device: torch.device) -> int:
-    """READ_CHUNK_BYTES where the compute `device` is a CPU, else READ_CHUNK_BYTES_ACCELERATOR."""
-    return READ_CHUNK_BYTES if device.type == "cpu" else READ_CHUNK_BYTES_ACCELERATOR
 
 
 class BlockReader:
@@ -105,6 +100,15 @@ class BlockReader:
         if self.latent is not None:
             return False
         return self.device.type != "cpu" if self.rank_on_host is None else self.rank_on_host
+
+    def read_chunk_bytes(self) -> int | None:
+        """The most bytes a large read of pages takes at a time (`READ_CHUNK_BYTES` on a CPU with
+        a cold tier off RAM, `READ_CHUNK_BYTES_ACCELERATOR` with an accelerator); None: no
+        bound, on a CPU whose cold tier lies in the same RAM, where a read's copy is small beside
+        it and chunks would only add calls."""
+        if self.device.type != "cpu":
+            return READ_CHUNK_BYTES_ACCELERATOR
+        return READ_CHUNK_BYTES if self.cfg.cold_store != "memory" else None
 
     @property
     def head_dim(self) -> int:

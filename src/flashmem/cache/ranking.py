@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmem.cache.block_reads import BlockReader, read_chunk_bytes
+from flashmem.cache.block_reads import BlockReader
 from flashmem.cache.rerank_codes import HOST, DeviceCandidates, KeyMirror, RerankCodes
 from flashmem.config import FlashMemoryConfig
 from flashmem.index.base import BlockScorer
@@ -277,20 +277,21 @@ class CandidateRanker:
     ) -> Selection | None:
         """`rerank` with the candidates' keys read from a store that cuts pages out of blocks
         (a disk tier's page reads, a memory store's arena: `BlockReader.arena_pages`) a chunk
-        of at most `read_chunk_bytes` at a time, each dropped once scored (index/rerank.py
+        of at most `BlockReader.read_chunk_bytes` at a time, each dropped once scored (index/rerank.py
         `streamed_page_mass`); the winners' K/V are read by the working set afterwards (their
-        keys a second time). None where the candidates' keys fit in one read (`rerank` reads
-        them whole and hands them to the working set) or the store cannot read pages so.
+        keys a second time). None where the candidates' keys fit in one read or there is no bound
+        (`rerank` reads them whole and hands them to the working set) or the store cannot read
+        pages so.
         cand [b, h, c] sorted; cvalid [b, h, c, P]."""
         reader = self.reader
-        on_host = reader.host_ranking
-        if reader.prefetcher is not None and not on_host:  # device reads go through the prefetcher
+        on_host, bound = reader.host_ranking, reader.read_chunk_bytes()
+        if bound is None or (reader.prefetcher is not None and not on_host):  # device reads: the prefetcher's
             return None
         b, h, c = cand.shape
         d = qg.shape[-1]
         where = HOST if on_host else reader.device
         per_cand = b * h * self.cfg.page_tokens * d * reader.dtype.itemsize  # one candidate's keys
-        step = max(1, read_chunk_bytes(reader.device) // max(1, per_cand))
+        step = max(1, bound // max(1, per_cand))
         if step >= c:
             return None
 

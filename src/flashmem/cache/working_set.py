@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmem.cache.block_reads import BlockReader, read_chunk_bytes
+from flashmem.cache.block_reads import BlockReader
 from flashmem.cache.ranking import Candidates
 from flashmem.cache.rerank_codes import KeyMirror
 from flashmem.compress import page_code
@@ -505,17 +505,19 @@ class WorkingSet:
         self, idx: torch.Tensor, only: torch.Tensor | None, keys: bool, on_host: bool, reader: BlockReader
     ) -> tuple[Part | None, Part] | None:
         """An int8 working set's new pages (idx [b, h, k], those `only` marks, or all) read from
-        the store a chunk of at most `read_chunk_bytes` at a time and coded as each arrives
+        the store a chunk of at most `BlockReader.read_chunk_bytes` at a time, coded as each arrives
         -> K (None unless `keys`) and V, each (codes [n, P, d], scales [n, P, 1]) in (b, h, k)
         order: a step with many new pages (the first decode step takes every one) holds their
         codes and one chunk in the model's dtype, not every page in it. None where they fit in
-        one read, the set is not int8, or the store declines (the caller reads them whole)."""
-        if self.codec != "int8":
+        one read or there is no bound, the set is not int8, or the store declines (the caller
+        reads them whole)."""
+        bound = reader.read_chunk_bytes()
+        if self.codec != "int8" or bound is None:
             return None
         flat = torch.ones(idx.numel(), dtype=torch.bool) if only is None else only.reshape(-1).cpu()
         pos = flat.nonzero().view(-1)
         per_page = (1 + keys) * self.page_tokens * reader.head_dim * reader.dtype.itemsize  # K and V of one
-        step = max(1, read_chunk_bytes(reader.device) // max(1, per_page))
+        step = max(1, bound // max(1, per_page))
         if pos.numel() <= step:
             return None
         parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
