@@ -83,6 +83,22 @@ def test_a_model_on_the_cpu_reranks_an_int8_key_copy_where_it_reranks_in_place()
     assert FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2").lsa_rerank_mirror == "none"  # device unknown
 
 
+def test_a_model_on_the_cpu_reads_a_disk_tier_without_a_prefetcher():
+    """HOST_DISK: a CPU model with a disk tier of exact blocks reads its pages from the files, no
+    prefetcher (whose buffer holds whole blocks in the RAM the tier saves); a memory or coded
+    tier, a model whose device is not known, and a value the caller names keep theirs."""
+    model = tiny_llama()
+    where = dict(cold_store="disk", cold_dir=str(ROOT / "unused"))
+    default = FlashMemoryConfig().prefetch_threads
+    assert default > 0
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, **where).prefetch_threads == 0
+    assert FlashMemoryConfig.for_budget(1 / 16, 131072, model, **where).prefetch_threads == 0
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model).prefetch_threads == default
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, cold_codec="int8", **where).prefetch_threads == default
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2", **where).prefetch_threads == default  # device unknown
+    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, prefetch_threads=3, **where).prefetch_threads == 3
+
+
 def test_follow_pages_from_one_eighth_up_and_from_one_thirty_second_down():
     follows = {b: recipe_keys(b)["lsa_follow_pages"] for b in (1 / 4, 1 / 8, 1 / 12, 1 / 16, 1 / 24, 1 / 32, 1 / 64)}
     assert follows == {1 / 4: 1, 1 / 8: 1, 1 / 12: 0, 1 / 16: 0, 1 / 24: 0, 1 / 32: 1, 1 / 64: 1}

@@ -40,10 +40,12 @@ def _kib(field: str) -> int:
     return kib
 
 
-def request(model: Any, tok: Any, ids: torch.Tensor, budget: float, steps: int, chunk: int) -> dict[str, Any]:
+def request(
+    model: Any, tok: Any, ids: torch.Tensor, budget: float, steps: int, chunk: int, threads: int = 0
+) -> dict[str, Any]:
     """One request on a fresh disk-tier cache -> its rows, over the budget's bytes."""
     with tempfile.TemporaryDirectory(prefix="decode_rss_") as cold:
-        keys = dict(cold_store="disk", cold_dir=cold, prefetch_threads=0, cold_pending_mb=4)
+        keys = dict(cold_store="disk", cold_dir=cold, prefetch_threads=threads, cold_pending_mb=4)
         cache = flashmem.attach(model, budget=budget, tokens=ids.shape[1] + steps, tokenizer=tok, **keys)
         managed = full_kv_bytes(model, ids.shape[1], model.dtype.itemsize)["managed_bytes"]
         over = 1024 / (budget * managed)  # KiB -> bytes -> over the budget
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--forward-tokens", type=int, default=512, help="prompt tokens per forward")
     p.add_argument("--text", default="kjv", help="the prompt's text (a packaged model's tokenizer)")
     p.add_argument("--warm", action="store_true", help="the same request once before, its rows dropped")
+    p.add_argument("--prefetch-threads", type=int, default=0, help="prefetch_threads (0: reads go to the store)")
     p.add_argument("--json-out", default=None)
     a = p.parse_args(argv)
     if a.model == "tiny":
@@ -95,9 +98,15 @@ def main(argv: list[str] | None = None) -> None:
         prompt = body + f"\n\nQuestion: {QUESTION}\nAnswer:"
         ids = torch.tensor([tok(prompt)["input_ids"][: a.tokens]])
     if a.warm:
-        request(model, tok, ids, a.budget, a.steps, a.forward_tokens)
-    row = {"model": a.model, "tokens": a.tokens, "budget": a.budget, "warm": a.warm}
-    row |= request(model, tok, ids, a.budget, a.steps, a.forward_tokens)
+        request(model, tok, ids, a.budget, a.steps, a.forward_tokens, a.prefetch_threads)
+    row = {
+        "model": a.model,
+        "tokens": a.tokens,
+        "budget": a.budget,
+        "warm": a.warm,
+        "prefetch_threads": a.prefetch_threads,
+    }
+    row |= request(model, tok, ids, a.budget, a.steps, a.forward_tokens, a.prefetch_threads)
     print(f"prompt in: {row['prompt_end']:.3f}x the budget")
     for i, s in enumerate(row["steps"]):
         print(f"step {i:3d}: peak {s['peak']:.3f}  end {s['end']:.3f}  trimmed {s['trimmed']:.3f}  {s['ms']:.0f} ms")

@@ -159,6 +159,13 @@ DEVICE_RERANK: dict[str, Any] = {"lsa_rerank_codec": "int4", "lsa_rerank_on_devi
 # copy is 13% of an fp32 model's cold tier in RAM (allocated by doubling: up to 2x that), which a
 # disk tier is there to save.
 HOST_RERANK: dict[str, Any] = {"lsa_rerank_mirror": "int8"}
+# A model on the CPU with a disk cold tier (exact codes) reads a step's pages straight from the
+# files (`DiskStore.gather_pages`), with no prefetcher: its loader threads hold whole blocks in a RAM
+# buffer, the RAM the disk tier is there to save, and whole blocks are read where pages would do.
+# SmolLM2 at 8K and 1/8 (`decode_rss_steps.py --prefetch-threads 2` against 0): RSS 7.6x the budget
+# against 1.13x at the decode steps' peak, 369.5 MB read from disk a step against 194.7 MB, steps of
+# 1.0-1.4 s against 0.5 s (docs/results.md, "A disk tier's decode step in bounded reads").
+HOST_DISK: dict[str, Any] = {"prefetch_threads": 0}
 # A model on the CPU also decides near ties exactly (`exact_on_doubt`, cache/doubt.py): a step
 # whose top two next-token logits are within 0.5 nats is run again attending every earlier token
 # exactly, so greedy decoding picks what the full cache picks there. Issue 31's multiquery and
