@@ -117,3 +117,23 @@ def test_warns_when_every_page_is_a_rerank_candidate_on_a_cpu(tmp_path) -> None:
     mem, threads, _ = _machine()
     gpu = diagnose(cfg, context=8192, machine_info=(mem, threads, {"kind": "cuda"}), **kw)
     assert not [f for f in gpu.findings if "re-rank candidate" in f.finding]
+
+
+def test_warns_of_a_prefetcher_on_a_cpu_with_a_disk_tier(tmp_path) -> None:
+    """A disk tier on a CPU with prefetch threads (a config written by hand: the recipe sets 0)
+    gets a memory warning that names `prefetch_threads: 0`; without them, a memory tier, or on a
+    GPU, none."""
+    kw = dict(model="smollm2", context=8192, cold_dir=tmp_path, probe_bytes=2**20, probe_seconds=0.2)
+    disk = FlashMemoryConfig(cold_store="disk", cold_dir=str(tmp_path))
+    assert disk.prefetch_threads > 0
+
+    def warned(cfg: FlashMemoryConfig, kind: str = "cpu") -> list:
+        mem, threads, _ = _machine()
+        r = diagnose(cfg, machine_info=(mem, threads, {"kind": kind}), **kw)
+        return [f for f in r.findings if "prefetch threads" in f.finding and f.symptom == "memory"]
+
+    hit = warned(disk)
+    assert len(hit) == 1 and hit[0].level == "warn" and "prefetch_threads: 0" in hit[0].advice
+    assert not warned(disk.model_copy(update={"prefetch_threads": 0}))
+    assert not warned(FlashMemoryConfig())
+    assert not warned(disk, "cuda")

@@ -307,6 +307,9 @@ def _memory_findings(cfg: FlashMemoryConfig, context: int, io: dict[str, Any], m
     if device["kind"] == "cpu" and cfg.cold_store == "memory" and full_bytes:
         both = dev_need + cold_need  # one RAM holds both tiers
         f.append(Finding("memory", "bad" if both > mem["ram_available_bytes"] else "ok", f"on a CPU the device tiers and the memory cold tier are the same RAM: {both / 2**20:.1f} MiB together, {both / full_bytes:.0%} of the full cache", "the saving is on an accelerator, or with cold_store: disk on a CPU", round(both / full_bytes, 4)))  # fmt: skip
+    if device["kind"] == "cpu" and cfg.cold_store == "disk" and cfg.cold_codec == "exact" and cfg.prefetch_threads > 0:
+        # the recipe sets 0 here (recipe.HOST_DISK); a config written by hand keeps the default 2
+        f.append(Finding("memory", "warn", f"a disk tier on a CPU with {cfg.prefetch_threads} prefetch threads: the loaders hold whole blocks in RAM, the RAM the disk tier saves, and read whole blocks where a step reads pages (SmolLM2 at 8K and 1/8: RSS 7.6x the budget against 1.13x without them, steps 2.7x slower; docs/results.md)", "prefetch_threads: 0 (the recipe's on a CPU with a disk tier)", cfg.prefetch_threads))  # fmt: skip
     return f
 
 
