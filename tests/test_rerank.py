@@ -7,12 +7,36 @@ import torch
 
 import flashmem
 from flashmem.index import SCORERS
-from flashmem.index.rerank import exact_page_mass
+from flashmem.index.rerank import exact_page_mass, streamed_page_mass
 from flashmem.index.selection import select_blocks
 from test_cache import SMALL
 from tiny_models import tiny_llama
 
 torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 40])
+def test_streamed_mass_is_one_softmax_over_every_candidate(step):
+    """Candidates' keys taken a chunk of `step` at a time (a disk tier's re-rank reads them so):
+    the mass of one softmax over every candidate's tokens, padding masked, each chunk asked once
+    in order; a chunk that cannot be had gives None (the caller reads them whole)."""
+    g = torch.Generator().manual_seed(1)
+    b, h, c, P, d, nq = 2, 3, 11, 4, 8, 5
+    keys = torch.randn(b, h, c, P, d, generator=g)
+    qg = torch.randn(b, h, nq, d, generator=g)
+    valid = torch.rand(b, h, c, P, generator=g) > 0.2
+    asked: list[tuple[int, int]] = []
+
+    def keys_of(s: int, e: int) -> torch.Tensor:
+        asked.append((s, e))
+        return keys[:, :, s:e].clone()
+
+    got = streamed_page_mass(qg, keys_of, valid, 0.3, "max", False, step)
+    assert got is not None
+    assert torch.allclose(got, exact_page_mass(qg, keys, valid, 0.3, "max"), atol=1e-6)
+    assert asked == [(s, min(c, s + step)) for s in range(0, c, step)]
+    declined = streamed_page_mass(qg, lambda s, e: None if s else keys[:, :, s:e], valid, 0.3, "max", False, 3)
+    assert declined is None
 
 
 def test_exact_mass_finds_the_page_a_mean_key_blurs():
