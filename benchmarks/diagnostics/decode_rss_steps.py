@@ -30,14 +30,24 @@ from flashmem.cache.host_heap import release_free_memory
 from flashmem.sizing.budget import full_kv_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from budget_peak import QUESTION, _reset_peak_rss, _rss_kib  # noqa: E402
+from budget_peak import QUESTION, _reset_peak_rss  # noqa: E402
+
+
+def _status_kib(*fields: str) -> dict[str, int]:
+    """Fields of /proc/self/status in KiB, from one read of it: VmHWM and VmRSS read apart can
+    see the RSS grow in between (the peak then reads below the end)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        lines = []
+    got = {ln.split(":")[0]: int(ln.split()[1]) for ln in lines if ln.split(":")[0] in fields}
+    if len(got) < len(fields):
+        raise SystemExit(f"decode_rss_steps: no {', '.join(fields)} in /proc/self/status (Linux only)")
+    return got
 
 
 def _kib(field: str) -> int:
-    kib = _rss_kib(field)
-    if kib is None:
-        raise SystemExit(f"decode_rss_steps: no {field} in /proc/self/status (Linux only)")
-    return kib
+    return _status_kib(field)[field]
 
 
 def request(
@@ -60,7 +70,8 @@ def request(
                 t0 = time.perf_counter()
                 nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
                 seconds = time.perf_counter() - t0
-                peak, end = _kib("VmHWM"), _kib("VmRSS")
+                now = _status_kib("VmHWM", "VmRSS")
+                peak, end = now["VmHWM"], now["VmRSS"]
                 release_free_memory()
                 row = {
                     k: round((v - base) * over, 3)
