@@ -528,11 +528,11 @@ class WorkingSet:
             if got is None:
                 return None
             for j, t in enumerate(got):
-                if t is not None:  # [n, P, d] in (b, h, k) order, coded where it was cut
-                    codes, scale = page_code.encode(t)
-                    if on_host:  # ranked on the host: the codes cross the link
-                        codes, scale = reader.to_device(codes), reader.to_device(scale)
-                    parts[j].append((codes, scale))
+                if t is not None:  # [n, P, d] in (b, h, k) order, coded where it was cut (ranked on
+                    # the host: `_over_link` codes them there and the codes cross the link)
+                    coded = self._over_link(t, True, reader) if on_host else page_code.encode(t)
+                    assert isinstance(coded, tuple)
+                    parts[j].append(coded)
             del got
         k_new, v_new = ((torch.cat([c for c, _ in p]), torch.cat([sc for _, sc in p])) if p else None for p in parts)
         assert v_new is not None
