@@ -230,7 +230,14 @@ def test_keep_full_layers_resolution(layers, n):
 @pytest.mark.parametrize(
     "kw, needle",
     [
-        ({"prefetch_threads": 100000}, "prefetch_threads: 100000 is not allowed; allowed: an integer >= 0 and <= 64"),
+        (
+            {"prefetch_threads": 100000},
+            "prefetch_threads: 100000 is not allowed; allowed: an integer 0 to 64, or 'auto'",
+        ),
+        (
+            {"prefetch_threads": "many"},
+            "prefetch_threads: 'many' is not allowed; allowed: an integer 0 to 64, or 'auto'",
+        ),
         ({"lsa_top_k": 4, "lsa_layer_shares": {0: 1e308}}, "lsa_layer_shares: {0: 1e+308}; allowed:"),
         ({"lsa_top_k": 4, "lsa_layer_shares": {0: float("nan")}}, "finite shares >= 0 and <= 1e+06"),
         ({"cold_store": "disk", "cold_dir": "/tmp/a\x00b"}, "cold_dir: the path contains a NUL byte"),

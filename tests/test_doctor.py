@@ -40,7 +40,7 @@ def test_findings_follow_the_config_and_the_machine(tmp_path) -> None:
             gpu_cache_limit=16,
             hca_chunk_size=16,
             lsa_top_k=1,
-            cold_store="disk",
+            cold_store="layered",  # (a CPU reads a disk tier of exact blocks by pages: no warning there)
             cold_dir=str(tmp_path),
             prefetch_threads=0,
         ),  # fmt: skip
@@ -49,7 +49,7 @@ def test_findings_follow_the_config_and_the_machine(tmp_path) -> None:
     )
     text = " | ".join(f"{f.symptom}:{f.level}:{f.finding}" for f in bad.findings)
     assert "accuracy:warn:keep_full_layers is empty" in text
-    assert "slow:warn:cold_store disk with prefetch_threads 0" in text
+    assert "slow:warn:cold_store layered with prefetch_threads 0" in text
     assert "slow:warn:torch uses 8 threads on 2 usable cores" in text
     assert "slow:warn:load average 7.5 on 2 usable cores" in text
     assert not [f for f in good.findings if "load average" in f.finding]
@@ -120,20 +120,29 @@ def test_warns_when_every_page_is_a_rerank_candidate_on_a_cpu(tmp_path) -> None:
 
 
 def test_warns_of_a_prefetcher_on_a_cpu_with_a_disk_tier(tmp_path) -> None:
-    """A disk tier on a CPU with prefetch threads (a config written by hand: the recipe sets 0)
-    gets a memory warning that names `prefetch_threads: 0`; without them, a memory tier, or on a
-    GPU, none."""
+    """A disk tier on a CPU with prefetch threads set by hand gets a memory warning that names
+    `prefetch_threads: auto`; with `auto` (the default, none there), with 0, a memory tier, or on a
+    GPU, none. Nor does 0 there draw the slow warning a GPU's disk tier without loaders gets."""
     kw = dict(model="smollm2", context=8192, cold_dir=tmp_path, probe_bytes=2**20, probe_seconds=0.2)
     disk = FlashMemoryConfig(cold_store="disk", cold_dir=str(tmp_path))
-    assert disk.prefetch_threads > 0
+    assert disk.prefetch_threads == "auto"
+    by_hand = disk.model_copy(update={"prefetch_threads": 2})
 
-    def warned(cfg: FlashMemoryConfig, kind: str = "cpu") -> list:
+    def findings(cfg: FlashMemoryConfig, kind: str, symptom: str, words: str) -> list:
         mem, threads, _ = _machine()
         r = diagnose(cfg, machine_info=(mem, threads, {"kind": kind}), **kw)
-        return [f for f in r.findings if "prefetch threads" in f.finding and f.symptom == "memory"]
+        return [f for f in r.findings if words in f.finding and f.symptom == symptom and f.level == "warn"]
 
-    hit = warned(disk)
-    assert len(hit) == 1 and hit[0].level == "warn" and "prefetch_threads: 0" in hit[0].advice
+    def warned(cfg: FlashMemoryConfig, kind: str = "cpu") -> list:
+        return findings(cfg, kind, "memory", "prefetch threads")
+
+    hit = warned(by_hand)
+    assert len(hit) == 1 and "prefetch_threads: auto" in hit[0].advice and hit[0].number == 2
+    assert not warned(disk)
     assert not warned(disk.model_copy(update={"prefetch_threads": 0}))
-    assert not warned(FlashMemoryConfig())
-    assert not warned(disk, "cuda")
+    assert not warned(FlashMemoryConfig(prefetch_threads=2))
+    assert not warned(by_hand, "cuda")
+    none = disk.model_copy(update={"prefetch_threads": 0})
+    assert not findings(none, "cpu", "slow", "prefetch_threads 0")
+    assert len(findings(none, "cuda", "slow", "prefetch_threads 0")) == 1
+    assert not findings(disk, "cuda", "slow", "prefetch_threads 0")

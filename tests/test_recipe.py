@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import flashmem
-from flashmem.config import FlashMemoryConfig
+from flashmem.config import AUTO_PREFETCH_THREADS, FlashMemoryConfig
 from flashmem.errors import FlashMemError
-from flashmem.recipe import DEFAULT_BUDGET, DEFAULT_TOKENS, RECIPE, default_tokens, recipe_keys
+from flashmem.recipe import DEFAULT_BUDGET, DEFAULT_TOKENS, HOST_DISK, RECIPE, default_tokens, recipe_keys
 from flashmem.sizing.budget import full_kv_bytes, model_geometry, predicted_ratio
 from tiny_models import tiny_llama
 
@@ -84,19 +84,45 @@ def test_a_model_on_the_cpu_reranks_an_int8_key_copy_where_it_reranks_in_place()
 
 
 def test_a_model_on_the_cpu_reads_a_disk_tier_without_a_prefetcher():
-    """HOST_DISK: a CPU model with a disk tier of exact blocks reads its pages from the files, no
-    prefetcher (whose buffer holds whole blocks in the RAM the tier saves); a memory or coded
-    tier, a model whose device is not known, and a value the caller names keep theirs."""
-    model = tiny_llama()
+    """HOST_DISK through `prefetch_threads: auto`: a cache made for a CPU model with a disk tier
+    of exact blocks reads its pages from the files, no prefetcher (whose buffer holds whole blocks
+    in the RAM the tier saves), whether the config is the recipe's or written by hand; a memory or
+    coded tier, a model on an accelerator, and a number the caller names keep loaders."""
     where = dict(cold_store="disk", cold_dir=str(ROOT / "unused"))
-    default = FlashMemoryConfig().prefetch_threads
-    assert default > 0
-    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, **where).prefetch_threads == 0
-    assert FlashMemoryConfig.for_budget(1 / 16, 131072, model, **where).prefetch_threads == 0
-    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model).prefetch_threads == default
-    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, cold_codec="int8", **where).prefetch_threads == default
-    assert FlashMemoryConfig.for_budget(1 / 8, 8192, "smollm2", **where).prefetch_threads == default  # device unknown
-    assert FlashMemoryConfig.for_budget(1 / 8, 8192, model, prefetch_threads=3, **where).prefetch_threads == 3
+    model = tiny_llama()
+    recipe = FlashMemoryConfig.for_budget(1 / 8, 8192, model, **where)
+    assert recipe.prefetch_threads == "auto" and recipe.prefetch_threads_on("cpu") == HOST_DISK["prefetch_threads"]
+    assert recipe.prefetch_threads_on("cuda") == AUTO_PREFETCH_THREADS > 0
+    by_hand = FlashMemoryConfig(**where)
+    assert by_hand.prefetch_threads_on("cpu") == 0
+    assert FlashMemoryConfig().prefetch_threads_on("cpu") == AUTO_PREFETCH_THREADS
+    assert FlashMemoryConfig(cold_codec="int8", **where).prefetch_threads_on("cpu") == AUTO_PREFETCH_THREADS
+    assert (
+        FlashMemoryConfig(cold_low_rank="keys", low_rank_dim=8, **where).prefetch_threads_on("cpu")
+        == AUTO_PREFETCH_THREADS
+    )
+    assert FlashMemoryConfig(cold_store="layered", cold_dir=where["cold_dir"]).prefetch_threads_on("cpu") > 0
+    assert FlashMemoryConfig(prefetch_threads=3, **where).prefetch_threads_on("cpu") == 3
+    assert FlashMemoryConfig(prefetch_threads=0).prefetch_threads_on("cuda") == 0
+
+
+def test_a_cache_settles_auto_prefetch_threads_for_its_models_device(tmp_path):
+    """attach passes the model's device: a CPU model's disk tier of exact blocks opens no
+    prefetcher, a number set by hand opens that many loaders, and a cache made for an accelerator
+    (the same config) opens AUTO_PREFETCH_THREADS."""
+    from flashmem.cache.flash_cache import FlashMemoryCache
+
+    model = tiny_llama()
+    cfg = FlashMemoryConfig(cold_store="disk", cold_dir=str(tmp_path / "cold"))
+    with flashmem.attach(model, cfg) as cache:
+        assert cache.prefetch_threads == 0 and cache.prefetcher is None
+    with flashmem.attach(model, cfg, prefetch_threads=1) as cache:
+        assert cache.prefetch_threads == 1 and cache.prefetcher is not None
+    gpu = FlashMemoryCache(model.config, cfg, device="cuda")
+    try:
+        assert gpu.prefetch_threads == AUTO_PREFETCH_THREADS and gpu.prefetcher is not None
+    finally:
+        gpu.close()
 
 
 def test_follow_pages_from_one_eighth_up_and_from_one_thirty_second_down():

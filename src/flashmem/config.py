@@ -11,7 +11,7 @@ import difflib
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -43,6 +43,10 @@ DecodeStep = Literal["eager", "static", "graph"]
 # also keeps an fp16 scale and zero (RERANK_CODE_BLOCK_BYTES per channel and block).
 RERANK_CODE_BITS = {"int4": 4, "int2": 2, "sign": 1}
 RERANK_CODE_BLOCK_BYTES = 4
+# `prefetch_threads: auto` (the default) is settled when a cache is made for a model on a device
+# (`FlashMemoryConfig.prefetch_threads_on`): none for a model on a CPU with a disk tier of exact
+# blocks (flashmem.recipe.HOST_DISK: its pages are read from the files), else this many.
+AUTO_PREFETCH_THREADS = 2
 
 
 def rerank_key_bytes(codec: str, dtype_bytes: float, block_tokens: int) -> float:
@@ -320,7 +324,11 @@ class FlashMemoryConfig(BaseModel):
     )
     cold_ram_bytes: int = Field(256 * 2**20, ge=0, description="layered store: RAM LRU of blocks in front of the disk")
     prefetch_window: int = Field(16384, ge=0, description="tokens around selected blocks that may be prefetched")
-    prefetch_threads: int = Field(2, ge=0, le=64, description="background loader threads (0: off)")
+    prefetch_threads: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = Field(
+        "auto",
+        description="background loader threads (0: off); auto: none for a model on a CPU with a disk "
+        "cold tier of exact blocks (a step reads its pages from the files), else 2",
+    )
     persist: bool = Field(False, description="keep the disk cold tier after the cache closes")
     # A disk or LMDB cold tier writes behind: sealed blocks wait in RAM until written. On a CPU,
     # where the disk tier is what takes the cold K/V out of RAM, this is what bounds the process's
@@ -697,6 +705,23 @@ class FlashMemoryConfig(BaseModel):
             k[i] += 1
         return k
 
+    def prefetch_threads_on(self, device_type: str) -> int:
+        """Loader threads for a cache whose model runs on `device_type` ("cpu", "cuda", ...): the
+        number set, or for `auto` none on a CPU with a disk tier of exact blocks, whose loaders
+        would hold whole blocks in the RAM the tier saves and read whole blocks where a step reads
+        pages (flashmem.recipe.HOST_DISK), else AUTO_PREFETCH_THREADS."""
+        if self.prefetch_threads != "auto":
+            return self.prefetch_threads
+        from flashmem.recipe import HOST_DISK
+
+        on_cpu = device_type == "cpu" and self.reads_disk_pages()
+        return int(HOST_DISK["prefetch_threads"]) if on_cpu else AUTO_PREFETCH_THREADS
+
+    def reads_disk_pages(self) -> bool:
+        """Whether the cold tier is files a step reads page by page (`DiskStore.gather_pages`):
+        a disk tier of exact blocks, not low-rank."""
+        return self.cold_store == "disk" and self.cold_codec == "exact" and self.cold_low_rank == "none"
+
     def blocks_to_select(self, num_sealed: int) -> int:
         """How many selection units (sealed blocks, or pages with `lsa_page_tokens`) the
         selection attends exactly this step, out of `num_sealed` such units."""
@@ -830,6 +855,8 @@ def _describe(field: Any, kind: str, err: Any) -> str:
             text = "a list of integers (layer indices)"
         elif "dict[int, float]" in s:
             text = "profile, null, or a mapping {layer index: share}"
+        elif "Literal['auto']" in s:
+            text = "an integer 0 to 64, or 'auto'"
         elif "int" in s and "None" in s:
             text = "an integer or null"
         elif "str" in s and "None" in s:

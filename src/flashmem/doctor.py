@@ -254,8 +254,10 @@ def _slow_findings(cfg: FlashMemoryConfig, io: dict[str, Any], threads: dict[str
     step_ms = reads_per_step / io["iops"] * 1e3 if io["iops"] else float("inf")
     disk = cfg.cold_store in ("disk", "layered", "lmdb")
     f.append(Finding("slow", "warn" if disk and step_ms > 50 else "ok", f"cold folder {io['folder']}: {io['iops']:.0f} random reads/s of {io['block_bytes']} B ({io['read_mb_per_s']:.0f} MB/s; page cache {'dropped' if io['page_cache_dropped'] else 'NOT dropped'}); {reads_per_step} block reads per decode step would take {step_ms:.1f} ms unprefetched", ("keep prefetch_threads > 0, use the layered store (RAM in front), or a faster disk" if disk and step_ms > 50 else ""), round(step_ms, 2)))  # fmt: skip
-    if disk and cfg.prefetch_threads == 0:
-        f.append(Finding("slow", "warn", f"cold_store {cfg.cold_store} with prefetch_threads 0: every block read waits on the disk", "set prefetch_threads: 2", 0))  # fmt: skip
+    loaders = cfg.prefetch_threads_on(device["kind"])
+    if disk and loaders == 0 and not (device["kind"] == "cpu" and cfg.reads_disk_pages()):
+        # (a CPU reads a disk tier of exact blocks by pages, without loaders: `auto` settles on none)
+        f.append(Finding("slow", "warn", f"cold_store {cfg.cold_store} with prefetch_threads 0: every block read waits on the disk", "set prefetch_threads: auto (or 2)", 0))  # fmt: skip
     bpr = io["block_bytes"]
     if disk and bpr < 16384:
         f.append(Finding("slow", "warn", f"blocks of {bpr} B are small reads: IOPS-bound", "raise hca_chunk_size (e.g. 128) so each read moves more bytes", bpr))  # fmt: skip
@@ -268,7 +270,7 @@ def _slow_findings(cfg: FlashMemoryConfig, io: dict[str, Any], threads: dict[str
     if t > c:
         f.append(Finding("slow", "warn", f"torch uses {t} threads on {c} usable cores: oversubscribed", f"set --threads {c} (or OMP_NUM_THREADS)", t))  # fmt: skip
     else:
-        f.append(Finding("slow", "ok", f"torch threads {t} on {c} usable cores; prefetch threads {cfg.prefetch_threads}", "", t))  # fmt: skip
+        f.append(Finding("slow", "ok", f"torch threads {t} on {c} usable cores; prefetch threads {loaders}", "", t))  # fmt: skip
     if device["kind"] == "cpu":
         f.append(Finding("slow", "ok", "no CUDA device: attention runs on the CPU", "a GPU serves long contexts much faster", "cpu"))  # fmt: skip
     return f
@@ -307,9 +309,10 @@ def _memory_findings(cfg: FlashMemoryConfig, context: int, io: dict[str, Any], m
     if device["kind"] == "cpu" and cfg.cold_store == "memory" and full_bytes:
         both = dev_need + cold_need  # one RAM holds both tiers
         f.append(Finding("memory", "bad" if both > mem["ram_available_bytes"] else "ok", f"on a CPU the device tiers and the memory cold tier are the same RAM: {both / 2**20:.1f} MiB together, {both / full_bytes:.0%} of the full cache", "the saving is on an accelerator, or with cold_store: disk on a CPU", round(both / full_bytes, 4)))  # fmt: skip
-    if device["kind"] == "cpu" and cfg.cold_store == "disk" and cfg.cold_codec == "exact" and cfg.prefetch_threads > 0:
-        # the recipe sets 0 here (recipe.HOST_DISK); a config written by hand keeps the default 2
-        f.append(Finding("memory", "warn", f"a disk tier on a CPU with {cfg.prefetch_threads} prefetch threads: the loaders hold whole blocks in RAM, the RAM the disk tier saves, and read whole blocks where a step reads pages (SmolLM2 at 8K and 1/8: RSS 7.6x the budget against 1.13x without them, steps 2.7x slower; docs/results.md)", "prefetch_threads: 0 (the recipe's on a CPU with a disk tier)", cfg.prefetch_threads))  # fmt: skip
+    loaders = cfg.prefetch_threads_on(device["kind"])
+    if device["kind"] == "cpu" and cfg.reads_disk_pages() and loaders > 0:
+        # `auto` settles on none here (recipe.HOST_DISK): only a number set by hand gets this far
+        f.append(Finding("memory", "warn", f"a disk tier on a CPU with {loaders} prefetch threads: the loaders hold whole blocks in RAM, the RAM the disk tier saves, and read whole blocks where a step reads pages (SmolLM2 at 8K and 1/8: RSS 7.6x the budget against 1.13x without them, steps 2.7x slower; docs/results.md)", "prefetch_threads: auto (none on a CPU with a disk tier)", loaders))  # fmt: skip
     return f
 
 

@@ -164,7 +164,9 @@ HOST_RERANK: dict[str, Any] = {"lsa_rerank_mirror": "int8"}
 # buffer, the RAM the disk tier is there to save, and whole blocks are read where pages would do.
 # SmolLM2 at 8K and 1/8 (`decode_rss_steps.py --prefetch-threads 2` against 0): RSS 7.6x the budget
 # against 1.13x at the decode steps' peak, 369.5 MB read from disk a step against 194.7 MB, steps of
-# 1.0-1.4 s against 0.5 s (docs/results.md, "A disk tier's decode step in bounded reads").
+# 1.0-1.4 s against 0.5 s (docs/results.md, "A disk tier's decode step in bounded reads"). Applied
+# to every config, the recipe's or one written by hand, by `prefetch_threads: auto` (the default)
+# when the cache is made for a model on a CPU (`FlashMemoryConfig.prefetch_threads_on`).
 HOST_DISK: dict[str, Any] = {"prefetch_threads": 0}
 # A model on the CPU also decides near ties exactly (`exact_on_doubt`, cache/doubt.py): a step
 # whose top two next-token logits are within 0.5 nats is run again attending every earlier token

@@ -80,7 +80,9 @@ def attach(
         from flashmem.calibration.layer_profile import resolve_profile_shares
 
         cfg = resolve_profile_shares(cfg, model, tokenizer)
-    return FlashMemoryCache(model.config, cfg, rotators=rotators, dtype=model.dtype, calibration=calibration)
+    return FlashMemoryCache(
+        model.config, cfg, rotators=rotators, dtype=model.dtype, calibration=calibration, device=_device_type(model)
+    )
 
 
 def _config_for(

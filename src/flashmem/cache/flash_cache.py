@@ -8,7 +8,7 @@ Layer kinds, decided once from the model config:
 
 Cold tier (docs/design.md, "Tiers"): the cache opens its store with
 `open_store(cfg, dtype=model dtype)` (memory, disk or layered; any codec) and,
-when `prefetch_threads > 0`, a Prefetcher that the layers read through and that
+when it has loader threads (`prefetch_threads`, `auto` settled for the model's device), a Prefetcher that the layers read through and that
 look-ahead fills. `close()` (or `with attach(...) as cache`, or garbage
 collection) closes the prefetcher, then the store (its folder is removed unless
 `persist`).
@@ -55,8 +55,10 @@ class FlashMemoryCache(Cache):
         store: ColdStore | None = None,
         dtype: torch.dtype = torch.float32,
         calibration: Any | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """calibration: a `flashmem.calibration.Calibration` (scorers that need one, `cold_low_rank`)."""
+        """calibration: a `flashmem.calibration.Calibration` (scorers that need one, `cold_low_rank`);
+        device: where the model runs (settles `prefetch_threads: auto`; `attach` passes the model's)."""
         text_cfg = model_config.get_text_config(decoder=True)
         n_layers = text_cfg.num_hidden_layers
         full = cfg.resolve_full_layers(n_layers)
@@ -65,6 +67,8 @@ class FlashMemoryCache(Cache):
         if cfg.host_mmap_threshold is not None and not set_mmap_threshold(cfg.host_mmap_threshold):
             warnings.warn("host_mmap_threshold needs glibc's malloc; this C library's heap is left as is", stacklevel=2)
         self._selection_hook: SelectionHook | None = None
+        # loader threads: the config's number, or `auto`'s for this device
+        self.prefetch_threads = cfg.prefetch_threads_on(torch.device(device).type)
         self._open_cold_tier(store, dtype)
         # Synchronous reads when prefetch is off: each is a miss and its time a stall.
         self._fetch_counts: dict[str, float] = {"misses": 0, "stall_s": 0.0}
@@ -108,14 +112,12 @@ class FlashMemoryCache(Cache):
         super().__init__(layers=layers)
 
     def _open_cold_tier(self, store: ColdStore | None, dtype: torch.dtype) -> None:
-        """self.store (the given one, or `cfg`'s) and self.prefetcher (None when prefetch_threads is 0)."""
+        """self.store (the given one, or `cfg`'s) and self.prefetcher (None without loader threads)."""
         self.store = store if store is not None else _default_store(self.cfg, dtype)
         self.prefetcher: Prefetcher | None = None
         try:
-            if self.cfg.prefetch_threads > 0:
-                from flashmem.store import open_prefetcher
-
-                self.prefetcher = open_prefetcher(self.cfg, self.store)
+            if self.prefetch_threads > 0:
+                self.prefetcher = Prefetcher(self.store, self.prefetch_threads)
         except BaseException:
             self.store.close()
             raise
@@ -173,7 +175,7 @@ class FlashMemoryCache(Cache):
 
     def use_prefetcher(self, on: bool) -> None:
         """Route the layers' block reads through the cache's Prefetcher (on, the
-        default when prefetch_threads > 0) or straight to the store (off: each read
+        default when it has loader threads) or straight to the store (off: each read
         is a synchronous miss, counted in `sync_reads()`). For A/B measurements."""
         for layer in self.flash_layers:
             layer.prefetcher = self.prefetcher if on else None

@@ -21,7 +21,6 @@ from flashmem.config import FlashMemoryConfig, set_budget_solver
 from flashmem.errors import BudgetWarning, ConfigError, FlashMemError
 from flashmem.models import geometry
 from flashmem.recipe import (
-    HOST_DISK,
     HOST_DOUBT,
     HOST_RERANK,
     PAGE_CACHE_MAX_SELECTIONS,
@@ -104,8 +103,8 @@ def budget_config(
     caller or the variant names a re-rank codec. With `device_codes` False the re-rank
     scores an int8 host copy of the keys instead (flashmem.recipe.HOST_RERANK, memory
     cold tier only), near ties are decided exactly (flashmem.recipe.HOST_DOUBT, memory
-    cold tier with exact codes only), and a disk tier is read without a prefetcher
-    (flashmem.recipe.HOST_DISK).
+    cold tier with exact codes only). A disk tier on a CPU is read without a prefetcher
+    whatever the config's origin (`prefetch_threads: auto`, flashmem.recipe.HOST_DISK).
     Small budgets at short lengths can be unreachable (sinks + HCA entries +
     index + the open block already exceed them): the closest config is returned
     and the measured fraction says so.
@@ -181,22 +180,10 @@ def budget_config(
 
 
 def _on_host(cfg: FlashMemoryConfig, tokens: int, named: set[str]) -> FlashMemoryConfig:
-    """A model on a CPU: the host's re-rank keys, near ties decided exactly and a disk tier's
-    reads without a prefetcher, where they apply."""
-    return _with_host_disk(_with_host_doubt(_with_host_mirror(cfg, tokens, named), named), named)
-
-
-def _with_host_disk(cfg: FlashMemoryConfig, named: set[str]) -> FlashMemoryConfig:
-    """A model on a CPU with a disk cold tier of exact blocks (read by pages): no prefetcher
-    (flashmem.recipe.HOST_DISK), unless the caller or the variant names `prefetch_threads`."""
-    if (
-        cfg.cold_store != "disk"
-        or cfg.cold_codec != "exact"
-        or cfg.cold_low_rank != "none"
-        or "prefetch_threads" in named
-    ):
-        return cfg
-    return FlashMemoryConfig(**cfg.model_copy(update=dict(HOST_DISK)).model_dump())
+    """A model on a CPU: the host's re-rank keys and near ties decided exactly, where they
+    apply (a disk tier's reads without a prefetcher are `prefetch_threads: auto`'s, settled when
+    the cache is made: flashmem.recipe.HOST_DISK)."""
+    return _with_host_doubt(_with_host_mirror(cfg, tokens, named), named)
 
 
 def _with_host_doubt(cfg: FlashMemoryConfig, named: set[str]) -> FlashMemoryConfig:

@@ -70,9 +70,10 @@ def _on_disk(cfg: FlashMemoryConfig, dtype: torch.dtype, name: str | None) -> di
     }
 
 
-def open_prefetcher(cfg: FlashMemoryConfig, store: ColdStore) -> Prefetcher:
-    """A Prefetcher with cfg.prefetch_threads loader threads (0: synchronous loads)."""
-    return Prefetcher(store, cfg.prefetch_threads)
+def open_prefetcher(cfg: FlashMemoryConfig, store: ColdStore, device_type: str = "cpu") -> Prefetcher:
+    """A Prefetcher with cfg's loader threads for a model on `device_type` (0: synchronous loads;
+    `FlashMemoryConfig.prefetch_threads_on`)."""
+    return Prefetcher(store, cfg.prefetch_threads_on(device_type))
 
 
 __all__ = [
