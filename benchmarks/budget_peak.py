@@ -62,6 +62,7 @@ import flashmem
 from flashmem.cache.block_reads import BlockReader
 from flashmem.cache.host_heap import release_free_memory
 from flashmem.cache.prefill import DEFAULT_CHUNK
+from flashmem.cache.scratch import thread_scratch
 from flashmem.sizing.budget import full_kv_bytes
 from flashmem_eval.live_bytes import LiveBytes
 
@@ -159,6 +160,9 @@ def measure(
     # what that forward alone raised the peak by: the model's part of a chunk's peak, for comparison
     hwm_w = _rss_kib("VmHWM")
     forward_peak = None if rss_w is None or hwm_w is None else (hwm_w - rss_w) * 1024
+    # attention's reused buffers outlive a cache in its thread (cache/scratch.py): a warm
+    # process's earlier request would leave its own in the baseline, hiding this one's
+    thread_scratch().clear()
     release_free_memory()
     rss0 = _rss_kib("VmRSS")
     rss_ok = _reset_peak_rss() and rss0 is not None

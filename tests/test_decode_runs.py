@@ -102,6 +102,30 @@ def test_a_steps_buffers_stay_the_runs_size_as_the_context_grows(monkeypatch):
     assert scratch_after(800) > 3 * scratch_after(200) > 0
 
 
+def test_a_cpu_with_a_disk_tier_attends_in_smaller_runs(monkeypatch, tmp_path):
+    """On a CPU whose cold tier is off RAM (a disk tier) a step's buffers are held to
+    DECODE_KV_BYTES_OFF_RAM, the memory tier's to DECODE_KV_BYTES; the logits are the same."""
+    model = tiny_llama()
+    monkeypatch.setattr(assembly, "DECODE_KV_BYTES", run_bytes(model, 1, 400))
+    monkeypatch.setattr(assembly, "DECODE_KV_BYTES_OFF_RAM", run_bytes(model, 1, 40))
+    ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(0))
+
+    def step(**where) -> tuple[torch.Tensor, int]:
+        thread_scratch().clear()
+        with flashmem.attach(model, flashmem.FlashMemoryConfig(**ALL_EXACT, **where)) as cache, torch.no_grad():
+            flashmem.prefill(model, cache, ids)
+            thread_scratch().clear()  # the decode steps' buffers alone
+            for _ in range(2):
+                logits = model(ids[:, -1:], cache=cache, use_cache=True).logits
+        return logits, thread_scratch().nbytes()
+
+    in_ram, ram_bytes = step()
+    on_disk, disk_bytes = step(cold_store="disk", cold_dir=str(tmp_path / "cold"))
+    assert 0 < disk_bytes <= 1.25 * run_bytes(model, 1, 40) + (64 << 10) < ram_bytes  # (the mask's buffer beside)
+    assert (on_disk - in_ram).abs().max() <= 1e-4
+    thread_scratch().clear()
+
+
 def test_a_working_set_past_the_runs_bound_is_coded_without_a_whole_decoded_copy(monkeypatch):
     """An int8 working set made whole (`WorkingSet.set`: the first decode step's selection) keeps
     the decoded copy coding makes in passing only where a decode step attends it in one run;

@@ -27,6 +27,7 @@ import torch
 
 import flashmem
 from flashmem.cache.host_heap import release_free_memory
+from flashmem.cache.scratch import thread_scratch
 from flashmem.sizing.budget import full_kv_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
@@ -59,11 +60,21 @@ def request(
         cache = flashmem.attach(model, budget=budget, tokens=ids.shape[1] + steps, tokenizer=tok, **keys)
         managed = full_kv_bytes(model, ids.shape[1], model.dtype.itemsize)["managed_bytes"]
         over = 1024 / (budget * managed)  # KiB -> bytes -> over the budget
+        # attention's reused buffers (cache/scratch.py) outlive a cache in its thread: an earlier
+        # request's would sit in the baseline and hide this one's, so they go first
+        thread_scratch().clear()
         release_free_memory()
         base = _kib("VmRSS")
         nxt = flashmem.prefill(model, cache, ids, chunk=chunk)[:, -1:].argmax(-1)
         release_free_memory()
-        out: dict[str, Any] = {"prompt_end": (_kib("VmRSS") - base) * over, "steps": []}
+        # the baseline itself: what an earlier request left resident (freed, kept by the allocator)
+        # is below it and reused, so trees that free differently compare by base + rows
+        out: dict[str, Any] = {
+            "base_mib": round(base / 1024, 2),
+            "budget_mib": round(budget * managed / 2**20, 2),
+            "prompt_end": (_kib("VmRSS") - base) * over,
+            "steps": [],
+        }
         with torch.no_grad():
             for _ in range(steps):
                 _reset_peak_rss()
@@ -118,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         "prefetch_threads": a.prefetch_threads,
     }
     row |= request(model, tok, ids, a.budget, a.steps, a.forward_tokens, a.prefetch_threads)
+    print(f"baseline RSS {row['base_mib']:.1f} MiB, budget {row['budget_mib']:.1f} MiB")
     print(f"prompt in: {row['prompt_end']:.3f}x the budget")
     for i, s in enumerate(row["steps"]):
         print(f"step {i:3d}: peak {s['peak']:.3f}  end {s['end']:.3f}  trimmed {s['trimmed']:.3f}  {s['ms']:.0f} ms")

@@ -39,11 +39,19 @@ MASK_BYTES = 64 << 20
 # 16K tokens a run at 1M).
 DECODE_KV_BYTES = 4 << 20
 DECODE_KV_BYTES_ACCELERATOR = 64 << 20
+# On a CPU whose cold tier is off RAM (a disk tier: there the process's RAM is what the budget
+# saves) the buffers, kept between steps (cache/scratch.py), are held to 1 MiB: 4 MiB of them
+# were 0.09x of SmolLM2's 1/8 budget at 8K (45 MiB), for a few more runs a step
+# (docs/results.md, stop 68).
+DECODE_KV_BYTES_OFF_RAM = 1 << 20
 
 
-def decode_kv_bytes(device: torch.device) -> int:
-    """DECODE_KV_BYTES on a CPU, DECODE_KV_BYTES_ACCELERATOR elsewhere."""
-    return DECODE_KV_BYTES if device.type == "cpu" else DECODE_KV_BYTES_ACCELERATOR
+def decode_kv_bytes(device: torch.device, cold_in_ram: bool = True) -> int:
+    """DECODE_KV_BYTES on a CPU (DECODE_KV_BYTES_OFF_RAM where the cold tier is not in its RAM),
+    DECODE_KV_BYTES_ACCELERATOR elsewhere."""
+    if device.type != "cpu":
+        return DECODE_KV_BYTES_ACCELERATOR
+    return DECODE_KV_BYTES if cold_in_ram else min(DECODE_KV_BYTES, DECODE_KV_BYTES_OFF_RAM)
 
 
 def step_scratch() -> Scratch:
@@ -56,8 +64,11 @@ def step_scratch() -> Scratch:
 class Assembly:
     """Keys, values and their biases, part by part, for one chunk's attention."""
 
-    def __init__(self, b: int, hkv: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, b: int, hkv: int, dtype: torch.dtype, device: torch.device, kv_bytes: int | None = None) -> None:
+        """kv_bytes: a decode step's bound on its decoded keys and values (`decode_kv_bytes`;
+        None: the device's, with the cold tier in RAM)."""
         self.b, self.hkv, self.dtype, self.device = b, hkv, dtype, device
+        self.kv_bytes = decode_kv_bytes(device) if kv_bytes is None else kv_bytes
         self.keys: list[Part] = []
         self.values: list[Part] = []
         self.biases: list[torch.Tensor] = []
@@ -102,7 +113,7 @@ class Assembly:
         dev = k_new.device
         L = sum(bias.shape[-1] for bias in self.biases) + m + (rest is not None)
         if m == 1 and not torch.is_grad_enabled():
-            run = decode_kv_bytes(dev) // (2 * b * hkv * k_new.shape[-1] * k_new.element_size())
+            run = self.kv_bytes // (2 * b * hkv * k_new.shape[-1] * k_new.element_size())
             if L > run:
                 return self._attend_in_runs(q, k_new, v_new, scaling, rest, max(1, run))
         new_bias = None  # a decode step's one token sees itself, padded or not: bias 0, no mask built

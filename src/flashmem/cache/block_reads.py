@@ -110,6 +110,13 @@ class BlockReader:
             return READ_CHUNK_BYTES_ACCELERATOR
         return READ_CHUNK_BYTES if self.cfg.cold_store != "memory" else None
 
+    def decode_kv_bytes(self) -> int:
+        """A decode step's bound on the keys and values it decodes at once (`assembly.decode_kv_bytes`:
+        smaller on a CPU whose cold tier is off RAM, where the buffers are the RAM it saves)."""
+        from flashmem.cache import assembly  # deferred: assembly imports the working set, which imports this
+
+        return assembly.decode_kv_bytes(self.device, cold_in_ram=self.cfg.cold_store == "memory")
+
     @property
     def head_dim(self) -> int:
         """d of the layer's K/V as reads hand them over (decoded, with a low-rank tier)."""

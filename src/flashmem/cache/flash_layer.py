@@ -171,6 +171,7 @@ class FlashLayer(CacheLayerMixin):
             self.cfg.lsa_cache_pages,
             in_place=self.cfg.position_mode != "window",  # window mode shows the pages in their order
         )
+        self.working_set.kv_bytes = self.reader.decode_kv_bytes()
         # streamed from the tiers when the cold tier gives exact blocks back, else held
         streamed = self.cfg.cold_codec == "exact" and self.cfg.cold_low_rank == "none"
         self.exact = ExactPrompt(self.cfg.prefill_exact_tokens, streamed)

@@ -41,7 +41,7 @@ def attend(
 ) -> torch.Tensor:
     """One chunk: q [b, Hq, m, d] over the tiers plus its own K/V -> [b, Hq, m, d]."""
     b, hkv, m, _ = k_new.shape
-    asm = Assembly(b, hkv, q.dtype, q.device)
+    asm = Assembly(b, hkv, q.dtype, q.device, layer.reader.decode_kv_bytes())
     S = layer.sink_k.shape[-2]
     asm.add_valid(layer.sink_k, layer.sink_v, layer.valid[:, :S])
     shown, rest = 0, None

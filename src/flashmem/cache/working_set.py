@@ -67,6 +67,9 @@ class WorkingSet:
         # the sealed blocks it saw (a prompt chunk's selection serves no decode step: served None)
         self.served: int | None = None
         self.sealed_at = -1
+        # the layer's bound on a decode step's decoded K/V (`BlockReader.decode_kv_bytes`; None:
+        # the device's): past it attention decodes the codes a run at a time
+        self.kv_bytes: int | None = None
 
     # ------------------------------------------------------------------ reads
     @property
@@ -152,7 +155,8 @@ class WorkingSet:
             # transients (the first decode step's peak: a disk tier's RSS, docs/results.md, stop 66).
             from flashmem.cache import assembly  # deferred: assembly imports this module
 
-            whole = 2 * t.numel() * t.element_size() <= assembly.decode_kv_bytes(t.device)
+            bound = assembly.decode_kv_bytes(t.device) if self.kv_bytes is None else self.kv_bytes
+            whole = 2 * t.numel() * t.element_size() <= bound
             codes, scale, self.plain[slot] = page_code.encode_and_decode(t, self.dtype if whole else None)
             self.code[slot] = (codes, scale)
         else:

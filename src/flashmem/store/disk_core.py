@@ -5,7 +5,8 @@ the background writer; this class says how a batch becomes durable (records
 appended to the current segment, then their commit entries to commit.log, each
 fdatasync'd when sync is on) and how a block is read back (`os.preadv` of its
 record, header and xxh64 checked), or some of its pages (`read_units`: runs of a record,
-each checked against the unit sums kept in RAM, store/page_sums.py). Layout: see
+each checked against the unit sums kept in RAM, store/page_sums.py). Each block's record and
+sums are kept in numpy columns (store/block_table.py), not an object per block. Layout: see
 `flashmem.store.format`.
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from flashmem.errors import ChecksumError, ColdStoreError
 from flashmem.store.base import BlockKey
+from flashmem.store.block_table import BlockTable
 from flashmem.store.codecs import DTYPE_CODES, Codec
 from flashmem.store.codecs.base import Shape
 from flashmem.store.disk_io import pread_into, pwrite_all
@@ -65,9 +67,12 @@ class DiskCore(WriteBehindCore):
         super().__init__(folder, codec, opts, lock_fd)
         self.unit_tokens = unit_tokens  # tokens a checksummed unit covers (store/page_sums.py)
         self.segment_bytes = segment_bytes
-        self.index: dict[BlockKey, Loc] = dict(index or {})
-        # unit sums of durable records put by this process (a reopened record has none: read whole)
-        self.page_sums: dict[BlockKey, np.ndarray] = {}
+        # every durable record: where it lies, its layout and, for one put by this process, its
+        # unit sums (a reopened record has none: read whole)
+        self.table = BlockTable()
+        for key, loc in (index or {}).items():
+            e = loc.entry
+            self.table.put(key, e.segment, e.offset, e.payload_len, e.payload_sum, (loc.shape, loc.dtype), None)
         self.read_fds: dict[int, int] = {}
         self.seg = first_segment
         self.seg_off = 0
@@ -77,7 +82,7 @@ class DiskCore(WriteBehindCore):
         self.log_fd = open_private(self.log_path, os.O_RDWR | os.O_CREAT)
         if self.sync:
             fsync_dir(folder)
-        self.start({k: loc.entry.payload_len for k, loc in self.index.items()})
+        self.start({k: loc.entry.payload_len for k, loc in (index or {}).items()})
 
     # ------------------------------------------------------------- writing
     def _error_path(self) -> str:
@@ -92,11 +97,10 @@ class DiskCore(WriteBehindCore):
 
     def _committed(self, item: Pending, result: object) -> None:
         assert isinstance(result, CommitEntry)
-        self.index[item.key] = Loc(result, item.shape, item.dtype)
-        if item.page_sums is None:
-            self.page_sums.pop(item.key, None)
-        else:
-            self.page_sums[item.key] = item.page_sums
+        e = result
+        self.table.put(
+            item.key, e.segment, e.offset, e.payload_len, e.payload_sum, (item.shape, item.dtype), item.page_sums
+        )
 
     def _write_batch(self, batch: list[Pending]) -> list[CommitEntry]:
         entries: list[CommitEntry] = []
@@ -135,8 +139,15 @@ class DiskCore(WriteBehindCore):
 
     # ------------------------------------------------------------- reading
     def _locate(self, key: BlockKey) -> tuple[Loc, int]:
-        loc = self.index[key]  # KeyError: not in the store
-        return loc, self._read_fd(loc.entry.segment)
+        t = self.table
+        r = t.row(key)
+        if r < 0:
+            raise KeyError(key)  # not in the store
+        seg = int(t.segment.data[r])
+        n, psum = int(t.payload_len.data[r]), int(t.payload_sum.data[r])
+        shape, dtype = t.layout(r)
+        loc = Loc(CommitEntry(seg, key[0], key[1], int(t.offset.data[r]), n, psum), shape, dtype)  # type: ignore[arg-type]
+        return loc, self._read_fd(seg)
 
     def _read_stored(self, key: BlockKey, where: object) -> tuple[torch.Tensor, Shape, torch.dtype, float]:
         loc, fd = cast(tuple[Loc, int], where)  # from _locate
@@ -168,8 +179,8 @@ class DiskCore(WriteBehindCore):
             item = self.pending.get(key)
             if item is not None:
                 return (item.shape, item.dtype) if item.page_sums is not None else None
-            loc = self.index.get(key)
-            return (loc.shape, loc.dtype) if loc is not None and key in self.page_sums else None
+            r = self.table.row(key)
+            return self.table.layout(r) if r >= 0 and self.table.sums(r) is not None else None  # type: ignore[return-value]
 
     def read_units(
         self,
@@ -189,7 +200,8 @@ class DiskCore(WriteBehindCore):
         page read touches: a decode step reads from thousands, and Python and numpy work per
         block was most of a disk tier's step (docs/results.md, stop 67)."""
         n = len(units)
-        files: list[tuple[int, int, Loc, np.ndarray] | None] = []  # per block: fd, start, loc, sums
+        t = self.table
+        files: list[tuple[int, int, int, np.ndarray] | None] = []  # per block: fd, start, row, sums
         with self.lock:
             if self.closed:
                 raise ColdStoreError(f"cold store {self.folder}: get after close; allowed: a new store")
@@ -204,10 +216,11 @@ class DiskCore(WriteBehindCore):
                     hits += 1
                     files.append(None)
                     continue
-                loc, sums = self.index.get(key), self.page_sums.get(key)
-                if loc is None or sums is None:
+                r = t.row(key)
+                sums = t.sums(r) if r >= 0 else None
+                if sums is None:
                     return False
-                files.append((self._read_fd(loc.entry.segment), loc.entry.offset + HEADER_SIZE, loc, sums))
+                files.append((self._read_fd(int(t.segment.data[r])), int(t.offset.data[r]) + HEADER_SIZE, r, sums))
             self.stats.gets += len(keys)
             if hits:
                 self.stats.extra["pending_hits"] = self.stats.extra.get("pending_hits", 0) + hits
@@ -231,16 +244,13 @@ class DiskCore(WriteBehindCore):
         for i0, i1, u0, r0, bi in zip(starts.tolist(), ends.tolist(), first_unit, first_row, run_block[keep].tolist()):
             f = files[bi]
             assert f is not None
-            fd, start, rec, _ = f
+            fd, start, r, _ = f
             j0, j1 = bisect.bisect_right(inner, i0), bisect.bisect_left(inner, i1)
             at, rows_at = [i0, *inner[j0:j1], i1], [r0, *inner_row[j0:j1]]
             bufs = [out[r : r + b - a] for r, a, b in zip(rows_at, at, at[1:])]
             got = pread_into(fd, bufs, start + u0 * nbytes)
             if got < (i1 - i0) * nbytes:
-                raise ChecksumError(
-                    f"{os.path.join(self.folder, segment_name(rec.entry.segment))}: block (layer {keys[bi][0]}, "
-                    f"block {keys[bi][1]}) at offset {rec.entry.offset}: record truncated"
-                )
+                raise ChecksumError(f"{self._record_at(keys[bi], r)}: record truncated")
         dt = time.perf_counter() - t0
         n_read = 0
         read_blocks = [(bi, f) for bi, f in enumerate(files) if f is not None]
@@ -264,10 +274,8 @@ class DiskCore(WriteBehindCore):
                 bi = int(np.searchsorted(at_cuts, p, side="right") - 1)
                 f = files[bi]
                 assert f is not None
-                rec, key = f[2], keys[bi]
                 raise ChecksumError(
-                    f"{os.path.join(self.folder, segment_name(rec.entry.segment))}: block (layer {key[0]}, block "
-                    f"{key[1]}) at offset {rec.entry.offset}: page checksum mismatch at payload byte "
+                    f"{self._record_at(keys[bi], f[2])}: page checksum mismatch at payload byte "
                     f"{int(units[p]) * nbytes}; the file was modified or damaged"
                 )
         with self.lock:
@@ -275,6 +283,11 @@ class DiskCore(WriteBehindCore):
             self.stats.extra["read_s"] = self.stats.extra.get("read_s", 0.0) + dt
             self.stats.extra["page_reads"] = self.stats.extra.get("page_reads", 0) + len(starts)
         return True
+
+    def _record_at(self, key: BlockKey, r: int) -> str:
+        """Where row r's record lies, for an error: its segment file, block and offset."""
+        seg, off = int(self.table.segment.data[r]), int(self.table.offset.data[r])
+        return f"{os.path.join(self.folder, segment_name(seg))}: block (layer {key[0]}, block {key[1]}) at offset {off}"
 
     def _read_fd(self, seg: int) -> int:
         fd = self.read_fds.get(seg)
@@ -286,8 +299,7 @@ class DiskCore(WriteBehindCore):
     # ------------------------------------------------------------- closing
     def _release(self) -> None:
         with self.lock:
-            self.index.clear()
-            self.page_sums.clear()
+            self.table.clear()
             fds = list(self.read_fds.values()) + [self.log_fd]
             self.read_fds.clear()
         for fd in fds:

@@ -37,6 +37,7 @@ import torch
 
 from flashmem.errors import ColdStoreError
 from flashmem.store.base import BlockKey, ColdStore, StoreStats
+from flashmem.store.block_table import BlockSizes
 from flashmem.store.codecs import DTYPE_CODES, Codec, get_codec
 from flashmem.store.codecs.base import Shape, check_pair
 from flashmem.store.disk_io import describe, store_error
@@ -85,7 +86,8 @@ class WriteBehindCore:
         self.stats = StoreStats()
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
-        self.sizes: dict[BlockKey, int] = {}  # every block the store holds -> payload bytes
+        # every block the store holds -> payload bytes (numpy columns, not a dict entry a block)
+        self.sizes = BlockSizes()
         self.total_bytes = 0
         self.pending: dict[BlockKey, Pending] = {}
         self.pending_bytes = 0
@@ -100,8 +102,8 @@ class WriteBehindCore:
 
     def start(self, sizes: dict[BlockKey, int]) -> None:
         """Start the writer, the store holding `sizes` (key -> payload bytes) already."""
-        self.sizes = dict(sizes)
-        self.total_bytes = sum(self.sizes.values())
+        self.sizes = BlockSizes(sizes)
+        self.total_bytes = self.sizes.total()
         name = f"{self.thread_prefix}-{os.path.basename(self.folder)}"
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
