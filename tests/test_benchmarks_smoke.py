@@ -577,5 +577,6 @@ def test_decode_rss_steps_gives_each_steps_rss(tmp_path: Path):
     )
     row = json.loads(out.read_text())
     assert row["model"] == "tiny" and len(row["steps"]) == 2 and not row["warm"]
+    assert row["base_mib"] > row["budget_mib"] > 0  # the absolute baseline beside the ratios
     for s in row["steps"]:
         assert s["peak"] >= s["end"] >= s["trimmed"] - 0.05  # KiB-granular reads of a moving RSS

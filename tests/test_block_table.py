@@ -126,3 +126,29 @@ def test_a_disk_tier_keeps_a_few_hundred_bytes_a_block(tmp_path, unit: int) -> N
         assert grown / n < 2 * sums + 250, f"{grown / n:.0f} B a block"
         got_k, got_v = s.get((3, 17))
         assert torch.equal(got_k, k) and torch.equal(got_v, v) and len(s) == n + 1 and (3, 17) in s
+
+
+def test_the_writer_holds_no_payload_once_it_is_written(tmp_path, monkeypatch) -> None:
+    """Once a batch is durable the idle writer keeps none of its payloads: a loop variable held
+    the last batch (up to 64 blocks) until the next put woke it."""
+    import weakref
+
+    from flashmem.store import write_behind
+
+    held: list[weakref.ref] = []
+    real = write_behind.WriteBehindCore.enqueue
+
+    def spy(self, item):  # type: ignore[no-untyped-def]
+        held.append(weakref.ref(item.payload))
+        return real(self, item)
+
+    monkeypatch.setattr(write_behind.WriteBehindCore, "enqueue", spy)
+    with DiskStore(str(tmp_path / "s"), unit_tokens=16) as s:
+        k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+        for b in range(40):
+            s.put((0, b), k, v)
+        s.flush()
+        gc.collect()
+        alive = sum(r() is not None for r in held)
+        assert len(held) == 40 and alive == 0, f"{alive} payloads held after the flush"
+        assert torch.equal(s.get((0, 39))[0], k)
