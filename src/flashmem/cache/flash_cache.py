@@ -8,10 +8,10 @@ Layer kinds, decided once from the model config:
 
 Cold tier (docs/design.md, "Tiers"): the cache opens its store with
 `open_store(cfg, dtype=model dtype)` (memory, disk or layered; any codec) and,
-when it has loader threads (`prefetch_threads`, `auto` settled for the model's device), a Prefetcher that the layers read through and that
-look-ahead fills. `close()` (or `with attach(...) as cache`, or garbage
-collection) closes the prefetcher, then the store (its folder is removed unless
-`persist`).
+when it has loader threads (`prefetch_threads`, `auto` settled for the model's
+device), a Prefetcher that the layers read through and that look-ahead fills.
+`close()` (or `with attach(...) as cache`, or garbage collection) closes the
+prefetcher, then the store (its folder is removed unless `persist`).
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 A disk tier keeps, for every block it holds, where its record lies (segment, offset, length,
 xxh64), its layout and its unit sums (store/page_sums.py), and the write-behind core its payload
-bytes. As dicts of dataclasses, ints and one small array a block they took 1,257 traced bytes a
-block, 192 of them the sums: SmolLM2's 3,840 blocks at 8K, 4.8 MB, 0.10x its 1/8 budget (45 MiB),
-a share that does not shrink with the context (0.4x of a 1/32 budget). Here a block costs its
-sums and about 60 bytes of columns and row maps (389 traced bytes a block with the columns' and
-the arena's room to grow; docs/results.md, stop 68). `(layer, block)` keys map to rows through
-one int32 array per layer, indexed by block (the cache numbers a layer's blocks 0, 1, 2, ...),
-and keys far from that through a dict.
+bytes. As dicts of dataclasses, ints and one small array a block they took 923 traced bytes a
+block, 192 of them the sums: SmolLM2's 3,840 blocks at 8K, 3.5 MB, 0.075x its 1/8 budget (45 MiB),
+a share that does not shrink with the context (0.3x of a 1/32 budget). Here a block costs its
+sums and about 60 bytes of columns and row maps (338 traced bytes a block with the columns' and
+the arena's room to grow: `benchmarks/diagnostics/store_bookkeeping.py`; docs/results.md, stop
+68). `(layer, block)` keys map to rows through one int32 array per layer, indexed by block (the
+cache numbers a layer's blocks 0, 1, 2, ...), and keys far from that through a dict.
 """
 
 from __future__ import annotations
