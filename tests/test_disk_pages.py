@@ -74,21 +74,36 @@ def test_pages_asked_once_are_read_into_place(tmp_path, durable):
     """Pages asked for once each (a re-rank's sorted candidates: every page of 40 blocks, per row
     and KV head) are read straight into the result: the pages cut from whole blocks, with no
     buffer of the pages' size beside it (numpy's allocations, which tracemalloc sees; before,
-    the units were read into one and gathered into the result)."""
+    the units were read into one and gathered into the result). Not durable: the writer is held
+    back, so every block is read from memory and its commits allocate nothing meanwhile."""
+    import threading
+
     n_blocks = 40
+    gate = threading.Event()
     with DiskStore(str(tmp_path), dtype=torch.float32, sync=False) as s:
-        for j in range(n_blocks):
-            s.put((1, j), *block(1, j))
-        if durable:
-            s.flush()
-        ids = torch.arange(n_blocks * PPB).expand(SHAPE[0], SHAPE[1], -1)
-        blocks, within = ids // PPB, ids % PPB
-        tracemalloc.start()
+        if not durable:
+            write = s._core._write_batch
+
+            def held_back(batch):  # type: ignore[no-untyped-def]
+                gate.wait()
+                return write(batch)
+
+            s._core._write_batch = held_back  # type: ignore[method-assign]
         try:
-            k, v = s.gather_pages(1, blocks, within, PPB, "cpu")
-            peak = tracemalloc.get_traced_memory()[1]
+            for j in range(n_blocks):
+                s.put((1, j), *block(1, j))
+            if durable:
+                s.flush()
+            ids = torch.arange(n_blocks * PPB).expand(SHAPE[0], SHAPE[1], -1)
+            blocks, within = ids // PPB, ids % PPB
+            tracemalloc.start()
+            try:
+                k, v = s.gather_pages(1, blocks, within, PPB, "cpu")
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
         finally:
-            tracemalloc.stop()
+            gate.set()
         ek, ev = expected(1, blocks, within, torch.float32)
         assert torch.equal(k, ek) and torch.equal(v, ev)
         assert peak < (k.nbytes + v.nbytes) / 4, (peak, k.nbytes + v.nbytes)
