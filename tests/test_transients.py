@@ -164,3 +164,26 @@ def test_a_working_set_whose_page_count_changes_holds_the_old_set_and_the_new_on
                 for j in range(k - 1):
                     want = was[i, src[i, j]] if keep[i, j] else next(came)
                     assert torch.equal(rows[i, j], want)
+
+
+@pytest.mark.parametrize("chunk", [37, 256])
+def test_the_open_block_and_window_do_not_keep_the_chunk_they_were_cut_from(chunk):
+    """After a seal the open block and the window are copied out of the chunk they were appended
+    with: as views they kept that chunk's whole K/V alive in every layer until its next append
+    (SmolLM2 at 8K: 23 MiB when the prompt is in, 2x a 1/32 budget). Their storage is what they
+    hold, and `memory_report()` counts it."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 600), generator=torch.Generator().manual_seed(0))
+    cfg = flashmem.FlashMemoryConfig(
+        **dict(SMALL, prefill_exact_tokens=4096, prefill_chunk=chunk)
+    )  # the recipe's prompt
+    with flashmem.attach(model, cfg) as cache, torch.no_grad():
+        flashmem.prefill(model, cache, ids, chunk=chunk)
+        for layer in cache.flash_layers:
+            ks, vs = layer.tail_parts()
+            held = sum(t.nbytes for t in ks + vs)
+            storage = sum(t.untyped_storage().nbytes() for t in ks + vs)
+            assert held > 0 and storage == held, (layer.layer_idx, storage, held)
+            open_b, window_b = layer._tail_bytes()
+            assert open_b + window_b == held
+        model(ids[:, -1:], cache=cache, use_cache=True)  # a decode step after it reads them as before

@@ -473,12 +473,14 @@ class FlashLayer(CacheLayerMixin):
         nb = opened // B
         if nb > 0:
             failure = self._seal(self.open_k[:, :, : nb * B], self.open_v[:, :, : nb * B])
+            # what stays is copied out of the tensor it was cut from: a view would keep the whole
+            # appended chunk's K/V alive (a prompt chunk's, every layer, until its next append)
             if self._rk is not None:
                 assert self._rv is not None
-                self._join(self._rk[:, :, nb * B :], self._rv[:, :, nb * B :], opened - nb * B)
+                self._join(_own(self._rk[:, :, nb * B :]), _own(self._rv[:, :, nb * B :]), opened - nb * B)
             else:
-                self.open_k = self.open_k[:, :, nb * B :]
-                self.open_v = self.open_v[:, :, nb * B :]
+                self.open_k = _own(self.open_k[:, :, nb * B :])
+                self.open_v = _own(self.open_v[:, :, nb * B :])
             if failure is not None:
                 raise failure  # reported once every tier of the layer is consistent again
 
@@ -534,6 +536,11 @@ class FlashLayer(CacheLayerMixin):
             "rest_entry": nb(self.v_sum),
             "prefill_kv": self.exact.nbytes(),
         }
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it where t is a view of a larger tensor (the copy frees the rest)."""
+    return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:
