@@ -213,6 +213,8 @@ class WriteBehindCore:
                     del self.pending[item.key]
                     self.pending_bytes -= item.payload.numel()
                 self.stats.bytes_written += HEADER_SIZE + item.payload.numel()
+            del item  # the payloads go before a flush waiting on in_write can return
+            batch.clear()
             self.stats.extra["write_batches"] = self.stats.extra.get("write_batches", 0) + 1
             self.stats.extra["write_s"] = self.stats.extra.get("write_s", 0.0) + dt
             self.in_write = 0
