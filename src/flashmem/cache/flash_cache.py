@@ -67,9 +67,7 @@ class FlashMemoryCache(Cache):
         if cfg.host_mmap_threshold is not None and not set_mmap_threshold(cfg.host_mmap_threshold):
             warnings.warn("host_mmap_threshold needs glibc's malloc; this C library's heap is left as is", stacklevel=2)
         self._selection_hook: SelectionHook | None = None
-        # loader threads: the config's number, or `auto`'s for this device
-        self.prefetch_threads = cfg.prefetch_threads_on(torch.device(device).type)
-        self._open_cold_tier(store, dtype)
+        self._open_cold_tier(store, dtype, torch.device(device).type)
         # Synchronous reads when prefetch is off: each is a miss and its time a stall.
         self._fetch_counts: dict[str, float] = {"misses": 0, "stall_s": 0.0}
         # Bytes each forward reads and copies, by path (cache/traffic.py).
@@ -111,13 +109,16 @@ class FlashMemoryCache(Cache):
                 layer.compact_mask = compact
         super().__init__(layers=layers)
 
-    def _open_cold_tier(self, store: ColdStore | None, dtype: torch.dtype) -> None:
-        """self.store (the given one, or `cfg`'s) and self.prefetcher (None without loader threads)."""
+    def _open_cold_tier(self, store: ColdStore | None, dtype: torch.dtype, device_type: str) -> None:
+        """self.store (the given one, or `cfg`'s) and self.prefetcher (None without loader threads:
+        the config's number, or `auto`'s for the model's device)."""
         self.store = store if store is not None else _default_store(self.cfg, dtype)
         self.prefetcher: Prefetcher | None = None
         try:
-            if self.prefetch_threads > 0:
-                self.prefetcher = Prefetcher(self.store, self.prefetch_threads)
+            if self.cfg.prefetch_threads_on(device_type) > 0:
+                from flashmem.store import open_prefetcher
+
+                self.prefetcher = open_prefetcher(self.cfg, self.store, device_type)
         except BaseException:
             self.store.close()
             raise
@@ -172,6 +173,11 @@ class FlashMemoryCache(Cache):
         self._selection_hook = fn
         for layer in self.flash_layers:
             layer.selection_hook = fn
+
+    @property
+    def prefetch_threads(self) -> int:
+        """The prefetcher's loader threads (0: none)."""
+        return 0 if self.prefetcher is None else self.prefetcher.threads
 
     def use_prefetcher(self, on: bool) -> None:
         """Route the layers' block reads through the cache's Prefetcher (on, the

@@ -13,7 +13,7 @@ cache numbers a layer's blocks 0, 1, 2, ...), and keys far from that through a d
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -62,10 +62,7 @@ class KeyRows:
         return self._n
 
     def __iter__(self) -> Iterator[BlockKey]:
-        for layer, rows in self._dense.items():
-            for block in np.flatnonzero(rows >= 0).tolist():
-                yield (layer, block)
-        yield from self._other
+        return (key for key, _ in self.items())
 
     def items(self) -> Iterator[tuple[BlockKey, int]]:
         for layer, rows in self._dense.items():
@@ -87,16 +84,15 @@ class Column:
         self.data = np.empty(0, dtype=dtype)
         self.n = 0
 
-    def append(self, values: np.ndarray | Iterable[int] | int) -> int:
-        """Append value(s) -> the index of the first."""
-        v = np.asarray(values, dtype=self.data.dtype).reshape(-1)
-        at, need = self.n, self.n + v.size
-        if need > self.data.shape[0]:
-            grown = np.empty(max(need, 2 * self.data.shape[0], 64), dtype=self.data.dtype)
-            grown[: self.n] = self.data[: self.n]
+    def append(self, value: int) -> int:
+        """Append a value -> its index."""
+        at = self.n
+        if at == self.data.shape[0]:
+            grown = np.empty(max(2 * at, 64), dtype=self.data.dtype)
+            grown[:at] = self.data[:at]
             self.data = grown
-        self.data[at:need] = v
-        self.n = need
+        self.data[at] = value
+        self.n = at + 1
         return at
 
     def clear(self) -> None:
@@ -237,12 +233,10 @@ class BlockTable:
         n = 0 if sums is None else sums.size
         fields = (segment, offset, payload_len, payload_sum, lid, chunk, at, n)
         r = self.rows.get(key)
-        if r < 0:
-            r = -1
+        if r < 0:  # a new row: every column appended at the same index
+            self.rows.set(key, self.segment.n)
             for col, v in zip(self._columns(), fields):
-                at_col = col.append(v)
-                r = at_col if r < 0 else r
-            self.rows.set(key, r)
+                col.append(v)
         else:
             for col, v in zip(self._columns(), fields):
                 col.data[r] = v

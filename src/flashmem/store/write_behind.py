@@ -180,8 +180,8 @@ class WriteBehindCore:
 
     def _loop(self) -> None:
         # one batch a call: its payloads are not held while the writer waits for the next (a
-        # loop variable held the last batch, up to BATCH_BLOCKS blocks: the prompt's last 64
-        # blocks, 0.14x of SmolLM2's 1/8 budget at 8K, through every decode step after it)
+        # loop variable held the last batch, up to BATCH_BLOCKS blocks, 64 of SmolLM2's at 8K
+        # being 6.3 MB, 0.14x its 1/8 budget, through the decode steps after the prompt)
         while self._write_next():
             pass
 
